@@ -1,0 +1,190 @@
+"""Run configuration: frozen, keyword-only dataclasses, validated, with paper presets.
+
+Every field carries a docstring; every validation error names the knob to change.
+Presets are plain functions (torchtitan style) so they can be read, diffed and composed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from atoll.core.quorum import QuorumPolicy
+
+__all__ = [
+    "ConfigError",
+    "DilocoConfig",
+    "MergeRule",
+    "Weighting",
+    "Codec",
+    "paper",
+    "synchronous_diloco",
+    "data_parallel",
+]
+
+MergeRule = Literal["rda", "mean"]
+Weighting = Literal["tokens", "uniform"]
+Codec = Literal["fp32", "bf16", "int4"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the knob."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilocoConfig:
+    """Decoupled DiLoCo hyper-parameters. Defaults follow the paper (H = P = 24, tau = 2, K = 1)."""
+
+    num_learners: int = 4
+    """M: number of learners (islands) expected in the run."""
+
+    num_fragments: int = 24
+    """P: parameter fragments; each is synchronized in its own outer round."""
+
+    inner_steps: int = 24
+    """H: inner steps between two syncs of the same fragment (H >= P)."""
+
+    overlap_steps: int = 2
+    """tau: inner steps a learner keeps training before it must apply a merged fragment."""
+
+    min_quorum: int = 1
+    """K: minimum contributions before a round may close (1 <= K <= M)."""
+
+    grace_factor: float = 0.5
+    """gamma in [0, 1): fraction of the slack spent in the grace window after quorum."""
+
+    outer_lr: float = 0.7
+    """eta: Nesterov outer learning rate."""
+
+    outer_momentum: float = 0.9
+    """mu: Nesterov outer momentum in [0, 1)."""
+
+    merge: MergeRule = "rda"
+    """How outer gradients are merged: 'rda' (radial-directional averaging, paper) or 'mean'."""
+
+    weighting: Weighting = "tokens"
+    """Contribution weights: 'tokens' (c_tokens^2 / c_steps, paper) or 'uniform'."""
+
+    rda_embeddings: bool = False
+    """Apply RDA to embedding tensors too (paper: no, embeddings use the weighted mean)."""
+
+    ema_decay: float = 0.9
+    """Decay of the EMA timing estimates (xi_step, xi_quorum, xi_sync) behind the grace window."""
+
+    initial_grace_s: float = 0.0
+    """Grace window used before any step time has been measured."""
+
+    compression: Codec = "fp32"
+    """Precision of deltas on the wire: 'fp32', 'bf16' or 'int4' (one fp32 scale per block)."""
+
+    compression_block_size: int = 32
+    """Elements per scale block for 'int4' (even, >= 2)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, knob: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"{knob}: {msg} (got {getattr(self, knob)!r})")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.num_learners) and self.num_learners >= 1, "num_learners", "M must be an integer >= 1")
+        need(is_int(self.num_fragments) and self.num_fragments >= 1, "num_fragments", "P must be an integer >= 1")
+        need(is_int(self.inner_steps) and self.inner_steps >= 1, "inner_steps", "H must be an integer >= 1")
+        need(
+            self.inner_steps >= self.num_fragments,
+            "inner_steps",
+            f"H must be >= num_fragments (P={self.num_fragments}) so every fragment gets a slot",
+        )
+        need(
+            is_int(self.overlap_steps) and 0 <= self.overlap_steps < self.inner_steps,
+            "overlap_steps",
+            f"tau must be an integer in [0, H={self.inner_steps})",
+        )
+        need(is_int(self.min_quorum) and self.min_quorum >= 1, "min_quorum", "K must be an integer >= 1")
+        need(
+            self.min_quorum <= self.num_learners,
+            "min_quorum",
+            f"K cannot exceed num_learners (M={self.num_learners}); the round could never close",
+        )
+        need(0.0 <= self.grace_factor < 1.0, "grace_factor", "gamma must be in [0, 1)")
+        need(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", "eta must be finite and > 0")
+        need(0.0 <= self.outer_momentum < 1.0, "outer_momentum", "mu must be in [0, 1)")
+        need(self.merge in ("rda", "mean"), "merge", "choose 'rda' or 'mean'")
+        need(self.weighting in ("tokens", "uniform"), "weighting", "choose 'tokens' or 'uniform'")
+        need(0.0 <= self.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
+        need(
+            math.isfinite(self.initial_grace_s) and self.initial_grace_s >= 0,
+            "initial_grace_s",
+            "must be finite and >= 0",
+        )
+        need(self.compression in ("fp32", "bf16", "int4"), "compression", "choose 'fp32', 'bf16' or 'int4'")
+        need(
+            is_int(self.compression_block_size)
+            and self.compression_block_size >= 2
+            and self.compression_block_size % 2 == 0,
+            "compression_block_size",
+            "must be an even integer >= 2 (two 4-bit codes share a byte)",
+        )
+
+    @property
+    def steps_between_rounds(self) -> float:
+        """Inner steps between two consecutive outer rounds: H / P."""
+        return self.inner_steps / self.num_fragments
+
+    def quorum_policy(self, *, poll_interval_s: float = 1.0, max_wait_s: float | None = None) -> QuorumPolicy:
+        """The quorum/grace policy this config implies."""
+        return QuorumPolicy(
+            min_quorum=self.min_quorum,
+            grace_factor=self.grace_factor,
+            overlap_steps=self.overlap_steps,
+            steps_between_rounds=self.steps_between_rounds,
+            initial_grace_s=self.initial_grace_s,
+            poll_interval_s=poll_interval_s,
+            max_wait_s=max_wait_s,
+        )
+
+    def replace(self, **changes: Any) -> DilocoConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DilocoConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def paper(num_learners: int = 8) -> DilocoConfig:
+    """The paper's setting: H = P = 24, tau = 2, K = 1, gamma = 0.5, Nesterov(0.7, 0.9), RDA."""
+    return DilocoConfig(num_learners=num_learners)
+
+
+def synchronous_diloco(num_learners: int, inner_steps: int = 24, **overrides: Any) -> DilocoConfig:
+    """Classic synchronous DiLoCo: K = M, P = 1, tau = 0, uniform weights, plain mean."""
+    return DilocoConfig(
+        num_learners=num_learners,
+        num_fragments=1,
+        inner_steps=inner_steps,
+        overlap_steps=0,
+        min_quorum=num_learners,
+        grace_factor=0.0,
+        merge="mean",
+        weighting="uniform",
+        **overrides,
+    )
+
+
+def data_parallel(num_learners: int) -> DilocoConfig:
+    """Synchronous data-parallel SGD: synchronous DiLoCo with H = 1, eta = 1, mu = 0.
+
+    With plain SGD as the inner optimizer this is exactly one SGD step on the union of batches.
+    """
+    return synchronous_diloco(num_learners, inner_steps=1, outer_lr=1.0, outer_momentum=0.0)

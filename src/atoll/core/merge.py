@@ -1,0 +1,102 @@
+"""Merging outer gradients: weighted mean and radial-directional averaging (RDA).
+
+RDA, per tensor (SPEC §1)::
+
+    Delta = (sum w ||v|| / sum w) * phi(sum w phi(v) / sum w),   phi(x) = x / ||x||, phi(0) = 0
+
+The radius is the weighted mean of the norms and the direction is the normalised weighted mean
+of directions, so the merged update does not shrink as M grows the way a plain mean of
+near-orthogonal vectors does. If every direction cancels, phi(0) = 0 gives a zero update (finite,
+no NaN). Embeddings use the plain weighted mean (their rows are sparse and mostly disjoint across
+learners, so norms are not comparable). Everything is accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+__all__ = ["weighted_mean", "rda", "merge_fragment"]
+
+# Norms below this are treated as zero (phi(0) = 0) so a numerically-cancelled sum stays finite.
+_EPS = 1e-30
+
+
+def _check(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+    if len(tensors) == 0:
+        raise ValueError("nothing to merge: no tensors")
+    if len(tensors) != len(weights):
+        raise ValueError(f"{len(tensors)} tensors but {len(weights)} weights")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+    shape = tensors[0].shape
+    for t in tensors:
+        if t.shape != shape:
+            raise ValueError(f"cannot merge tensors of shapes {tuple(shape)} and {tuple(t.shape)}")
+
+
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum w v / sum w, in fp32."""
+    _check(tensors, weights)
+    total = float(sum(weights))
+    out = torch.zeros(tensors[0].shape, dtype=torch.float32)
+    for t, w in zip(tensors, weights, strict=True):
+        if w:
+            out.add_(t.float(), alpha=w / total)
+    return out
+
+
+def _phi(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    norm = float(torch.linalg.vector_norm(x))
+    if not math.isfinite(norm):
+        raise ValueError("cannot merge a non-finite outer gradient (NaN/Inf)")
+    if norm <= _EPS:
+        return torch.zeros_like(x), 0.0
+    return x / norm, norm
+
+
+def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Radial-directional average of one tensor's outer gradients, in fp32."""
+    _check(tensors, weights)
+    total = float(sum(weights))
+    direction = torch.zeros(tensors[0].shape, dtype=torch.float32)
+    radius = 0.0
+    for t, w in zip(tensors, weights, strict=True):
+        if not w:
+            continue
+        unit, norm = _phi(t.float())
+        direction.add_(unit, alpha=w / total)
+        radius += w / total * norm
+    unit, _ = _phi(direction)
+    return unit * radius
+
+
+def merge_fragment(
+    outer_grads: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    rule: str = "rda",
+    embedding_names: Collection[str] = (),
+    rda_embeddings: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Merge per-learner outer gradients of one fragment, tensor by tensor.
+
+    ``rule`` 'rda' uses RDA on every tensor except embeddings (unless ``rda_embeddings``);
+    'mean' uses the weighted mean everywhere.
+    """
+    if rule not in ("rda", "mean"):
+        raise ValueError(f"merge rule must be 'rda' or 'mean', got {rule!r}")
+    if not outer_grads:
+        raise ValueError("nothing to merge: no contributions")
+    names = list(outer_grads[0])
+    for g in outer_grads[1:]:
+        if set(g) != set(names):
+            raise ValueError("contributions to one fragment must carry the same tensor names")
+    merged: dict[str, torch.Tensor] = {}
+    for name in names:
+        column = [g[name] for g in outer_grads]
+        use_rda = rule == "rda" and (rda_embeddings or name not in embedding_names)
+        merged[name] = rda(column, weights) if use_rda else weighted_mean(column, weights)
+    return merged

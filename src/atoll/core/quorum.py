@@ -1,0 +1,342 @@
+"""Quorum and adaptive grace window: when does an outer round close?
+
+The decision is a pure function of the clock and what has arrived (torchft style): the caller
+passes ``now_s`` and gets back a :class:`QuorumDecision` that says whether to close now or when
+to look again, which contributions are in, which are out and why, and one human-readable line.
+Nothing here sleeps, reads a clock or touches storage, so the real synchronizer and the fleet
+simulator make exactly the same decisions.
+
+Grace window (paper Eq. 3)::
+
+    slack = tau * steps_between_rounds * xi_step - (xi_quorum + xi_sync)
+    grace = max(0, gamma * slack)
+
+``xi_*`` are exponential moving averages (:class:`TimingEma`) of the measured inner-step time,
+time from round open to quorum, and time to merge+publish. When H > P the rounds for two
+fragments are ``H / P`` inner steps apart, so the slack counts those steps instead of one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Arrival",
+    "QuorumDecision",
+    "QuorumPolicy",
+    "TimingEma",
+    "TimingEstimates",
+    "decide_round",
+    "grace_window_s",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuorumPolicy:
+    """The knobs of the quorum/grace decision."""
+
+    min_quorum: int = 1
+    """K: the round never closes with fewer accepted contributions than this."""
+
+    grace_factor: float = 0.5
+    """gamma in [0, 1): the fraction of the slack spent waiting for more learners after quorum."""
+
+    overlap_steps: int = 2
+    """tau: inner steps a learner keeps computing before it needs the merged fragment."""
+
+    steps_between_rounds: float = 1.0
+    """Inner steps between two consecutive rounds (H / P); 1 when H = P."""
+
+    initial_grace_s: float = 0.0
+    """Grace used before any inner-step time has been measured (the EMA is empty)."""
+
+    poll_interval_s: float = 1.0
+    """Longest time the caller should sleep before asking again while the round is open."""
+
+    max_wait_s: float | None = None
+    """If set, close once this long after the round opened with whatever valid contributions
+    arrived (at least one); None waits for quorum indefinitely."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_quorum, int) or self.min_quorum < 1:
+            raise ValueError(f"min_quorum (K) must be an integer >= 1, got {self.min_quorum!r}")
+        if not (0.0 <= self.grace_factor < 1.0):
+            raise ValueError(f"grace_factor (gamma) must be in [0, 1), got {self.grace_factor!r}")
+        if not isinstance(self.overlap_steps, int) or self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps (tau) must be an integer >= 0, got {self.overlap_steps!r}")
+        if not (self.steps_between_rounds > 0 and math.isfinite(self.steps_between_rounds)):
+            raise ValueError(
+                f"steps_between_rounds must be a finite number > 0, got {self.steps_between_rounds!r}"
+            )
+        if not (self.initial_grace_s >= 0 and math.isfinite(self.initial_grace_s)):
+            raise ValueError(f"initial_grace_s must be finite and >= 0, got {self.initial_grace_s!r}")
+        if not (self.poll_interval_s > 0 and math.isfinite(self.poll_interval_s)):
+            raise ValueError(f"poll_interval_s must be finite and > 0, got {self.poll_interval_s!r}")
+        if self.max_wait_s is not None and not (self.max_wait_s > 0):
+            raise ValueError(f"max_wait_s must be > 0 or None, got {self.max_wait_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingEstimates:
+    """Current EMA estimates in seconds; None means nothing measured yet."""
+
+    step_s: float | None = None
+    """xi_step: one inner step of a learner."""
+
+    quorum_s: float | None = None
+    """xi_quorum: round open -> K-th contribution."""
+
+    sync_s: float | None = None
+    """xi_sync: merge + outer step + publish."""
+
+
+class TimingEma:
+    """Exponential moving averages of xi_step, xi_quorum and xi_sync.
+
+    ``value <- decay * value + (1 - decay) * sample``; the first sample initialises the value so
+    the estimate is not biased towards zero. Round-trips through a JSON-able dict so the
+    synchronizer's estimates survive a restart (they live in the bucket, not in Prefect).
+    """
+
+    NAMES = ("step_s", "quorum_s", "sync_s")
+
+    def __init__(self, decay: float = 0.9, values: Mapping[str, float | None] | None = None) -> None:
+        if not (0.0 <= decay < 1.0):
+            raise ValueError(f"ema_decay must be in [0, 1), got {decay!r}")
+        self.decay = decay
+        self._values: dict[str, float | None] = {n: None for n in self.NAMES}
+        for name, value in (values or {}).items():
+            self._check_name(name)
+            self._values[name] = None if value is None else float(value)
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.NAMES:
+            raise KeyError(f"unknown timing {name!r}; expected one of {self.NAMES}")
+
+    def update(self, name: str, sample_s: float) -> float:
+        """Fold one measurement (seconds, finite, >= 0) into the named average; returns it."""
+        self._check_name(name)
+        if not (math.isfinite(sample_s) and sample_s >= 0):
+            raise ValueError(f"timing sample for {name} must be finite and >= 0, got {sample_s!r}")
+        old = self._values[name]
+        new = float(sample_s) if old is None else self.decay * old + (1.0 - self.decay) * sample_s
+        self._values[name] = new
+        return new
+
+    def get(self, name: str) -> float | None:
+        self._check_name(name)
+        return self._values[name]
+
+    def estimates(self) -> TimingEstimates:
+        return TimingEstimates(**self._values)
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {"decay": self.decay, **self._values}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float | None]) -> TimingEma:
+        data = dict(data)
+        decay = data.pop("decay", 0.9)
+        return cls(decay=float(decay if decay is not None else 0.9), values=data)
+
+
+def grace_window_s(policy: QuorumPolicy, timings: TimingEstimates) -> float:
+    """Paper Eq. 3: ``max(0, gamma * (tau * steps_between_rounds * xi_step - xi_quorum - xi_sync))``.
+
+    Before the step time is known the policy's ``initial_grace_s`` is used. Unknown quorum or
+    sync times count as zero.
+    """
+    if timings.step_s is None:
+        return policy.initial_grace_s
+    slack = (
+        policy.overlap_steps * policy.steps_between_rounds * timings.step_s
+        - (timings.quorum_s or 0.0)
+        - (timings.sync_s or 0.0)
+    )
+    return max(0.0, policy.grace_factor * slack)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arrival:
+    """One contribution as the synchronizer sees it (no tensors, just the facts it decides on)."""
+
+    learner_id: str
+    """Who sent it."""
+
+    arrived_at_s: float
+    """When the synchronizer first saw it, on the same clock as ``now_s``."""
+
+    c_steps: int
+    """Inner steps since the learner last aligned this fragment."""
+
+    c_tokens: int
+    """Tokens since the learner last aligned this fragment."""
+
+    key: str = ""
+    """Opaque id of the contribution (e.g. its record path), carried through to the decision."""
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    """What :func:`decide_round` concluded at ``now_s``."""
+
+    close: bool
+    """True: merge ``accepted`` now. False: look again at ``recheck_at_s``."""
+
+    accepted: tuple[Arrival, ...]
+    """Contributions to merge (only meaningful when ``close``), in arrival order."""
+
+    rejected: tuple[tuple[Arrival, str], ...]
+    """Contributions that will not be merged, each with the reason."""
+
+    reason: str
+    """One line for logs and the Prefect UI."""
+
+    grace_s: float
+    """The grace window the policy computed for this round."""
+
+    quorum_at_s: float | None
+    """When the K-th valid contribution arrived (None if quorum not reached)."""
+
+    close_at_s: float | None
+    """When the round closes (or closed) by the grace rule; None before quorum."""
+
+    recheck_at_s: float | None = None
+    """When to call again if not closing now."""
+
+    waiting_for: tuple[str, ...] = field(default=())
+    """Live learners that have not contributed yet."""
+
+
+def _validate(arrivals: Iterable[Arrival]) -> tuple[list[Arrival], list[tuple[Arrival, str]]]:
+    """Drop zero-step and duplicate contributions, with reasons; keep arrival order."""
+    valid: list[Arrival] = []
+    rejected: list[tuple[Arrival, str]] = []
+    seen: set[str] = set()
+    for a in sorted(arrivals, key=lambda a: (a.arrived_at_s, a.learner_id, a.key)):
+        if a.c_steps <= 0:
+            rejected.append((a, f"no inner steps since last alignment (c_steps={a.c_steps})"))
+        elif a.c_tokens <= 0:
+            rejected.append((a, f"no tokens since last alignment (c_tokens={a.c_tokens})"))
+        elif a.learner_id in seen:
+            rejected.append((a, "duplicate: an earlier contribution from this learner is in the round"))
+        else:
+            seen.add(a.learner_id)
+            valid.append(a)
+    return valid, rejected
+
+
+def decide_round(
+    *,
+    now_s: float,
+    opened_at_s: float,
+    arrivals: Sequence[Arrival],
+    live_learners: Iterable[str],
+    policy: QuorumPolicy,
+    timings: TimingEstimates,
+) -> QuorumDecision:
+    """Decide whether the round that opened at ``opened_at_s`` closes at ``now_s``.
+
+    Rules, in order:
+
+    1. Contributions with no steps/tokens and second contributions from one learner are rejected.
+    2. Fewer than K valid contributions: stay open (unless ``max_wait_s`` has passed and at least
+       one is valid). The round never closes below K otherwise.
+    3. Every live learner has contributed (and K is met): close now, no need to wait for grace.
+    4. Quorum reached at ``t_q`` (the K-th valid arrival): the round closes at ``t_q + grace``;
+       contributions that arrived after that instant are rejected as late even if the caller
+       polled late, so the outcome does not depend on polling jitter.
+    """
+    live = set(live_learners)
+    grace = grace_window_s(policy, timings)
+    valid, rejected = _validate(arrivals)
+    contributed = {a.learner_id for a in valid}
+    waiting = tuple(sorted(live - contributed))
+    k = policy.min_quorum
+
+    if len(valid) < k:
+        waited = now_s - opened_at_s
+        if policy.max_wait_s is not None and waited >= policy.max_wait_s and valid:
+            return QuorumDecision(
+                close=True,
+                accepted=tuple(valid),
+                rejected=tuple(rejected),
+                reason=(
+                    f"deadline: {waited:.1f}s >= max_wait_s={policy.max_wait_s:g}s with "
+                    f"{len(valid)}/{k} contributions; closing below quorum"
+                ),
+                grace_s=grace,
+                quorum_at_s=None,
+                close_at_s=now_s,
+                waiting_for=waiting,
+            )
+        recheck = now_s + policy.poll_interval_s
+        if policy.max_wait_s is not None and valid:
+            recheck = min(recheck, max(now_s, opened_at_s + policy.max_wait_s))
+        note = "" if len(live) >= k else f"; only {len(live)} live learner(s) for K={k}"
+        return QuorumDecision(
+            close=False,
+            accepted=(),
+            rejected=tuple(rejected),
+            reason=f"waiting for quorum: {len(valid)}/{k} contributions{note}",
+            grace_s=grace,
+            quorum_at_s=None,
+            close_at_s=None,
+            recheck_at_s=recheck,
+            waiting_for=waiting,
+        )
+
+    quorum_at = valid[k - 1].arrived_at_s
+    close_at = quorum_at + grace
+    in_window = [a for a in valid if a.arrived_at_s <= close_at]
+    late = [a for a in valid if a.arrived_at_s > close_at]
+    in_ids = {a.learner_id for a in in_window}
+
+    if live and live <= in_ids:
+        # Early close: nobody else is coming, waiting longer only wastes the slack.
+        return QuorumDecision(
+            close=True,
+            accepted=tuple(in_window),
+            rejected=tuple(rejected) + tuple((a, _late_reason(a, close_at)) for a in late),
+            reason=f"every live learner contributed ({len(in_window)}/{len(live)}); closing early",
+            grace_s=grace,
+            quorum_at_s=quorum_at,
+            close_at_s=min(close_at, max(a.arrived_at_s for a in in_window)),
+            waiting_for=(),
+        )
+
+    if now_s >= close_at:
+        return QuorumDecision(
+            close=True,
+            accepted=tuple(in_window),
+            rejected=tuple(rejected) + tuple((a, _late_reason(a, close_at)) for a in late),
+            reason=(
+                f"quorum {k} reached at +{quorum_at - opened_at_s:.2f}s, grace {grace:.2f}s over: "
+                f"{len(in_window)} in, {len(waiting)} live learner(s) not in time"
+            ),
+            grace_s=grace,
+            quorum_at_s=quorum_at,
+            close_at_s=close_at,
+            waiting_for=waiting,
+        )
+
+    return QuorumDecision(
+        close=False,
+        accepted=(),
+        rejected=tuple(rejected),
+        reason=(
+            f"quorum {k} reached ({len(valid)} in); grace window open for "
+            f"{close_at - now_s:.2f}s more, waiting for {len(waiting)} live learner(s)"
+        ),
+        grace_s=grace,
+        quorum_at_s=quorum_at,
+        close_at_s=close_at,
+        recheck_at_s=min(close_at, now_s + policy.poll_interval_s),
+        waiting_for=waiting,
+    )
+
+
+def _late_reason(a: Arrival, close_at_s: float) -> str:
+    return f"late: arrived {a.arrived_at_s - close_at_s:.2f}s after the grace window closed"

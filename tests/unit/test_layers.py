@@ -1,0 +1,83 @@
+"""Dependency direction is machine-checked: core <- storage <- train <- tasks <- flows <- cli.
+
+We parse every module's imports (static AST, including imports inside functions) instead of
+importing the package, so a violation is caught even on a code path no test executes.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "atoll"
+
+# Lower index = lower layer. A module may import its own layer and any lower one.
+# `sim` (the fleet simulator) sits beside storage: it may use core, and nothing below cli uses it.
+LAYERS = ["core", "storage", "sim", "train", "tasks", "flows", "cli"]
+RANK = {"core": 0, "storage": 1, "sim": 1, "train": 2, "tasks": 3, "flows": 4, "cli": 5}
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "atoll" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in RANK else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against the package
+                pkg = path.relative_to(SRC.parent).with_suffix("").parts[: -node.level]
+                base = ".".join(pkg)
+                found.append((node.lineno, f"{base}.{node.module}" if node.module else base))
+            elif node.module:
+                found.append((node.lineno, node.module))
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_point_down(path: Path) -> None:
+    rel = path.relative_to(SRC)
+    own = "cli" if rel.parts[0] == "cli.py" else rel.parts[0]
+    if own not in RANK:
+        return  # atoll/__init__.py and other top-level helpers
+    for lineno, module in _imports(path):
+        target = _layer_of(module)
+        if target is None or target == own:
+            continue
+        assert RANK[target] < RANK[own] or (own == "cli"), (
+            f"{rel}:{lineno} imports {module}: layer {own!r} must not depend on {target!r} "
+            f"(order: {' <- '.join(LAYERS)})"
+        )
+        assert not (own == "storage" and target == "sim") and not (own == "sim" and target == "storage"), (
+            f"{rel}:{lineno}: storage and sim are independent siblings"
+        )
+
+
+def test_core_imports_only_torch_and_stdlib() -> None:
+    allowed = set(sys.stdlib_module_names) | {"torch", "atoll", "__future__"}
+    for path in sorted((SRC / "core").rglob("*.py")):
+        for lineno, module in _imports(path):
+            top = module.split(".")[0]
+            assert top in allowed, f"core/{path.name}:{lineno} imports {module}; core may use torch + stdlib only"
+            if top == "atoll":
+                assert module.startswith("atoll.core"), f"core/{path.name}:{lineno} imports {module}"
+
+
+def test_checker_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import atoll.flows\nfrom atoll.storage import x\n")
+    mods = [m for _, m in _imports(bad)]
+    assert [_layer_of(m) for m in mods] == ["flows", "storage"]
