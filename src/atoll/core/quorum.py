@@ -308,6 +308,7 @@ def decide_round(
         )
 
     if now_s >= close_at:
+        waiting = tuple(sorted(live - in_ids))
         return QuorumDecision(
             close=True,
             accepted=tuple(in_window),

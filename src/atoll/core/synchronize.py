@@ -98,6 +98,10 @@ def synchronize_fragment(
     for c in contributions:
         if c.key in grads or c.key in rejected:
             raise ValueError(f"duplicate contribution key {c.key!r}")
+        unweighable = contribution_weights({c.key: c.counters}, rule=weighting).rejected
+        if unweighable:
+            rejected.update(unweighable)
+            continue
         base = bases.get(c.base_version)
         if base is None:
             rejected[c.key] = f"base version {c.base_version} of this fragment is not available"

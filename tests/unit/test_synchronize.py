@@ -1,0 +1,43 @@
+"""synchronize_fragment: rejections with reasons, and nothing merged when nothing is valid."""
+
+from __future__ import annotations
+
+import torch
+
+from atoll.core import Counters, FragmentContribution, NesterovOuterOptimizer, synchronize_fragment
+
+
+def contrib(key: str, delta: torch.Tensor, base: int = 0, steps: int = 2, tokens: int = 10) -> FragmentContribution:
+    return FragmentContribution(key=key, learner_id=key, base_version=base, counters=Counters(c_steps=steps, c_tokens=tokens), delta={"w": delta})
+
+
+def test_each_bad_contribution_gets_a_reason_and_the_rest_merge() -> None:
+    cur = {"w": torch.zeros(3)}
+    opt = NesterovOuterOptimizer(lr=1.0, momentum=0.0)
+    contributions = [
+        contrib("good1", torch.tensor([0.1, 0.0, 0.0])),
+        contrib("good2", torch.tensor([0.0, 0.1, 0.0])),
+        contrib("good3", torch.tensor([0.0, 0.0, 0.1])),
+        contrib("nan", torch.tensor([float("nan"), 0.0, 0.0])),
+        contrib("shape", torch.zeros(4)),
+        contrib("nobase", torch.ones(3), base=9),
+        contrib("nosteps", torch.ones(3), steps=0),
+        contrib("huge", torch.tensor([1e6, 0.0, 0.0])),
+    ]
+    res = synchronize_fragment(current=cur, bases={0: cur}, contributions=contributions, optimizer=opt, outlier_norm_ratio=10.0)
+    assert res is not None
+    assert set(res.weights) == {"good1", "good2", "good3"}
+    assert "NaN" in res.rejected["nan"]
+    assert "shape" in res.rejected["shape"]
+    assert "base version 9" in res.rejected["nobase"]
+    assert "c_steps=0" in res.rejected["nosteps"]
+    assert res.rejected["huge"].startswith("outlier")
+    assert torch.isfinite(res.new_params["w"]).all()
+    assert res.update_norm > 0
+
+
+def test_nothing_valid_returns_none_and_keeps_optimizer_state() -> None:
+    opt = NesterovOuterOptimizer()
+    res = synchronize_fragment(current={"w": torch.zeros(2)}, bases={0: {"w": torch.zeros(2)}},
+                               contributions=[contrib("a", torch.ones(2), steps=0)], optimizer=opt)
+    assert res is None and opt.buffers == {}
