@@ -1,0 +1,167 @@
+"""Bytes on the wire: safetensors for tensors, canonical JSON for records, sha256 addresses.
+
+Never pickle: a payload written by a remote learner must not be able to run code. Loading uses
+``safetensors.torch.load`` on bytes, which only parses a JSON header and raw buffers.
+
+Encoded deltas (:class:`atoll.core.compress.EncodedTensor`) are stored as one safetensors file
+whose tensor names are ``<param name>::<part>`` (``data`` for fp32/bf16; ``codes`` and
+``scales`` for int4); the codec, shape and block size of each tensor travel in the JSON record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from atoll.core.compress import CompressionError, EncodedTensor, decode
+from atoll.storage.validation import InvalidInput
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "PART_SEPARATOR",
+    "sha256_hex",
+    "tensors_to_bytes",
+    "bytes_to_tensors",
+    "encoded_to_bytes",
+    "bytes_to_encoded",
+    "dump_record",
+    "load_record",
+]
+
+SCHEMA_VERSION = 1
+"""Version of every JSON record this code writes; readers reject any other."""
+
+PART_SEPARATOR = "::"
+
+_PART_DTYPES = {
+    ("fp32", "data"): torch.float32,
+    ("bf16", "data"): torch.bfloat16,
+    ("int4", "codes"): torch.uint8,
+    ("int4", "scales"): torch.float32,
+}
+_CODEC_PARTS = {"fp32": ("data",), "bf16": ("data",), "int4": ("codes", "scales")}
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Safetensors bytes of CPU-contiguous copies (no shared storage, so views are fine)."""
+    plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    return safetensors.torch.save(plain, metadata=dict(metadata) if metadata else None)
+
+
+def bytes_to_tensors(data: bytes, *, url: str | None = None) -> dict[str, torch.Tensor]:
+    """Parse safetensors bytes; a truncated or garbled file is InvalidInput('corrupt')."""
+    try:
+        return dict(safetensors.torch.load(bytes(data)))
+    except Exception as e:  # safetensors raises SafetensorError / ValueError / OSError variants
+        raise InvalidInput("corrupt", f"not a valid safetensors payload: {e}", url=url) from None
+
+
+def encoded_to_bytes(encoded: Mapping[str, EncodedTensor]) -> tuple[bytes, dict[str, dict[str, Any]]]:
+    """Safetensors bytes plus per-tensor metadata ``{name: {codec, shape, block_size}}`` for the record."""
+    flat: dict[str, torch.Tensor] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for name, enc in encoded.items():
+        if PART_SEPARATOR in name:
+            raise InvalidInput("layout", f"tensor name {name!r} contains {PART_SEPARATOR!r}")
+        for part, t in enc.parts.items():
+            flat[f"{name}{PART_SEPARATOR}{part}"] = t
+        meta[name] = {"codec": enc.codec, "shape": list(enc.shape), "block_size": int(enc.block_size)}
+    return tensors_to_bytes(flat), meta
+
+
+def bytes_to_encoded(
+    data: bytes, meta: Mapping[str, Mapping[str, Any]], *, url: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Decode a delta payload to fp32 tensors, checking parts, dtypes, shapes and finiteness."""
+    flat = bytes_to_tensors(data, url=url)
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        name, sep, part = key.rpartition(PART_SEPARATOR)
+        if not sep:
+            raise InvalidInput("layout", f"payload tensor {key!r} is not named <param>{PART_SEPARATOR}<part>", url=url)
+        grouped.setdefault(name, {})[part] = t
+    if set(grouped) != set(meta):
+        raise InvalidInput(
+            "layout",
+            f"payload tensors {sorted(grouped)[:5]} differ from the record's {sorted(meta)[:5]}",
+            url=url,
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, m in meta.items():
+        codec = m.get("codec")
+        if codec not in _CODEC_PARTS:
+            raise InvalidInput("schema", f"{name!r}: unknown codec {codec!r}", url=url)
+        parts = grouped[name]
+        if set(parts) != set(_CODEC_PARTS[codec]):
+            raise InvalidInput(
+                "layout", f"{name!r}: {codec} needs parts {_CODEC_PARTS[codec]}, payload has {sorted(parts)}", url=url
+            )
+        for part, t in parts.items():
+            want = _PART_DTYPES[(codec, part)]
+            if t.dtype != want:
+                raise InvalidInput("layout", f"{name!r}: part {part!r} has dtype {t.dtype}, {codec} needs {want}", url=url)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InvalidInput("non_finite", f"{name!r}: part {part!r} has NaN or Inf values", url=url)
+        try:
+            shape = tuple(int(d) for d in m["shape"])
+            enc = EncodedTensor(codec, shape, parts, int(m.get("block_size", 0)))
+            value = decode(enc)
+        except CompressionError as e:
+            raise InvalidInput("layout", f"{name!r}: {e}", url=url) from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidInput("schema", f"{name!r}: bad tensor metadata {dict(m)!r}: {e}", url=url) from None
+        if not bool(torch.isfinite(value).all()):
+            raise InvalidInput("non_finite", f"{name!r} decodes to NaN or Inf values", url=url)
+        out[name] = value
+    return out
+
+
+def dump_record(kind: str, body: Mapping[str, Any]) -> bytes:
+    """Canonical JSON (sorted keys, no NaN) with ``schema`` and ``schema_version`` first-class."""
+    doc = {"schema": kind, "schema_version": SCHEMA_VERSION, **body}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _reject_constant(value: str) -> float:
+    raise ValueError(f"non-finite number {value} in a record")
+
+
+def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, Any]:
+    """Parse a record and check its schema name and version; returns the body (without them)."""
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidInput("corrupt", f"not a valid JSON record: {e}", url=url) from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("schema", "a record must be a JSON object", url=url)
+    if doc.get("schema") != kind:
+        raise InvalidInput("schema", f"expected a {kind!r} record, got schema {doc.get('schema')!r}", url=url)
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise InvalidInput(
+            "schema",
+            f"unknown schema_version {version!r} for {kind!r} (this atoll reads version {SCHEMA_VERSION})",
+            url=url,
+        )
+    doc.pop("schema"), doc.pop("schema_version")
+    return doc
+
+
+def finite_json(value: Any) -> bool:
+    """True if ``value`` is JSON-able without NaN/Inf (for caller-supplied info/stats dicts)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+

@@ -1,0 +1,121 @@
+"""The bucket layout as pure functions from ids to keys and URLs (strings, never pathlib).
+
+A *key* is a path relative to the run root, always with ``/`` separators; a *URL* is the run
+root plus a key. Round numbers and versions are zero-padded so that lexical order is numeric
+order. See docs/protocol.md for what each object holds.
+"""
+
+from __future__ import annotations
+
+import re
+
+from atoll.storage.validation import InvalidInput, validate_id
+
+__all__ = [
+    "RUN_MANIFEST",
+    "HEAD",
+    "join_url",
+    "run_url",
+    "blob_key",
+    "commits_prefix",
+    "commit_key",
+    "parse_commit_key",
+    "contributions_prefix",
+    "contribution_key",
+    "learner_state_key",
+    "checkpoints_prefix",
+    "checkpoint_model_key",
+    "checkpoint_config_key",
+    "probe_key",
+]
+
+RUN_MANIFEST = "run.json"
+"""The run's frozen config, fragment plan and version-0 fragments (written once)."""
+
+HEAD = "head.json"
+"""A hint naming the latest committed round (overwritten; never trusted without the commit)."""
+
+_ROUND_DIGITS = 8
+_COMMIT_RE = re.compile(r"^(\d{8})\.json$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def join_url(root: str, *keys: str) -> str:
+    """``root/key1/key2`` with exactly one ``/`` between parts (works for every fsspec URL)."""
+    out = root.rstrip("/")
+    for k in keys:
+        k = k.strip("/")
+        if k:
+            out = f"{out}/{k}"
+    return out
+
+
+def run_url(base_url: str, run_id: str) -> str:
+    """Root URL of run ``run_id`` under ``base_url`` (the run id is validated)."""
+    return join_url(base_url, validate_id(run_id, "run id"))
+
+
+def _nonneg(value: int, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInput("schema", f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def blob_key(sha256: str) -> str:
+    """Content-addressed payload: ``blobs/sha256/<hex>.safetensors``."""
+    if not isinstance(sha256, str) or not _SHA_RE.match(sha256):
+        raise InvalidInput("schema", f"not a sha256 hex digest: {sha256!r}")
+    return f"blobs/sha256/{sha256}.safetensors"
+
+
+def commits_prefix() -> str:
+    return "commits/"
+
+
+def commit_key(round_: int) -> str:
+    """The create-once commit record of round ``round_`` (>= 1): ``commits/00000042.json``."""
+    if _nonneg(round_, "round") < 1:
+        raise InvalidInput("schema", f"rounds start at 1, got {round_}")
+    return f"commits/{round_:0{_ROUND_DIGITS}d}.json"
+
+
+def parse_commit_key(name: str) -> int | None:
+    """Round number from a commit key or file name; None for anything else (temp files, HEAD)."""
+    m = _COMMIT_RE.match(name.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def contributions_prefix(fragment: int, base_version: int) -> str:
+    """Where contributions to ``fragment`` computed against ``base_version`` land."""
+    return f"contributions/f{_nonneg(fragment, 'fragment'):04d}/b{_nonneg(base_version, 'base_version'):08d}/"
+
+
+def contribution_key(fragment: int, base_version: int, learner_id: str, c_steps: int, sha256: str) -> str:
+    """``contributions/f0003/b00000012/<learner>.s0000000024.<sha[:16]>.json``."""
+    validate_id(learner_id, "learner id")
+    blob_key(sha256)  # validates
+    return (
+        f"{contributions_prefix(fragment, base_version)}"
+        f"{learner_id}.s{_nonneg(c_steps, 'c_steps'):010d}.{sha256[:16]}.json"
+    )
+
+
+def learner_state_key(learner_id: str) -> str:
+    return f"learners/{validate_id(learner_id, 'learner id')}/state.json"
+
+
+def checkpoints_prefix() -> str:
+    return "checkpoints/"
+
+
+def checkpoint_model_key(round_: int) -> str:
+    """``checkpoints/00000100/model.safetensors`` (plain safetensors, whole model)."""
+    return f"checkpoints/{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/model.safetensors"
+
+
+def checkpoint_config_key(round_: int) -> str:
+    return f"checkpoints/{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/config.json"
+
+
+def probe_key(token: str) -> str:
+    return f"_probe/{validate_id(token, 'probe token')}"

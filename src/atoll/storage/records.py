@@ -1,0 +1,337 @@
+"""Typed records of the bucket protocol and their JSON (de)serialisation.
+
+Every record is written as canonical JSON with ``schema`` and ``schema_version`` fields (see
+:mod:`atoll.storage.codec`); ``from_body`` validates types and raises InvalidInput('schema').
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from atoll.core.config import ConfigError, DilocoConfig
+from atoll.core.fragments import FragmentPlan
+from atoll.storage.validation import InvalidInput, validate_id
+
+__all__ = [
+    "KIND_RUN",
+    "KIND_CONTRIBUTION",
+    "KIND_COMMIT",
+    "KIND_HEAD",
+    "KIND_LEARNER_STATE",
+    "KIND_CHECKPOINT",
+    "BlobRef",
+    "RunManifest",
+    "ContributionRecord",
+    "FragmentState",
+    "AcceptedContribution",
+    "CommitRecord",
+    "LearnerStateRecord",
+]
+
+KIND_RUN = "atoll/run"
+KIND_CONTRIBUTION = "atoll/contribution"
+KIND_COMMIT = "atoll/commit"
+KIND_HEAD = "atoll/head"
+KIND_LEARNER_STATE = "atoll/learner-state"
+KIND_CHECKPOINT = "atoll/checkpoint"
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvalidInput("schema", what)
+
+
+def _int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
+    v = body.get(name)
+    _need(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f"{name} must be an integer >= {minimum}, got {v!r}")
+    return int(v)  # type: ignore[arg-type]
+
+
+def _float(body: Mapping[str, Any], name: str) -> float:
+    v = body.get(name)
+    _need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), f"{name} must be a finite number, got {v!r}")
+    return float(v)  # type: ignore[arg-type]
+
+
+def _dict(body: Mapping[str, Any], name: str) -> dict[str, Any]:
+    v = body.get(name, {})
+    _need(isinstance(v, dict), f"{name} must be an object, got {type(v).__name__}")
+    return dict(v)
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A content-addressed payload: ``blobs/sha256/<sha256>.safetensors`` of ``nbytes`` bytes."""
+
+    sha256: str
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_body(cls, body: Any, what: str = "payload") -> BlobRef:
+        _need(isinstance(body, dict), f"{what} must be an object")
+        sha = body.get("sha256")
+        _need(isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha),
+              f"{what}.sha256 must be 64 lowercase hex digits, got {sha!r}")
+        return cls(sha256=sha, nbytes=_int(body, "nbytes"))
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """``run.json``: what never changes during a run."""
+
+    run_id: str
+    config: DilocoConfig
+    plan: FragmentPlan
+    shapes: Mapping[str, tuple[int, ...]]
+    """Shape of every parameter (the plan only has element counts)."""
+    initial: tuple[BlobRef, ...]
+    """Version 0 of every fragment (fp32 safetensors, one blob per fragment)."""
+    created_at: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Caller's JSON-able extras (model recipe, dataset, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "config": self.config.to_dict(),
+            "plan": self.plan.to_dict(),
+            "shapes": {n: list(s) for n, s in self.shapes.items()},
+            "initial": [b.to_dict() for b in self.initial],
+            "created_at": self.created_at,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RunManifest:
+        try:
+            config = DilocoConfig.from_dict(_dict(body, "config"))
+            plan = FragmentPlan.from_dict(_dict(body, "plan"))
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise InvalidInput("schema", f"run manifest: bad config or plan: {e}") from None
+        shapes_raw = _dict(body, "shapes")
+        shapes = {}
+        for n, s in shapes_raw.items():
+            _need(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s), f"shape of {n!r} invalid")
+            shapes[n] = tuple(s)
+        _need(set(shapes) == set(plan.sizes), "run manifest: shapes do not cover the plan's parameters")
+        initial = body.get("initial")
+        _need(isinstance(initial, list) and len(initial) == plan.num_fragments,
+              "run manifest: initial must list one payload per fragment")
+        return cls(
+            run_id=validate_id(body.get("run_id"), "run id"),
+            config=config,
+            plan=plan,
+            shapes=shapes,
+            initial=tuple(BlobRef.from_body(b, "initial[]") for b in initial),  # type: ignore[union-attr]
+            created_at=_float(body, "created_at"),
+            extra=_dict(body, "extra"),
+        )
+
+    def fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: self.shapes[n] for n in self.plan.fragments[p]}
+
+
+@dataclass(frozen=True)
+class ContributionRecord:
+    """A learner's delta for one fragment: counters, codec per tensor, and the payload it points at."""
+
+    key: str
+    """Run-relative key of this record (derived from the fields; unique)."""
+    learner_id: str
+    fragment: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    payload: BlobRef
+    tensors: Mapping[str, Mapping[str, Any]]
+    """``name -> {"codec": "fp32"|"bf16"|"int4", "shape": [...], "block_size": int}``."""
+    created_at: float
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """Learner's JSON-able extras (pool, loss, hostname ...); informational only."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "learner_id": self.learner_id,
+            "fragment": self.fragment,
+            "base_version": self.base_version,
+            "c_steps": self.c_steps,
+            "c_tokens": self.c_tokens,
+            "payload": self.payload.to_dict(),
+            "tensors": {n: dict(m) for n, m in self.tensors.items()},
+            "created_at": self.created_at,
+            "info": dict(self.info),
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], key: str) -> ContributionRecord:
+        tensors = _dict(body, "tensors")
+        for n, m in tensors.items():
+            _need(isinstance(m, dict) and isinstance(m.get("shape"), list), f"tensors[{n!r}] needs a shape list")
+        return cls(
+            key=key,
+            learner_id=validate_id(body.get("learner_id"), "learner id"),
+            fragment=_int(body, "fragment"),
+            base_version=_int(body, "base_version"),
+            c_steps=_int(body, "c_steps"),
+            c_tokens=_int(body, "c_tokens"),
+            payload=BlobRef.from_body(body.get("payload")),
+            tensors=tensors,
+            created_at=_float(body, "created_at"),
+            info=_dict(body, "info"),
+        )
+
+
+@dataclass(frozen=True)
+class FragmentState:
+    """One fragment in a commit record's state table."""
+
+    version: int
+    """The round that last wrote this fragment (0 = the run's initial value)."""
+    params: BlobRef
+    """fp32 values of the fragment's parameters at that version."""
+    momentum: BlobRef | None = None
+    """Nesterov buffers (``momentum.<name>``) after that round; None before the first update."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "params": self.params.to_dict(),
+            "momentum": self.momentum.to_dict() if self.momentum else None,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any) -> FragmentState:
+        _need(isinstance(body, dict), "state[] entries must be objects")
+        m = body.get("momentum")
+        return cls(
+            version=_int(body, "version"),
+            params=BlobRef.from_body(body.get("params"), "state[].params"),
+            momentum=None if m is None else BlobRef.from_body(m, "state[].momentum"),
+        )
+
+
+@dataclass(frozen=True)
+class AcceptedContribution:
+    """A contribution merged in a round, with its normalised weight."""
+
+    key: str
+    learner_id: str
+    weight: float
+    base_version: int
+    c_steps: int
+    c_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_body(cls, body: Any) -> AcceptedContribution:
+        _need(isinstance(body, dict) and isinstance(body.get("key"), str), "accepted[] entries need a key")
+        return cls(
+            key=body["key"],
+            learner_id=validate_id(body.get("learner_id"), "learner id"),
+            weight=_float(body, "weight"),
+            base_version=_int(body, "base_version"),
+            c_steps=_int(body, "c_steps"),
+            c_tokens=_int(body, "c_tokens"),
+        )
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """``commits/<round>.json``, written create-once: the round happened, exactly like this."""
+
+    round: int
+    fragment: int
+    """The fragment this round synchronized."""
+    updated: bool
+    """False if the round closed without an update (nothing mergeable); the state is unchanged."""
+    state: tuple[FragmentState, ...]
+    """Every fragment's current version after this round (so resume needs only this record)."""
+    accepted: tuple[AcceptedContribution, ...]
+    rejected: Mapping[str, str]
+    """Contribution key -> reason it got weight 0 / was refused."""
+    timings: Mapping[str, Any]
+    """The synchronizer's EMA timings (``TimingEma.to_dict()``) after this round."""
+    stats: Mapping[str, Any]
+    """Round facts for humans: quorum_s, grace_s, loss, bytes ... (free-form, JSON)."""
+    committed_by: str
+    nonce: str
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "fragment": self.fragment,
+            "updated": self.updated,
+            "state": [s.to_dict() for s in self.state],
+            "accepted": [a.to_dict() for a in self.accepted],
+            "rejected": dict(self.rejected),
+            "timings": dict(self.timings),
+            "stats": dict(self.stats),
+            "committed_by": self.committed_by,
+            "nonce": self.nonce,
+            "created_at": self.created_at,
+        }
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return tuple(s.version for s in self.state)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], num_fragments: int) -> CommitRecord:
+        state = body.get("state")
+        _need(isinstance(state, list) and len(state) == num_fragments,
+              f"state must list all {num_fragments} fragments")
+        accepted = body.get("accepted", [])
+        _need(isinstance(accepted, list), "accepted must be a list")
+        rejected = _dict(body, "rejected")
+        _need(all(isinstance(v, str) for v in rejected.values()), "rejected reasons must be strings")
+        updated = body.get("updated")
+        _need(isinstance(updated, bool), "updated must be a boolean")
+        fragment = _int(body, "fragment")
+        _need(fragment < num_fragments, f"fragment {fragment} out of range (P={num_fragments})")
+        nonce, by = body.get("nonce"), body.get("committed_by")
+        _need(isinstance(nonce, str) and isinstance(by, str), "nonce and committed_by must be strings")
+        return cls(
+            round=_int(body, "round", minimum=1),
+            fragment=fragment,
+            updated=updated,  # type: ignore[arg-type]
+            state=tuple(FragmentState.from_body(s) for s in state),  # type: ignore[union-attr]
+            accepted=tuple(AcceptedContribution.from_body(a) for a in accepted),
+            rejected=rejected,
+            timings=_dict(body, "timings"),
+            stats=_dict(body, "stats"),
+            committed_by=by,  # type: ignore[arg-type]
+            nonce=nonce,  # type: ignore[arg-type]
+            created_at=_float(body, "created_at"),
+        )
+
+
+@dataclass(frozen=True)
+class LearnerStateRecord:
+    """``learners/<id>/state.json``: the learner's last saved inner state (overwritten each save)."""
+
+    learner_id: str
+    payload: BlobRef
+    meta: Mapping[str, Any]
+    saved_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"learner_id": self.learner_id, "payload": self.payload.to_dict(), "meta": dict(self.meta),
+                "saved_at": self.saved_at}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> LearnerStateRecord:
+        return cls(
+            learner_id=validate_id(body.get("learner_id"), "learner id"),
+            payload=BlobRef.from_body(body.get("payload")),
+            meta=_dict(body, "meta"),
+            saved_at=_float(body, "saved_at"),
+        )

@@ -1,0 +1,330 @@
+"""A small, retrying object-store wrapper over fsspec with create-once writes.
+
+:class:`ObjectStore` maps run-relative *keys* (``commits/00000001.json``) to objects under one
+root URL and offers exactly the operations the protocol needs:
+
+* ``get`` / ``get_or_none`` (GET, optionally capped), ``put`` (overwrite, atomic per object),
+* ``create`` (create-once: True if this call created the object, False if it already existed),
+* ``list`` (one LIST of one prefix, after invalidating fsspec's listing cache),
+* ``delete``.
+
+Create-once per backend: S3 ``If-None-Match: *`` and GCS ``ifGenerationMatch=0`` (through
+``pipe_file(mode="create")``), a local folder writes a temporary file then ``os.link``\\ s it to
+the final name (fails if the name exists; readers never see a half-written file), and the
+in-process memory filesystem is made atomic with a lock. :meth:`ObjectStore.probe_create_once`
+proves at start-up that the store really refuses a second create.
+
+Transient failures (connection reset, timeouts, HTTP 5xx, 429 / throttling) are retried with
+bounded exponential backoff and jitter, then raised as :class:`TransientStorageError` naming the
+operation and URL. Storage options are never logged: :func:`redact` masks anything secret.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from atoll.storage.paths import join_url, probe_key
+from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
+
+__all__ = ["RetryPolicy", "ObjectStore", "is_transient", "redact"]
+
+T = TypeVar("T")
+
+_SECRET_MARKERS = ("key", "secret", "token", "password", "passwd", "credential", "session", "auth", "sas")
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "TooManyRequests",
+}
+_TRANSIENT_NAMES = {
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ClientConnectionError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "ClientPayloadError",
+    "ResponseStreamingError",
+}
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EAGAIN,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+}
+_TRANSIENT_TEXT = ("slowdown", "throttl", "service unavailable", "internal error", "too many requests",
+                   "connection reset", "timed out", " 500", " 502", " 503", " 504", " 429")
+
+_MEMORY_LOCK = threading.Lock()
+
+
+def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of storage options safe to print: secret-looking values become ``'***'``."""
+    out: dict[str, Any] = {}
+    for k, v in (options or {}).items():
+        if isinstance(v, Mapping):
+            out[k] = redact(v)
+        elif any(m in str(k).lower() for m in _SECRET_MARKERS) and v is not None:
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is worth retrying: network trouble, 5xx, 429, throttling."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FileNotFoundError | FileExistsError | PermissionError | IsADirectoryError |
+                      NotADirectoryError | StorageError | ValueError | KeyError | TypeError):
+            return False
+        if isinstance(e, ConnectionError | TimeoutError):
+            return True
+        if type(e).__name__ in _TRANSIENT_NAMES:
+            return True
+        code = getattr(e, "code", None)  # gcsfs HttpError
+        if isinstance(code, int) and (code >= 500 or code == 429):
+            return True
+        response = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(response, Mapping):
+            err = response.get("Error", {}) or {}
+            status = (response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+            if err.get("Code") in _TRANSIENT_CODES or (isinstance(status, int) and (status >= 500 or status == 429)):
+                return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(e, OSError) and any(t in str(e).lower() for t in _TRANSIENT_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff with jitter: attempt n waits in [d/2, d], d = min(max, base * 2**n)."""
+
+    attempts: int = 5
+    """Total tries of one operation (1 = no retry)."""
+
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+
+    def delay_s(self, attempt: int, rng: random.Random) -> float:
+        d = min(self.max_delay_s, self.base_delay_s * (2**attempt))
+        return d / 2 + rng.uniform(0, d / 2)
+
+
+class ObjectStore:
+    """Objects under one root URL of any fsspec filesystem. Keys are ``/``-separated and relative."""
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        *,
+        url: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        seed: int | None = None,
+    ) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        self.protocol = str(protocols[0])
+        self.is_local = bool({"file", "local"} & set(protocols))
+        self.is_memory = "memory" in protocols
+        self.url = url or (self.root if self.is_local else f"{self.protocol}://{self.root.lstrip('/')}")
+        self._options = redact(storage_options)
+        self.retry = retry or RetryPolicy()
+        self._sleep = sleep
+        self._rng = random.Random(seed)
+        self.op_counts: Counter[str] = Counter()
+        """Operations issued (after retries count separately as 'retry')."""
+
+    @classmethod
+    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> ObjectStore:
+        """Open ``url`` (``file://``, plain path, ``memory://``, ``s3://``, ``gs://`` ...)."""
+        options = dict(storage_options or {})
+        if url.startswith("file://") or "://" not in url:
+            options.setdefault("auto_mkdir", True)
+        fs, root = url_to_fs(url, **options)
+        return cls(fs, root, url=url.rstrip("/"), storage_options=storage_options, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r}, storage_options={self._options!r})"
+
+    # -- paths -------------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return join_url(self.root, key) if self.root != "/" else "/" + key.strip("/")
+
+    def key_url(self, key: str) -> str:
+        return join_url(self.url, key)
+
+    # -- retries -----------------------------------------------------------------------------
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        self.op_counts[op] += 1
+        last: BaseException | None = None
+        for attempt in range(max(1, self.retry.attempts)):
+            if attempt:
+                self.op_counts["retry"] += 1
+                self._sleep(self.retry.delay_s(attempt - 1, self._rng))
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not is_transient(e):
+                    raise
+                last = e
+        assert last is not None
+        raise TransientStorageError(op, self.key_url(key), max(1, self.retry.attempts), last) from last
+
+    # -- operations --------------------------------------------------------------------------
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The object's bytes (FileNotFoundError if absent); at most ``max_bytes + 1`` if capped."""
+        path = self.path(key)
+        if max_bytes is None:
+            return bytes(self._call("get", key, lambda: self.fs.cat_file(path)))
+        return bytes(self._call("get", key, lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)))
+
+    def get_or_none(self, key: str, **kwargs: Any) -> bytes | None:
+        try:
+            return self.get(key, **kwargs)
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) an object; readers see the old or the new bytes, never a mix."""
+        path = self.path(key)
+        if self.is_local:
+            def local_put() -> None:
+                tmp = self._local_tmp(path)
+                try:
+                    self.fs.pipe_file(tmp, data)
+                    os.replace(tmp, path)
+                finally:
+                    _unlink_quietly(tmp)
+            self._call("put", key, local_put)
+        else:
+            self._call("put", key, lambda: self.fs.pipe_file(path, data))
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Create-once: True if this call created the object, False if it already existed.
+
+        If a retried attempt finds the object present, its bytes are compared with ``data``: equal
+        bytes mean an earlier attempt of *this* call succeeded before the connection dropped.
+        """
+        path = self.path(key)
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            if self.is_local:
+                tmp = self._local_tmp(path)
+                try:
+                    self.fs.pipe_file(tmp, data)
+                    os.link(tmp, path)
+                finally:
+                    _unlink_quietly(tmp)
+            elif self.is_memory:
+                with _MEMORY_LOCK:
+                    self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data, mode="create")
+
+        try:
+            self._call("create", key, attempt)
+            return True
+        except FileExistsError:
+            if tries > 1 and self.get_or_none(key) == data:
+                return True  # an earlier attempt of this call landed before its reply was lost
+            return False
+
+    def list(self, prefix: str) -> list[str]:
+        """Names (last path component) directly under ``prefix``; one LIST, cache invalidated first.
+
+        Temporary files (``.tmp-*``) are never returned. A missing prefix lists as empty.
+        """
+        path = self.path(prefix)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+        names = self._call("list", prefix, ls)
+        return sorted(n for n in names if n and not n.startswith(".tmp-"))
+
+    def delete(self, key: str) -> None:
+        path = self.path(key)
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", key, rm)
+
+    # -- capability probe --------------------------------------------------------------------
+    def probe_create_once(self) -> None:
+        """Prove that a second create of one object is refused; raise UnsafeStoreError if not."""
+        key = probe_key(uuid.uuid4().hex)
+        try:
+            if not self.create(key, b"first"):
+                raise UnsafeStoreError(f"{self.url}: create-once probe object {key} already existed")
+            second = self.create(key, b"second")
+        finally:
+            try:
+                self.delete(key)
+            except Exception:  # noqa: BLE001 - a leftover probe object is harmless
+                pass
+        if second:
+            raise UnsafeStoreError(
+                f"the store at {self.url} (fsspec protocol {self.protocol!r}, {type(self.fs).__name__}) accepted "
+                "a second create of the same object: it does not honour create-once writes "
+                "(S3 If-None-Match, GCS ifGenerationMatch=0), so two synchronizers racing on one round "
+                "could both 'win'. Use a store that does, or pass unsafe_allow_overwrite=True if exactly "
+                "one synchronizer will ever write to this run (e.g. tests on the GCS emulator)."
+            )
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _local_tmp(self, path: str) -> str:
+        parent, _, name = path.rpartition("/")
+        os.makedirs(parent or "/", exist_ok=True)
+        return f"{parent}/.tmp-{uuid.uuid4().hex[:12]}-{name}"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,153 @@
+"""Errors of the storage layer and the checks that turn bad input into a specific reason.
+
+Every rejection is an :class:`InvalidInput` with a machine-readable ``kind`` (one of
+:data:`REJECTION_KINDS`) and a human-readable ``reason``. Nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "REJECTION_KINDS",
+    "SAFE_ID_PATTERN",
+    "StorageError",
+    "InvalidInput",
+    "TransientStorageError",
+    "UnsafeStoreError",
+    "RunNotFoundError",
+    "RunExistsError",
+    "RoundOrderError",
+    "validate_id",
+    "check_shapes",
+    "check_tensor_layout",
+    "check_finite",
+]
+
+REJECTION_KINDS = (
+    "truncated",  # payload shorter than the record says
+    "checksum",  # sha256 of the payload differs from its name/record
+    "layout",  # wrong tensor names, shapes or dtypes for the fragment
+    "non_finite",  # NaN or Inf values
+    "schema",  # unknown schema or schema_version, malformed record
+    "missing_payload",  # record points at a payload that does not exist
+    "bad_id",  # learner id / run id unsafe (/, .., characters outside the safe set)
+    "oversize",  # payload larger than the configured cap
+    "corrupt",  # bytes are not a valid safetensors / JSON document
+)
+
+SAFE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+"""Learner ids and run ids: 1-128 chars of ``[A-Za-z0-9_.-]``, starting alphanumeric, no ``..``."""
+
+
+class StorageError(Exception):
+    """Base class of everything atoll.storage raises on purpose."""
+
+
+class InvalidInput(StorageError, ValueError):
+    """Bad input, rejected and never trusted. ``kind`` is one of :data:`REJECTION_KINDS`."""
+
+    def __init__(self, kind: str, reason: str, *, url: str | None = None) -> None:
+        if kind not in REJECTION_KINDS:
+            raise ValueError(f"unknown rejection kind {kind!r}")
+        self.kind = kind
+        self.reason = reason
+        self.url = url
+        super().__init__(f"[{kind}] {reason}" + (f" ({url})" if url else ""))
+
+
+class TransientStorageError(StorageError):
+    """A storage operation kept failing with transient errors after every retry."""
+
+    def __init__(self, op: str, url: str, attempts: int, cause: BaseException) -> None:
+        self.op, self.url, self.attempts = op, url, attempts
+        super().__init__(f"{op} {url} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}")
+
+
+class UnsafeStoreError(StorageError):
+    """The store does not refuse a second create of the same object (no create-once)."""
+
+
+class RunNotFoundError(StorageError, FileNotFoundError):
+    """No run manifest at the run root."""
+
+
+class RunExistsError(StorageError, FileExistsError):
+    """A run was already initialised at this root."""
+
+
+class RoundOrderError(StorageError):
+    """A round was committed out of order (its predecessor is not committed)."""
+
+
+def validate_id(value: object, what: str = "id") -> str:
+    """Return ``value`` if it is a safe id; raise InvalidInput(kind='bad_id') otherwise."""
+    if not isinstance(value, str):
+        raise InvalidInput("bad_id", f"{what} must be a string, got {type(value).__name__}")
+    if "/" in value or "\\" in value:
+        raise InvalidInput("bad_id", f"{what} {value!r} contains a path separator")
+    if ".." in value:
+        raise InvalidInput("bad_id", f"{what} {value!r} contains '..'")
+    if not SAFE_ID_PATTERN.match(value):
+        raise InvalidInput(
+            "bad_id",
+            f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-] starting with a letter or digit",
+        )
+    return value
+
+
+def check_shapes(
+    shapes: Mapping[str, Sequence[int]],
+    expected: Mapping[str, Sequence[int]],
+    *,
+    what: str,
+    allow_missing: bool = False,
+) -> None:
+    """Names must equal ``expected``'s keys (a subset if ``allow_missing``); shapes must match."""
+    missing = [] if allow_missing else sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    if missing or extra:
+        raise InvalidInput(
+            "layout", f"{what}: tensor names differ from the fragment (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
+    for name, shape in shapes.items():
+        got = tuple(int(d) for d in shape)
+        want = tuple(int(d) for d in expected[name])
+        if got != want:
+            raise InvalidInput("layout", f"{what}: {name!r} has shape {got}, expected {want}")
+
+
+def check_tensor_layout(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, Sequence[int]],
+    *,
+    what: str,
+    dtype: torch.dtype | None = None,
+    allow_missing: bool = False,
+) -> None:
+    """Names must equal ``expected``'s keys; shapes must match; dtype too if given."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput("layout", f"{what}: {name!r} is a {type(t).__name__}, not a tensor")
+    check_shapes({n: tuple(t.shape) for n, t in tensors.items()}, expected, what=what, allow_missing=allow_missing)
+    for name, t in tensors.items():
+        if dtype is not None and t.dtype != dtype:
+            raise InvalidInput("layout", f"{what}: {name!r} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not t.is_floating_point():
+            raise InvalidInput("layout", f"{what}: {name!r} has dtype {t.dtype}, expected a floating dtype")
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], *, what: str) -> None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InvalidInput("non_finite", f"{what}: {name!r} has NaN or Inf values")
+
+
+def check_finite_number(value: object, what: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(float(value)):
+        raise InvalidInput("schema", f"{what} must be a finite number, got {value!r}")
+    return float(value)
