@@ -1,0 +1,85 @@
+"""A tiny model, config and plan shared by the storage tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from atoll.core import DilocoConfig, FragmentPlan, plan_fragments
+from atoll.core.weights import Counters
+from atoll.storage import RunStore, paths
+from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex, tensors_to_bytes
+from atoll.core.compress import encode
+
+SHAPES = {"blk.0.w": (4, 3), "blk.0.b": (3,), "blk.1.w": (3, 3), "emb.weight": (5, 2)}
+
+
+def tiny_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+def tiny_config(**kw: Any) -> DilocoConfig:
+    base = dict(num_learners=2, num_fragments=2, inner_steps=2, overlap_steps=1, min_quorum=1)
+    base.update(kw)
+    return DilocoConfig(**base)
+
+
+def tiny_plan() -> FragmentPlan:
+    return plan_fragments(SHAPES, num_fragments=2, inner_steps=2, embedding_names=["emb.weight"])
+
+
+def init_run(rs: RunStore, **cfg: Any) -> dict[str, torch.Tensor]:
+    params = tiny_params()
+    rs.init_run(tiny_config(**cfg), tiny_plan(), params, run_id="test-run")
+    return params
+
+
+def fragment_delta(rs: RunStore, p: int, scale: float = 0.01, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(*SHAPES[n], generator=g) for n in rs.plan.fragments[p]}
+
+
+def counters(steps: int = 2, tokens: int = 64) -> Counters:
+    return Counters(c_steps=steps, c_tokens=tokens)
+
+
+def plant_contribution(
+    backend: Any,
+    url: str,
+    *,
+    fragment: int,
+    tensors: dict[str, torch.Tensor] | None = None,
+    payload: bytes | None = None,
+    meta: dict[str, Any] | None = None,
+    learner_id: str = "evil",
+    base_version: int = 0,
+    sha: str | None = None,
+    nbytes: int | None = None,
+    schema_version: int | None = None,
+    write_payload: bool = True,
+) -> str:
+    """Write a contribution (payload + record) behind the protocol's back; returns its key."""
+    if payload is None:
+        enc = {n: encode(t, "fp32") for n, t in (tensors or {}).items()}
+        payload, auto_meta = encoded_to_bytes(enc)
+        meta = meta or auto_meta
+    sha = sha or sha256_hex(payload)
+    if write_payload:
+        backend.raw_put(url, paths.blob_key(sha), payload)
+    key = paths.contribution_key(fragment, base_version, learner_id, 2, sha)
+    body = {
+        "learner_id": learner_id, "fragment": fragment, "base_version": base_version, "c_steps": 2,
+        "c_tokens": 64, "payload": {"sha256": sha, "nbytes": len(payload) if nbytes is None else nbytes},
+        "tensors": meta, "created_at": time.time(), "info": {},
+    }
+    data = dump_record("atoll/contribution", body)
+    if schema_version is not None:
+        data = data.replace(b'"schema_version":1', f'"schema_version":{schema_version}'.encode())
+    backend.raw_put(url, key, data)
+    return key
+
+
+__all__ = ["tensors_to_bytes"]
