@@ -12,6 +12,8 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from fsspec.implementations.memory import MemoryFileSystem
 
 from atoll.train.data import (
@@ -252,7 +254,8 @@ def test_learner_shards_are_disjoint_and_deterministic(counting) -> None:
     for i in range(3):
         s = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5)
         seen = windows_seen(s, 23, 1)  # one full epoch
-        again = windows_seen(BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5), 23, 1)
+        twin = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5)
+        again = windows_seen(twin, 23, 1)
         assert seen == again
         lo, hi = s.shard.start, s.shard.stop
         assert all(lo <= v and v + 11 <= hi for v in seen)
@@ -346,3 +349,28 @@ def test_evaluate_is_deterministic_and_restores_mode(corpus) -> None:
     with pytest.raises(DataError, match="context_tokens"):
         evaluate(model, tiny_val)
     assert evaluate(model, corpus.val.view(0, 65 * 3), batches=4, batch_size=8) > 0  # uses what exists
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_windows=st.integers(1, 40),
+    seed=st.integers(0, 2**32),
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+)
+def test_cursor_chain_equals_one_long_read(num_windows: int, seed: int, sizes: list[int]) -> None:
+    # Property: however the stream is cut into batches (sizes up to the shard's window count),
+    # following cursors yields exactly the windows of one long read, and every epoch is a
+    # permutation of the shard's windows.
+    url = f"memory://prop/{num_windows}.bin"
+    write_tokens(url, np.arange(num_windows * 2 + 1), dtype="uint32")
+    s = BatchStream(open_tokens(url), context_tokens=2, seed=seed)
+    sizes = [min(k, num_windows) for k in sizes]
+    cursor, chained = s.state_dict(), []
+    for k in sizes:
+        chained += s.window_indices(cursor, k)
+        (x, _), cursor = s.batch_at(json.loads(json.dumps(cursor)), k)
+        assert (x[:, 0] // 2).tolist() == [w for _, w in chained[-k:]]
+    assert chained == s.window_indices(s.state_dict(), sum(sizes))
+    assert cursor["epoch"] * num_windows + cursor["position"] == sum(sizes)
+    epoch0 = s.window_indices(s.state_dict(), num_windows)
+    assert sorted(w for _, w in epoch0) == list(range(num_windows))

@@ -111,7 +111,9 @@ class _TokenFile:
             if isinstance(blob, Exception):
                 raise blob
             if len(blob) != n * item:
-                raise DataError(f"{self.url}: short read ({len(blob)} of {n * item} bytes); is the file truncated?")
+                raise DataError(
+                    f"{self.url}: short read ({len(blob)} of {n * item} bytes); is the file truncated?"
+                )
             out.append(np.frombuffer(blob, dtype=np.dtype(self.dtype).newbyteorder("<")).astype(np.int64))
         return out
 
@@ -138,7 +140,9 @@ def _check_dtype(dtype: Any, where: str) -> str:
     return name
 
 
-def _open_token_file(url: str, *, dtype: str | None, storage_options: dict[str, Any] | None) -> tuple[_TokenFile, int | None]:
+def _open_token_file(
+    url: str, *, dtype: str | None, storage_options: dict[str, Any] | None
+) -> tuple[_TokenFile, int | None]:
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if not fs.exists(path) or fs.isdir(path):
         raise FileNotFoundError(f"token file {url!r} not found (check the data url / train_url / val_url)")
@@ -172,7 +176,12 @@ class TokenData:
     """
 
     def __init__(
-        self, files: Sequence[_TokenFile], *, vocab_size: int | None = None, start: int = 0, stop: int | None = None
+        self,
+        files: Sequence[_TokenFile],
+        *,
+        vocab_size: int | None = None,
+        start: int = 0,
+        stop: int | None = None,
     ) -> None:
         self.files = list(files)
         self.vocab_size = vocab_size
@@ -277,8 +286,15 @@ def open_tokens(
     return TokenData(files, vocab_size=vocab_size)
 
 
-def write_tokens(url: str, tokens: np.ndarray | Sequence[int], *, dtype: str = "uint16", vocab_size: int | None = None,
-                 sidecar: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+def write_tokens(
+    url: str,
+    tokens: np.ndarray | Sequence[int],
+    *,
+    dtype: str = "uint16",
+    vocab_size: int | None = None,
+    sidecar: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
     """Write a flat token file (and its ``<url>.json`` sidecar). For tests, demos, small data."""
     name = _check_dtype(dtype, url)
     arr = np.asarray(tokens)
@@ -320,7 +336,9 @@ def token_corpus(
 ) -> Corpus:
     """A corpus of your own pre-tokenized shards (nanoGPT style ``train.bin`` / ``val.bin``)."""
     train = open_tokens(train_url, dtype=dtype, vocab_size=vocab_size, storage_options=storage_options)
-    val = open_tokens(val_url, dtype=dtype, vocab_size=vocab_size or train.vocab_size, storage_options=storage_options)
+    val = open_tokens(
+        val_url, dtype=dtype, vocab_size=vocab_size or train.vocab_size, storage_options=storage_options
+    )
     vocab = vocab_size or train.vocab_size or val.vocab_size
     if vocab is None:
         raise DataError("token_corpus: vocab_size unknown; pass vocab_size= or put it in the sidecar JSON")
@@ -570,7 +588,9 @@ class BatchStream:
 
     # -- batches -----------------------------------------------------------------------------
 
-    def batch_at(self, cursor: dict[str, Any], batch_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    def batch_at(
+        self, cursor: dict[str, Any], batch_size: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
         """Pure form: ``((x, y), next_cursor)`` for the batch starting at ``cursor``."""
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise DataError(f"batch_size={batch_size!r} must be an integer >= 1")
