@@ -1,0 +1,231 @@
+"""Run Decoupled DiLoCo locally without Prefect: one synchronizer and M learner processes.
+
+    python -m atoll.train.local run --preset demo --bucket ./runs/demo
+    python -m atoll.train.local learner file:///abs/runs/demo --learner-id learner-2   # rejoin by hand
+    python -m atoll.train.local synchronizer file:///abs/runs/demo
+
+Every learner is its own OS process (so one can be SIGKILLed without harming the rest) and
+rebuilds everything from the run URL: the recipe, config and initial state live in the bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atoll.core.config import DilocoConfig
+from atoll.core.fragments import plan_fragments
+from atoll.storage.bucket import RunStore
+from atoll.train import data as data_mod
+from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+from atoll.train.recipe import RECIPE_PRESETS, Recipe
+from atoll.train.synchronizer import RoundSummary, SynchronizerOptions, run_synchronizer
+
+__all__ = ["create_run", "make_evaluator", "LocalRun", "to_url", "main"]
+
+
+def to_url(bucket: str) -> str:
+    """A local path becomes an absolute file:// URL (other processes may run elsewhere)."""
+    if "://" in bucket:
+        return bucket
+    return "file://" + str(Path(bucket).expanduser().resolve())
+
+
+def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,
+               storage_options: Mapping[str, Any] | None = None) -> RunStore:
+    """Create a new run in the bucket: frozen config, fragment plan, version-0 weights, recipe."""
+    recipe.check(config)
+    model = recipe.model_factory()()
+    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
+    store = RunStore.open(url, storage_options)
+    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
+                   extra={"recipe": recipe.to_dict()})
+    recipe.data.corpus()  # materialize the token cache once, before learners race to build it
+    return store
+
+
+def make_evaluator(store: RunStore) -> Callable[[Mapping[str, torch.Tensor]], float]:
+    """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
+    recipe = load_recipe(store)
+    model = recipe.model_factory()()
+    val = recipe.data.corpus().val
+    context = int(getattr(getattr(model, "config", None), "context_tokens", 0)) or 128
+
+    def evaluate(params: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+        return data_mod.evaluate(model, val, batches=recipe.eval_batches, batch_size=16, context_tokens=context)
+
+    return evaluate
+
+
+def synchronizer_options(store: RunStore, **overrides: Any) -> SynchronizerOptions:
+    recipe = load_recipe(store)
+    return SynchronizerOptions(**{
+        "max_rounds": recipe.max_rounds,
+        "eval_every_rounds": recipe.eval_every_rounds,
+        "checkpoint_every_rounds": recipe.checkpoint_every_rounds,
+        **overrides,
+    })
+
+
+class LocalRun:
+    """Start/stop/kill the processes of a local run (used by the CLI, tests and benchmarks)."""
+
+    def __init__(self, url: str, *, log_dir: str | os.PathLike[str] | None = None, threads: int = 1,
+                 extra_env: Mapping[str, str] | None = None) -> None:
+        self.url = url
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.threads = threads
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+        self.learners: dict[str, subprocess.Popen[bytes]] = {}
+        self.synchronizer: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "atoll.train.local", *args]
+        out: Any = subprocess.DEVNULL
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+
+    def start_learner(self, learner_id: str, *extra: str) -> subprocess.Popen[bytes]:
+        proc = self._spawn(["learner", self.url, "--learner-id", learner_id, "--threads", str(self.threads), *extra],
+                           learner_id)
+        self.learners[learner_id] = proc
+        return proc
+
+    def start_synchronizer(self, *extra: str) -> subprocess.Popen[bytes]:
+        self.synchronizer = self._spawn(["synchronizer", self.url, "--threads", str(self.threads), *extra],
+                                        "synchronizer")
+        return self.synchronizer
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL: no cleanup hook runs, exactly like a lost spot instance."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def stop_all(self, timeout_s: float = 20.0) -> None:
+        procs = [*self.learners.values(), *([self.synchronizer] if self.synchronizer else [])]
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> LocalRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def _terminate_gracefully() -> Callable[[], bool]:
+    """SIGTERM sets a flag the loops poll, so a terminated learner still saves its state."""
+    flag = {"stop": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        flag["stop"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    return lambda: flag["stop"]
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = RunStore.open(args.url)
+    run_learner(store, args.learner_id, should_stop=_terminate_gracefully(),
+                options=LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
+                                       poll_interval_s=args.poll_interval_s))
+    return 0
+
+
+def _cmd_synchronizer(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = RunStore.open(args.url)
+    opts = synchronizer_options(store, poll_interval_s=args.poll_interval_s)
+    evaluate = make_evaluator(store)
+    run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
+                     log=lambda s: print(s, flush=True))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config, recipe = RECIPE_PRESETS[args.preset](args.learners) if args.learners else RECIPE_PRESETS[args.preset]()
+    if args.rounds:
+        recipe = Recipe.from_dict({**recipe.to_dict(), "max_rounds": args.rounds})
+    url = to_url(args.bucket)
+    store = RunStore.open(url)
+    if store.exists():
+        print(f"resuming run at {url} from round {store.latest_round()}")
+    else:
+        print(f"creating run at {url}: {config.num_learners} learners, P={config.num_fragments}, "
+              f"H={config.inner_steps}, K={config.min_quorum}, {recipe.max_rounds} rounds")
+        store = create_run(url, config, recipe)
+    recipe = load_recipe(store)
+    log_dir = Path(args.log_dir) if args.log_dir else (Path(url[len("file://"):]) / "logs" if url.startswith("file://") else None)
+    with LocalRun(url, log_dir=log_dir, threads=1) as run:
+        for spec in recipe.learners:
+            run.start_learner(spec.learner_id)
+        print(f"started {len(recipe.learners)} learner processes (logs in {log_dir})")
+        t0 = time.monotonic()
+
+        def on_round(s: RoundSummary) -> None:
+            for lid, proc in run.learners.items():  # a learner that died is restarted: it rejoins
+                if proc.poll() is not None and not s.record.round >= recipe.max_rounds:
+                    print(f"{lid} exited with {proc.returncode}; restarting it (it rejoins from the bucket)")
+                    run.start_learner(lid)
+
+        store = RunStore.open(url)
+        last = run_synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store),
+                                on_round=on_round, log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
+    final = store.read_commit(last)
+    loss = final.stats.get("val_loss") if final else None
+    print(f"done: {last} rounds in {time.monotonic() - t0:.0f}s; final validation loss {loss}; bucket {url}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atoll.train.local", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="create (or resume) a run and train it with local processes")
+    r.add_argument("--preset", default="demo", choices=sorted(RECIPE_PRESETS))
+    r.add_argument("--bucket", default="./runs/demo", help="folder or fsspec URL of the run")
+    r.add_argument("--learners", type=int, default=0, help="number of learners (default: the preset's)")
+    r.add_argument("--rounds", type=int, default=0, help="outer rounds (default: the preset's)")
+    r.add_argument("--log-dir", default=None)
+    r.set_defaults(fn=_cmd_run)
+    for name, fn in (("learner", _cmd_learner), ("synchronizer", _cmd_synchronizer)):
+        s = sub.add_parser(name)
+        s.add_argument("url")
+        s.add_argument("--threads", type=int, default=1)
+        s.add_argument("--poll-interval-s", type=float, default=0.1)
+        if name == "learner":
+            s.add_argument("--learner-id", required=True)
+            s.add_argument("--log-every", type=int, default=20)
+            s.add_argument("--max-steps", type=int, default=None)
+        s.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""A run's recipe: which model, which data, which learners, how they train.
+
+The recipe is stored in the bucket with the run (``run.json`` ``extra.recipe``), so any process
+that knows only the run URL and its learner id can rebuild the same model and its own data
+shard. That is what lets a learner be restarted anywhere, by hand, by the local runner or by a
+Prefect worker, and it keeps the bucket the single source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from atoll.core.config import ConfigError, DilocoConfig
+from atoll.storage.validation import validate_id
+
+__all__ = [
+    "InnerOptimConfig",
+    "LearnerSpec",
+    "DataSpec",
+    "Recipe",
+    "lr_at_step",
+    "demo_recipe",
+    "test_recipe",
+    "RECIPE_PRESETS",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerOptimConfig:
+    """Each learner's own AdamW with linear warmup then cosine decay, on its own step counter."""
+
+    lr: float = 3e-3
+    """Peak inner learning rate."""
+
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to ``lr``."""
+
+    total_steps: int = 2000
+    """Length of the cosine schedule; after it the lr stays at ``lr * min_lr_ratio``."""
+
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine as a fraction of ``lr``."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+
+    beta1: float = 0.9
+    """AdamW beta1."""
+
+    beta2: float = 0.95
+    """AdamW beta2."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"inner lr must be finite and > 0 (got {self.lr!r})")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ConfigError("inner warmup_steps must be >= 0 and total_steps >= 1")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"inner min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio!r})")
+
+    def make(self, params: Any) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay
+        )
+
+
+def lr_at_step(cfg: InnerOptimConfig, step: int) -> float:
+    """Learning rate for 1-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerSpec:
+    """One island: who it is and how it differs from the others."""
+
+    learner_id: str
+    """Unique id (letters, digits, '-', '_', '.'): names its bucket prefix and its Prefect runs."""
+
+    batch_size: int = 16
+    """Sequences per inner step on this learner."""
+
+    slowdown: float = 1.0
+    """>= 1: each step takes this many times longer (stands in for older chips locally)."""
+
+    pool: str = "local"
+    """Prefect work pool (or just a label for local runs) this learner runs on."""
+
+    def __post_init__(self) -> None:
+        validate_id(self.learner_id, "learner id")
+        if self.batch_size < 1:
+            raise ConfigError(f"learner {self.learner_id}: batch_size must be >= 1")
+        if not (self.slowdown >= 1 and math.isfinite(self.slowdown)):
+            raise ConfigError(f"learner {self.learner_id}: slowdown must be >= 1 (got {self.slowdown!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where tokens come from. Default: the Python standard library's own source, as bytes."""
+
+    kind: str = "stdlib"
+    """'stdlib' (default corpus, no download) or 'tokens' (your pre-tokenized shards)."""
+
+    max_corpus_mb: float = 8.0
+    """For 'stdlib': how much of the standard library to use (MB of source)."""
+
+    train_url: str = ""
+    """For 'tokens': fsspec URL of the flat train token file."""
+
+    val_url: str = ""
+    """For 'tokens': fsspec URL of the flat validation token file."""
+
+    dtype: str | None = None
+    """For 'tokens': 'uint16' or 'uint32' (else read from the sidecar JSON)."""
+
+    seed: int = 0
+    """Seed of every learner's batch order."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stdlib", "tokens"):
+            raise ConfigError(f"data kind must be 'stdlib' or 'tokens' (got {self.kind!r})")
+        if self.kind == "tokens" and not (self.train_url and self.val_url):
+            raise ConfigError("data kind 'tokens' needs train_url and val_url")
+
+    def corpus(self) -> Any:
+        from atoll.train import data
+
+        if self.kind == "stdlib":
+            return data.stdlib_corpus(max_corpus_mb=self.max_corpus_mb)
+        return data.token_corpus(self.train_url, self.val_url, dtype=self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Everything besides the DiLoCo config that a run needs to be rebuilt from its bucket."""
+
+    model: str | Mapping[str, Any] = "tiny"
+    """Preset name ('micro', 'tiny', ...), a GPTConfig as a dict, or 'package.module:function'."""
+
+    model_seed: int = 0
+    """Seed of the initial weights (every process builds the identical start)."""
+
+    data: DataSpec = field(default_factory=DataSpec)
+    """Where the tokens come from."""
+
+    learners: tuple[LearnerSpec, ...] = ()
+    """The islands; their count must equal the config's num_learners."""
+
+    inner: InnerOptimConfig = field(default_factory=InnerOptimConfig)
+    """Inner optimizer of every learner."""
+
+    max_rounds: int = 48
+    """The run is finished once this many outer rounds are committed."""
+
+    eval_every_rounds: int = 8
+    """Validation loss of the global model every this many rounds (0: never)."""
+
+    eval_batches: int = 4
+    """Validation batches (of 16 sequences) per evaluation."""
+
+    checkpoint_every_rounds: int = 0
+    """Consolidated checkpoint every this many rounds (0: only at the end)."""
+
+    save_every_steps: int = 50
+    """Each learner saves its inner state (AdamW, step, data cursor) this often, for rejoin."""
+
+    def __post_init__(self) -> None:
+        ids = [s.learner_id for s in self.learners]
+        if len(ids) != len(set(ids)):
+            raise ConfigError(f"learner ids must be unique, got {ids}")
+        if self.max_rounds < 1:
+            raise ConfigError(f"max_rounds must be >= 1 (got {self.max_rounds})")
+
+    def check(self, config: DilocoConfig) -> None:
+        if len(self.learners) != config.num_learners:
+            raise ConfigError(
+                f"num_learners={config.num_learners} but the recipe lists {len(self.learners)} learners"
+            )
+
+    def learner(self, learner_id: str) -> tuple[int, LearnerSpec]:
+        for i, spec in enumerate(self.learners):
+            if spec.learner_id == learner_id:
+                return i, spec
+        raise KeyError(f"learner {learner_id!r} is not in this run's recipe ({[s.learner_id for s in self.learners]})")
+
+    def model_factory(self) -> Any:
+        from atoll.train.model import GPTConfig, model_factory
+
+        spec: Any = self.model
+        if isinstance(spec, Mapping):
+            spec = GPTConfig.from_dict(dict(spec))
+        return model_factory(spec, seed=self.model_seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["learners"] = [dataclasses.asdict(s) for s in self.learners]
+        if isinstance(self.model, Mapping):
+            d["model"] = dict(self.model)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
+        d = dict(d)
+        return cls(
+            **{
+                **d,
+                "data": DataSpec(**d.get("data", {})),
+                "inner": InnerOptimConfig(**d.get("inner", {})),
+                "learners": tuple(LearnerSpec(**s) for s in d.get("learners", ())),
+            }
+        )
+
+
+def _learners(n: int, *, batch_size: int, slow: int = 0, slowdown: float = 1.5,
+              pools: tuple[str, str] = ("cpu-fast", "cpu-slow")) -> tuple[LearnerSpec, ...]:
+    return tuple(
+        LearnerSpec(
+            learner_id=f"learner-{i}",
+            batch_size=batch_size,
+            slowdown=slowdown if i >= n - slow else 1.0,
+            pool=pools[1] if i >= n - slow else pools[0],
+        )
+        for i in range(n)
+    )
+
+
+def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
+    """The demo: tiny GPT on the stdlib corpus, 4 learners (one 1.5x slower), K = 1 + grace.
+
+    H = P = 8 keeps rounds frequent on a laptop; outer Nesterov(0.7, 0.9) as in the paper.
+    """
+    config = DilocoConfig(num_learners=num_learners, num_fragments=8, inner_steps=8, overlap_steps=2,
+                          min_quorum=1, initial_grace_s=1.0)
+    recipe = Recipe(
+        model="tiny",
+        data=DataSpec(max_corpus_mb=4.0),
+        learners=_learners(num_learners, batch_size=8, slow=1),
+        inner=InnerOptimConfig(lr=3e-3, warmup_steps=20, total_steps=400),
+        max_rounds=160,
+        eval_every_rounds=16,
+        checkpoint_every_rounds=80,
+    )
+    return config, recipe
+
+
+def test_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoConfig, Recipe]:
+    """For tests: micro GPT, 1 MB of corpus, P = 2 fragments, H = 2."""
+    config = DilocoConfig(num_learners=num_learners, num_fragments=2, inner_steps=2, overlap_steps=1,
+                          min_quorum=1, initial_grace_s=0.5)
+    recipe = Recipe(
+        model="micro",
+        data=DataSpec(max_corpus_mb=2.0),
+        learners=_learners(num_learners, batch_size=4),
+        inner=InnerOptimConfig(lr=3e-3, warmup_steps=5, total_steps=200),
+        max_rounds=max_rounds,
+        eval_every_rounds=4,
+        eval_batches=2,
+        save_every_steps=5,
+    )
+    return config, recipe
+
+
+RECIPE_PRESETS = {"demo": demo_recipe, "test": test_recipe}

@@ -1,0 +1,339 @@
+"""The synchronizer loop: poll the bucket, close rounds by quorum + grace, merge, outer step, commit.
+
+Round r synchronizes fragment ``(r - 1) mod P``; rounds are strictly sequential, and each one is
+a create-once commit in the bucket, so a synchronizer restarted at any point reads the latest
+committed round and simply carries on with the next one: a round is never lost or repeated. If
+two synchronizers race on a round, exactly one commit wins and the loser adopts the winner's.
+
+Which contributions a round considers: those for its fragment computed against the fragment's
+current version or the one before it (a learner may have published just before it saw the new
+version; its delta is re-anchored, never applied as if fresh), not already merged or rejected by
+an earlier round, and the newest one per learner. Anything older is stale: the learner has
+since overwritten that work with a newer global version.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from atoll.core.outer import NesterovOuterOptimizer
+from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
+from atoll.core.synchronize import synchronize_fragment
+from atoll.storage.bucket import RunStore
+from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
+from atoll.storage.validation import InvalidInput, RoundOrderError
+
+__all__ = ["SynchronizerOptions", "Synchronizer", "RoundSummary", "run_synchronizer"]
+
+Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynchronizerOptions:
+    """How the synchronizer polls and what it records."""
+
+    poll_interval_s: float = 0.2
+    """Longest sleep between two polls of an open round."""
+
+    max_wait_s: float | None = None
+    """Close a round below quorum (with >= 1 valid contribution) after this long; None: never."""
+
+    live_timeout_s: float | None = None
+    """A learner not seen for this long is not 'live' (for early close). None: max(5 s, 3 H step times)."""
+
+    outlier_norm_ratio: float | None = 100.0
+    """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median."""
+
+    eval_every_rounds: int = 0
+    """Validation loss of the global model every this many rounds (0: never; the last round always)."""
+
+    checkpoint_every_rounds: int = 0
+    """Consolidated checkpoint every this many rounds (0: only at the last round)."""
+
+    max_rounds: int | None = None
+    """Stop after committing this round."""
+
+    synchronizer_id: str = "synchronizer"
+    """Written into every commit record (who won the round)."""
+
+
+@dataclass
+class RoundSummary:
+    """One committed round, as the loop reports it (what a log line or a Prefect artifact shows)."""
+
+    record: CommitRecord
+    won: bool
+    decision: QuorumDecision | None = None
+    val_loss: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        r = self.record
+        who = ",".join(a.learner_id for a in r.accepted) or "-"
+        loss = f" val_loss={self.val_loss:.4f}" if self.val_loss is not None else ""
+        return (
+            f"round {r.round:5d} frag {r.fragment:2d} in={len(r.accepted)} out={len(r.rejected)} "
+            f"quorum={r.stats.get('quorum_s', 0):.2f}s grace={r.stats.get('grace_s', 0):.2f}s "
+            f"[{who}]{loss}" + ("" if self.won else " (adopted another synchronizer's commit)")
+        )
+
+
+class Synchronizer:
+    """The synchronizer's state machine; :meth:`tick` does one poll and maybe one commit."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        options: SynchronizerOptions | None = None,
+        evaluate: Evaluate | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.options = options or SynchronizerOptions()
+        self.evaluate = evaluate
+        self.clock = clock
+        self.config = store.config
+        self.plan = store.plan
+        self.policy = self.config.quorum_policy(
+            poll_interval_s=self.options.poll_interval_s, max_wait_s=self.options.max_wait_s
+        )
+        self._load(store.latest_round())
+        self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
+        self._first_seen: dict[str, float] = {}
+        self.last_seen: dict[str, float] = {}
+
+    # -- state -------------------------------------------------------------------------------
+    def _load(self, round_: int) -> None:
+        """(Re)load everything from the bucket as of committed round ``round_``."""
+        state = self.store.read_global_state(round_)
+        self.round = state.round
+        self.versions = list(state.versions)
+        self.fragments = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
+        self.optimizers = []
+        for p in range(self.plan.num_fragments):
+            opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
+            opt.load_state_dict(state.momentum.get(p, {}))
+            self.optimizers.append(opt)
+        timings = dict(state.timings or {})
+        self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
+        # Keys consumed by recent rounds (older contributions are never listed again).
+        self.consumed: set[str] = set()
+        for rec in self.store.history(max(1, round_ - 2 * self.plan.num_fragments + 1), round_) if round_ else []:
+            self._consume(rec)
+
+    def _consume(self, rec: CommitRecord) -> None:
+        self.consumed.update(a.key for a in rec.accepted)
+        self.consumed.update(rec.rejected)
+
+    def _previous_version(self, p: int) -> int | None:
+        c = self.versions[p]
+        if c == 0:
+            return None
+        before = self.store.read_commit(c - 1) if c > 1 else None
+        return before.versions[p] if before is not None else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.options.max_rounds is not None and self.round >= self.options.max_rounds
+
+    def fragment_of_round(self, round_: int) -> int:
+        return (round_ - 1) % self.plan.num_fragments
+
+    def _live_learners(self, now: float) -> set[str]:
+        timeout = self.options.live_timeout_s
+        if timeout is None:
+            step = self.ema.get("step_s")
+            timeout = max(5.0, 3 * self.config.inner_steps * step) if step else 30.0
+        return {lid for lid, t in self.last_seen.items() if now - t <= timeout}
+
+    # -- one poll ----------------------------------------------------------------------------
+    def tick(self) -> RoundSummary | QuorumDecision:
+        """Poll the open round once. Returns a RoundSummary if it committed, else the decision."""
+        r = self.round + 1
+        p = self.fragment_of_round(r)
+        now = self.clock()
+        if self._opened is None or self._opened[0] != r:
+            self._opened = (r, now)
+            self._first_seen = {}
+        opened_at = self._opened[1]
+
+        # Someone else (a racing or previous incarnation) may have committed this round already.
+        existing = self.store.read_commit(r)
+        if existing is not None:
+            return self._adopt(existing)
+
+        bases = {self.versions[p]}
+        prev = self._previous_version(p)
+        if prev is not None:
+            bases.add(prev)
+        listing = self.store.list_contributions(p, bases)
+        candidates: dict[str, ContributionRecord] = {}
+        rejected: dict[str, str] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
+        for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
+            if rec.key in self.consumed:
+                continue
+            self._first_seen.setdefault(rec.key, now)
+            self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
+            older = candidates.get(rec.learner_id)
+            if older is not None:
+                rejected[older.key] = f"superseded by a newer contribution from {rec.learner_id}"
+            candidates[rec.learner_id] = rec
+        arrivals = [
+            Arrival(learner_id=rec.learner_id, arrived_at_s=self._first_seen[rec.key], c_steps=rec.c_steps,
+                    c_tokens=rec.c_tokens, key=rec.key)
+            for rec in candidates.values()
+        ]
+        decision = decide_round(
+            now_s=now, opened_at_s=opened_at, arrivals=arrivals, live_learners=self._live_learners(now),
+            policy=self.policy, timings=self.ema.estimates(),
+        )
+        if not decision.close:
+            return decision
+        return self._close(r, p, decision, {a.key: candidates[a.learner_id] for a in decision.accepted},
+                           {**rejected, **{a.key: why for a, why in decision.rejected}}, opened_at, now)
+
+    def _close(
+        self,
+        r: int,
+        p: int,
+        decision: QuorumDecision,
+        accepted: dict[str, ContributionRecord],
+        rejected: dict[str, str],
+        opened_at: float,
+        closed_at: float,
+    ) -> RoundSummary:
+        contributions, bad = self.store.load_contributions(accepted.values())
+        rejected.update(bad)
+        bases: dict[int, dict[str, torch.Tensor]] = {}
+        for c in contributions:
+            if c.base_version not in bases:
+                bases[c.base_version] = (
+                    self.fragments[p] if c.base_version == self.versions[p]
+                    else self.store.read_global_fragment(p, c.base_version)
+                )
+        # Step a copy of the optimizer: if another synchronizer wins the commit, ours is discarded.
+        opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
+        opt.load_state_dict(self.optimizers[p].state_dict())
+        result = None
+        if contributions:
+            result = synchronize_fragment(
+                current=self.fragments[p], bases=bases, contributions=contributions, optimizer=opt,
+                merge=self.config.merge, weighting=self.config.weighting,
+                embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
+                outlier_norm_ratio=self.options.outlier_norm_ratio,
+            )
+        merged_keys = set(result.weights) if result is not None else set()
+        if result is not None:
+            rejected.update(result.rejected)
+        accepted_out = [
+            AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
+                                 base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
+            for k, rec in accepted.items() if result is not None and k in merged_keys
+        ]
+        for k in accepted:
+            if k not in merged_keys and k not in rejected:
+                rejected[k] = "not merged"
+
+        # Timings for the grace window: learners report their step time with each contribution.
+        step_times = [float(rec.info["step_time_s"]) for k, rec in accepted.items()
+                      if isinstance(rec.info.get("step_time_s"), int | float) and math.isfinite(rec.info["step_time_s"])]
+        quorum_s = (decision.quorum_at_s - opened_at) if decision.quorum_at_s is not None else closed_at - opened_at
+        new_params = result.new_params if result is not None else None
+        is_last = self.options.max_rounds is not None and r >= self.options.max_rounds
+        val_loss = None
+        every = self.options.eval_every_rounds
+        if self.evaluate is not None and ((every and r % every == 0) or is_last):
+            params = {n: t for frag in self.fragments for n, t in frag.items()}
+            if new_params is not None:
+                params.update(new_params)
+            val_loss = float(self.evaluate(params))
+        bytes_in = sum(rec.payload.nbytes for k, rec in accepted.items() if k in merged_keys)
+        stats = {
+            "quorum_s": round(max(0.0, quorum_s), 4),
+            "grace_s": round(decision.grace_s, 4),
+            "wait_s": round(closed_at - opened_at, 4),
+            "reason": decision.reason,
+            "waiting_for": list(decision.waiting_for),
+            "tokens": sum(rec.c_tokens for k, rec in accepted.items() if k in merged_keys),
+            "steps": sum(rec.c_steps for k, rec in accepted.items() if k in merged_keys),
+            "bytes_in": bytes_in,
+            "bytes_out_per_learner": 4 * self.plan.fragment_numel(p) if new_params is not None else 0,
+            "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
+            "pools": {rec.learner_id: rec.info.get("pool") for rec in accepted.values() if isinstance(rec.info.get("pool"), str)},
+            "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in accepted.values()
+                             if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
+        }
+        if val_loss is not None and math.isfinite(val_loss):
+            stats["val_loss"] = round(val_loss, 6)
+        sync_s = self.clock() - closed_at
+        ema = TimingEma.from_dict(self.ema.to_dict())
+        if step_times:
+            ema.update("step_s", statistics.median(step_times))
+        if decision.quorum_at_s is not None:
+            ema.update("quorum_s", max(0.0, quorum_s))
+        ema.update("sync_s", max(0.0, sync_s))
+        commit = self.store.commit_round(
+            r, p, params=new_params, momentum=opt.state_dict() if new_params is not None else None,
+            accepted=accepted_out, rejected=rejected, timings=ema.to_dict(), stats=stats,
+            committed_by=self.options.synchronizer_id,
+        )
+        if not commit.won:
+            return self._adopt(commit.record)
+        self.round = r
+        if new_params is not None:
+            self.versions[p] = r
+            self.fragments[p] = {n: t.float() for n, t in new_params.items()}
+            self.optimizers[p] = opt
+        self.ema = ema
+        self._consume(commit.record)
+        every_ckpt = self.options.checkpoint_every_rounds
+        if (every_ckpt and r % every_ckpt == 0) or is_last:
+            self.store.write_checkpoint(r)
+        return RoundSummary(record=commit.record, won=True, decision=decision, val_loss=val_loss)
+
+    def _adopt(self, record: CommitRecord) -> RoundSummary:
+        """Another synchronizer committed this round first: take its state, not ours."""
+        self._load(record.round)
+        self._consume(record)
+        val = record.stats.get("val_loss")
+        return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def run_synchronizer(
+    store: RunStore,
+    *,
+    options: SynchronizerOptions | None = None,
+    evaluate: Evaluate | None = None,
+    on_round: Callable[[RoundSummary], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    log: Callable[[str], None] = print,
+) -> int:
+    """Run rounds until ``options.max_rounds`` is committed or ``should_stop()``; returns the last round.
+
+    Sleeps on atoll's own clock between polls (never longer than the decision's recheck time).
+    """
+    sync = Synchronizer(store, options=options, evaluate=evaluate)
+    log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
+    while not sync.finished and not should_stop():
+        try:
+            out = sync.tick()
+        except (RoundOrderError, InvalidInput) as e:  # pragma: no cover - storage said no; retry later
+            log(f"synchronizer: round {sync.round + 1}: {e}; retrying")
+            time.sleep(sync.options.poll_interval_s)
+            continue
+        if isinstance(out, RoundSummary):
+            log(out.line())
+            if on_round is not None:
+                on_round(out)
+            continue
+        wait = (out.recheck_at_s or 0) - sync.clock()
+        time.sleep(min(max(wait, 0.005), sync.options.poll_interval_s))
+    return sync.round
