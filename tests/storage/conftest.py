@@ -87,8 +87,8 @@ class Backend:
     def new_url(self) -> str:
         return join_url(self.base_url, f"run-{uuid.uuid4().hex[:10]}")
 
-    def fs_and_root(self, url: str) -> tuple[Any, str]:
-        opts = dict(self.storage_options)
+    def fs_and_root(self, url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+        opts = dict(self.storage_options if options is None else options)
         if self.name == "local":
             opts.setdefault("auto_mkdir", True)
         return url_to_fs(url, **opts)
@@ -100,12 +100,18 @@ class Backend:
         wrap: Callable[[Any], Any] | None = None,
         retry: RetryPolicy | None = None,
         sleep: Callable[[float], None] | None = None,
+        fresh: bool = False,
         **kwargs: Any,
     ) -> RunStore:
+        """Open a RunStore; ``fresh=True`` gives it its own filesystem instance (own listing cache,
+        own connections), like a separate process would have."""
         kw = {**self.open_kwargs, **kwargs}
+        options = dict(self.storage_options)
+        if fresh and self.name in ("s3", "gcs"):
+            options["skip_instance_cache"] = True
         if wrap is None and retry is None and sleep is None:
-            return RunStore.open(url, self.storage_options, **kw)
-        fs, root = self.fs_and_root(url)
+            return RunStore.open(url, options, **kw)
+        fs, root = self.fs_and_root(url, options)
         store = ObjectStore(
             wrap(fs) if wrap else fs,
             root,
@@ -183,7 +189,6 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Backend:
                 "key": "testing",
                 "secret": "testing",
                 "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-                "skip_instance_cache": True,
             },
         )
     if name == "gcs":
@@ -191,7 +196,7 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Backend:
         return Backend(
             name,
             f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:8]}",
-            {"endpoint_url": endpoint, "token": "anon", "project": "atoll-test", "skip_instance_cache": True},
+            {"endpoint_url": endpoint, "token": "anon", "project": "atoll-test"},
             # The emulator ignores ifGenerationMatch=0: the capability probe would (rightly) refuse it.
             {"unsafe_allow_overwrite": True},
         )
