@@ -26,7 +26,7 @@ __all__ = [
     "Recipe",
     "lr_at_step",
     "demo_recipe",
-    "test_recipe",
+    "smoke_recipe",
     "RECIPE_PRESETS",
 ]
 
@@ -256,7 +256,7 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
     return config, recipe
 
 
-def test_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoConfig, Recipe]:
+def smoke_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoConfig, Recipe]:
     """For tests: micro GPT, 1 MB of corpus, P = 2 fragments, H = 2."""
     config = DilocoConfig(num_learners=num_learners, num_fragments=2, inner_steps=2, overlap_steps=1,
                           min_quorum=1, initial_grace_s=0.5)
@@ -273,4 +273,4 @@ def test_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoCo
     return config, recipe
 
 
-RECIPE_PRESETS = {"demo": demo_recipe, "test": test_recipe}
+RECIPE_PRESETS = {"demo": demo_recipe, "smoke": smoke_recipe}

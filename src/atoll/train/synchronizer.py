@@ -32,6 +32,8 @@ from atoll.storage.validation import InvalidInput, RoundOrderError
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundSummary", "run_synchronizer"]
 
+LATE = "late:"  # prefix of core.quorum's reason for a contribution that missed the grace window
+
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 
@@ -109,6 +111,7 @@ class Synchronizer:
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
+        self._rounds_closed = 0
 
     # -- state -------------------------------------------------------------------------------
     def _load(self, round_: int) -> None:
@@ -131,7 +134,9 @@ class Synchronizer:
 
     def _consume(self, rec: CommitRecord) -> None:
         self.consumed.update(a.key for a in rec.accepted)
-        self.consumed.update(rec.rejected)
+        # A contribution that was merely late for a round is not used up: the next round of its
+        # fragment considers it again (re-anchored). Every other rejection is final.
+        self.consumed.update(k for k, why in rec.rejected.items() if not why.startswith(LATE))
 
     def _previous_version(self, p: int) -> int | None:
         c = self.versions[p]
@@ -212,6 +217,8 @@ class Synchronizer:
     ) -> RoundSummary:
         contributions, bad = self.store.load_contributions(accepted.values())
         rejected.update(bad)
+        # A fixed merge order makes a round's result independent of arrival order (bit for bit).
+        contributions.sort(key=lambda c: (c.learner_id, c.key))
         bases: dict[int, dict[str, torch.Tensor]] = {}
         for c in contributions:
             if c.base_version not in bases:
@@ -277,7 +284,8 @@ class Synchronizer:
         ema = TimingEma.from_dict(self.ema.to_dict())
         if step_times:
             ema.update("step_s", statistics.median(step_times))
-        if decision.quorum_at_s is not None:
+        if decision.quorum_at_s is not None and self._rounds_closed > 0:
+            # The first round after a (re)start also measures learner start-up, not steady state.
             ema.update("quorum_s", max(0.0, quorum_s))
         ema.update("sync_s", max(0.0, sync_s))
         commit = self.store.commit_round(
@@ -288,6 +296,7 @@ class Synchronizer:
         if not commit.won:
             return self._adopt(commit.record)
         self.round = r
+        self._rounds_closed += 1
         if new_params is not None:
             self.versions[p] = r
             self.fragments[p] = {n: t.float() for n, t in new_params.items()}
