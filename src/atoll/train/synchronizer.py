@@ -30,7 +30,7 @@ from atoll.storage.bucket import RunStore
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError
 
-__all__ = ["SynchronizerOptions", "Synchronizer", "RoundSummary", "run_synchronizer"]
+__all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
 LATE = "late:"  # prefix of core.quorum's reason for a contribution that missed the grace window
 
@@ -85,6 +85,21 @@ class RoundSummary:
             f"quorum={r.stats.get('quorum_s', 0):.2f}s grace={r.stats.get('grace_s', 0):.2f}s "
             f"[{who}]{loss}" + ("" if self.won else " (adopted another synchronizer's commit)")
         )
+
+
+@dataclass
+class RoundPoll:
+    """What one poll of the open round found (small: records and reasons, no tensors)."""
+
+    round: int
+    fragment: int
+    decision: QuorumDecision
+    opened_at_s: float
+    polled_at_s: float
+    accepted: dict[str, ContributionRecord]
+    """Contribution key -> record, for the contributions the decision accepted."""
+    rejected: dict[str, str]
+    """Contribution key -> reason, for everything that will not be merged."""
 
 
 class Synchronizer:
@@ -160,8 +175,12 @@ class Synchronizer:
         return {lid for lid, t in self.last_seen.items() if now - t <= timeout}
 
     # -- one poll ----------------------------------------------------------------------------
-    def tick(self) -> RoundSummary | QuorumDecision:
-        """Poll the open round once. Returns a RoundSummary if it committed, else the decision."""
+    def poll(self) -> RoundPoll | RoundSummary:
+        """Look at the open round once: list its contributions and ask core's quorum/grace policy.
+
+        Returns a :class:`RoundPoll` (``poll.decision.close`` says whether to :meth:`close` it now)
+        or, if another synchronizer already committed this round, the adopted RoundSummary.
+        """
         r = self.round + 1
         p = self.fragment_of_round(r)
         now = self.clock()
@@ -200,10 +219,29 @@ class Synchronizer:
             now_s=now, opened_at_s=opened_at, arrivals=arrivals, live_learners=self._live_learners(now),
             policy=self.policy, timings=self.ema.estimates(),
         )
-        if not decision.close:
-            return decision
-        return self._close(r, p, decision, {a.key: candidates[a.learner_id] for a in decision.accepted},
-                           {**rejected, **{a.key: why for a, why in decision.rejected}}, opened_at, now)
+        return RoundPoll(
+            round=r, fragment=p, decision=decision, opened_at_s=opened_at, polled_at_s=now,
+            accepted={a.key: candidates[a.learner_id] for a in decision.accepted},
+            rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
+        )
+
+    def close(self, poll: RoundPoll) -> RoundSummary:
+        """Merge the accepted contributions of a closing poll, take the outer step and commit."""
+        if not poll.decision.close:
+            raise ValueError(f"round {poll.round} is still open: {poll.decision.reason}")
+        if poll.round != self.round + 1:
+            raise ValueError(f"poll is for round {poll.round} but the next round is {self.round + 1}")
+        return self._close(poll.round, poll.fragment, poll.decision, dict(poll.accepted), dict(poll.rejected),
+                           poll.opened_at_s, poll.polled_at_s)
+
+    def tick(self) -> RoundSummary | QuorumDecision:
+        """Poll once and close if the policy says so. Returns a RoundSummary if a round committed."""
+        polled = self.poll()
+        if isinstance(polled, RoundSummary):
+            return polled
+        if not polled.decision.close:
+            return polled.decision
+        return self.close(polled)
 
     def _close(
         self,
