@@ -12,7 +12,6 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,38 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class FsProxy:
-    """Wraps an fsspec filesystem: counts method calls and can inject faults.
-
-    ``fault(method_name, args, kwargs, real_fs)`` is called before every call and may raise, or
-    return a value to short-circuit the call (anything but None).
-    """
-
-    def __init__(self, fs: Any, fault: Callable[..., Any] | None = None) -> None:
-        self._fs = fs
-        self.calls: Counter[str] = Counter()
-        self.fault = fault
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._fs, name)
-        if not callable(attr):
-            return attr
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            if self.fault is not None:
-                out = self.fault(name, args, kwargs, self._fs)
-                if out is not None:
-                    return out
-            return attr(*args, **kwargs)
-
-        return wrapped
-
-    @property
-    def lists(self) -> int:
-        return sum(self.calls[m] for m in ("ls", "find", "glob", "walk", "listdir", "du"))
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -82,4 +83,34 @@ def plant_contribution(
     return key
 
 
-__all__ = ["tensors_to_bytes"]
+
+class FsProxy:
+    """Wraps an fsspec filesystem: counts method calls and can inject faults.
+
+    ``fault(method_name, args, kwargs, real_fs)`` is called before every call and may raise, or
+    return a value to short-circuit the call (anything but None).
+    """
+
+    def __init__(self, fs: Any, fault: Callable[..., Any] | None = None) -> None:
+        self._fs = fs
+        self.calls: Counter[str] = Counter()
+        self.fault = fault
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            if self.fault is not None:
+                out = self.fault(name, args, kwargs, self._fs)
+                if out is not None:
+                    return out
+            return attr(*args, **kwargs)
+
+        return wrapped
+
+    @property
+    def lists(self) -> int:
+        return sum(self.calls[m] for m in ("ls", "find", "glob", "walk", "listdir", "du"))

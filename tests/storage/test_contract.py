@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from storage_helpers import (
+    FsProxy,
     SHAPES,
     counters,
     fragment_delta,
@@ -228,8 +229,6 @@ def test_polling_sees_new_contributions_and_commits(backend):
 
 
 def test_list_calls_per_poll_are_bounded(backend):
-    from conftest import FsProxy
-
     url = backend.new_url()
     init_run(backend.open(url))
     writer = backend.open(url, fresh=True)

@@ -6,8 +6,7 @@ import errno
 
 import pytest
 import torch
-from conftest import FsProxy
-from storage_helpers import counters, fragment_delta, init_run
+from storage_helpers import FsProxy, counters, fragment_delta, init_run
 
 from atoll.storage import ObjectStore, RetryPolicy, TransientStorageError, is_transient, paths, redact
 from atoll.storage.validation import InvalidInput
