@@ -143,6 +143,9 @@ def test_sigkilled_learner_rejoins_and_no_round_is_lost(tmp_path: Path) -> None:
             run.start_learner(spec.learner_id)
         sync = run.start_synchronizer()
         wait_for(lambda: store.latest_round() >= 8, 120, "8 rounds", [sync])
+        # Kill it mid-run: after it has contributed and saved its inner state at least once.
+        wait_for(lambda: any(a.learner_id == "learner-1" for r in store.history() for a in r.accepted)
+                 and store.load_learner_state("learner-1") is not None, 120, "learner-1 to contribute", [sync])
         run.kill(run.learners["learner-1"])
         killed_at = store.latest_round()
         wait_for(lambda: store.latest_round() >= killed_at + 6, 60, "rounds without learner-1", [sync])

@@ -37,7 +37,7 @@ from atoll.train.data import BatchStream
 from atoll.train.model import loss_fn
 from atoll.train.recipe import Recipe, lr_at_step
 
-__all__ = ["LearnerOptions", "LearnerSummary", "run_learner", "load_recipe"]
+__all__ = ["Learner", "LearnerOptions", "LearnerSummary", "run_learner", "load_recipe"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +129,136 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
         }
 
 
+class Learner:
+    """One learner's state and its three moves: :meth:`step`, :meth:`adopt` and :meth:`save`.
+
+    :func:`run_learner` drives it in real time with a background fetcher; the virtual-clock
+    driver in :mod:`atoll.train.virtual` drives the very same object step by step.
+    """
+
+    def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
+                 lockstep: bool | None = None) -> None:
+        self.store, self.learner_id, self.log = store, learner_id, log
+        self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
+        self.index, self.spec = self.recipe.learner(learner_id)
+        self.lockstep = lockstep if lockstep is not None else self.config.min_quorum == self.config.num_learners
+        self.summary = LearnerSummary(learner_id=learner_id)
+
+        # 1. Model, data shard, global state, own inner state.
+        self.model = self.recipe.model_factory()()
+        self.params = dict(self.model.named_parameters())
+        if set(self.params) != set(self.plan.sizes):
+            diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
+            raise ValueError(f"model parameters do not match the run's fragment plan: {diff}")
+        context = int(getattr(getattr(self.model, "config", None), "context_tokens", 0)) or 128
+        self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
+                                  learner_index=self.index, num_learners=self.config.num_learners,
+                                  seed=self.recipe.data.seed)
+        self.start_round = store.latest_round()
+        state = store.read_global_state(self.start_round)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state.params[name])
+        self.versions = list(state.versions)
+        self.bases = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
+        self.counters = LearnerCounters.fresh(self.plan.num_fragments)
+        for p, v in enumerate(self.versions):
+            self.counters.fragments[p].base_version = v
+        self.opt = self.recipe.inner.make(self.model.parameters())
+        self.step_count, self.tokens_total = 0, 0
+        saved = store.load_learner_state(learner_id)
+        if saved is not None:
+            _load_inner_state(saved.tensors, self.model, self.opt)
+            self.step_count = int(saved.meta.get("step", 0))
+            self.tokens_total = int(saved.meta.get("tokens", 0))
+            if isinstance(saved.meta.get("cursor"), dict):
+                self.stream.load_state_dict(saved.meta["cursor"])
+            self.summary.resumed_inner_state = True
+        self.summary.started_from_round = self.start_round
+        self.step_ema: float | None = None
+        self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
+        self.model.train()
+        log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
+            f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
+            f"slowdown {self.spec.slowdown:g}x")
+
+    def step(self, *, step_time_s: float | None = None) -> None:
+        """One inner step, then publish the fragment that is due (if any).
+
+        ``step_time_s`` overrides the measured step time (the virtual-clock driver); otherwise
+        the step is timed, and stretched by the learner's ``slowdown``.
+        """
+        t0 = time.perf_counter()
+        self.step_count += 1
+        step = self.step_count
+        # 2. One inner step on this learner's own lr schedule.
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at_step(self.recipe.inner, step)
+        x, y = self.stream.next_batch(self.spec.batch_size)
+        loss = loss_fn(self.model, x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.recipe.inner.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.inner.grad_clip)
+        self.opt.step()
+        n_tokens = int(x.numel())
+        self.counters.record_step(n_tokens)
+        self.tokens_total += n_tokens
+        self.summary.steps += 1
+        self.summary.tokens += n_tokens
+        self.summary.last_loss = loss.item()
+        self.summary.losses.append(self.summary.last_loss)
+        if step_time_s is None:
+            if self.spec.slowdown > 1:  # stand-in for an older chip: stretch the step
+                time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t0))
+            step_time_s = time.perf_counter() - t0
+        self.step_ema = step_time_s if self.step_ema is None else 0.9 * self.step_ema + 0.1 * step_time_s
+
+        # 3. Publish the fragment that is due, against the version we last aligned to.
+        p = self.plan.fragment_at(step)
+        if p is not None and self.counters.fragments[p].c_steps > 0:
+            fc = self.counters.fragments[p]
+            loss_now = self.summary.last_loss
+            self.store.publish_contribution(
+                self.learner_id, p, fc.base_version, fc, learner_delta(self.bases[p], self.plan.select(self.params, p)),
+                info={"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
+                      "loss": round(loss_now, 6) if math.isfinite(loss_now) else None},
+            )
+            self.summary.published += 1
+            if self.lockstep:
+                self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
+
+    def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
+        if round_ <= self.versions[fragment]:
+            return False
+        self.bases[fragment] = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment,
+                                              version=round_)
+        self.versions[fragment] = round_
+        self.summary.aligned += 1
+        return True
+
+    def waiting_for(self) -> tuple[int, int] | None:
+        """Lock-step only: (fragment, base) whose merged version must be adopted before the next step."""
+        while self.pending and self.pending[0][0] <= self.step_count:
+            _, p, base = self.pending[0]
+            if self.versions[p] > base:
+                self.pending.pop(0)
+                continue
+            return p, base
+        return None
+
+    def save(self) -> None:
+        """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin."""
+        _save_inner_state(self.store, self.learner_id, self.model, self.opt, self.step_count,
+                          self.stream.state_dict(), self.tokens_total)
+
+    def progress_line(self) -> str:
+        ms = (self.step_ema or 0.0) * 1000
+        return (f"{self.learner_id}: step {self.step_count} loss {self.summary.last_loss:.4f} "
+                f"published {self.summary.published} aligned {self.summary.aligned} ({ms:.0f} ms/step)")
+
+
 def run_learner(
     store: RunStore,
     learner_id: str,
@@ -141,125 +271,39 @@ def run_learner(
     options = options or LearnerOptions()
     if options.threads:
         torch.set_num_threads(options.threads)
-    config, plan, recipe = store.config, store.plan, load_recipe(store)
-    index, spec = recipe.learner(learner_id)
-    lockstep = options.lockstep if options.lockstep is not None else config.min_quorum == config.num_learners
-    summary = LearnerSummary(learner_id=learner_id)
-
-    # 1. Model, data shard, global state, own inner state.
-    model = recipe.model_factory()()
-    params = dict(model.named_parameters())
-    if set(params) != set(plan.sizes):
-        raise ValueError(f"model parameters do not match the run's fragment plan: {sorted(set(params) ^ set(plan.sizes))[:5]}")
-    context = int(getattr(getattr(model, "config", None), "context_tokens", 0)) or 128
-    stream = BatchStream(recipe.data.corpus().train, context_tokens=context, learner_index=index,
-                         num_learners=config.num_learners, seed=recipe.data.seed)
-    start_round = store.latest_round()
-    state = store.read_global_state(start_round)
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(state.params[name])
-    versions = list(state.versions)
-    bases = [plan.select(state.params, p) for p in range(plan.num_fragments)]
-    counters = LearnerCounters.fresh(plan.num_fragments)
-    for p, v in enumerate(versions):
-        counters.fragments[p].base_version = v
-    opt = recipe.inner.make(model.parameters())
-    step, tokens_total = 0, 0
-    saved = store.load_learner_state(learner_id)
-    if saved is not None:
-        _load_inner_state(saved.tensors, model, opt)
-        step = int(saved.meta.get("step", 0))
-        tokens_total = int(saved.meta.get("tokens", 0))
-        if isinstance(saved.meta.get("cursor"), dict):
-            stream.load_state_dict(saved.meta["cursor"])
-        summary.resumed_inner_state = True
-    summary.started_from_round = start_round
-    log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {start_round}, step {step}, "
-        f"pool {spec.pool}, batch {spec.batch_size}, slowdown {spec.slowdown:g}x")
-
-    fetcher = _Fetcher(store, start_round, options.poll_interval_s)
+    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep)
+    recipe = learner.recipe
+    fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s)
     fetcher.start()
-    step_ema: float | None = None
-    pending: list[tuple[int, int, int]] = []  # (due step, fragment, base version) in lock-step mode
-
-    def adopt_ready(block_for: tuple[int, int] | None = None) -> None:
-        """Align every prefetched newer version; optionally wait until fragment p is past base b."""
-        while True:
-            try:
-                while True:
-                    r, p, tensors = fetcher.ready.get_nowait()
-                    if r > versions[p]:
-                        bases[p] = align_fragment(params, tensors, counters=counters, fragment=p, version=r)
-                        versions[p] = r
-                        summary.aligned += 1
-            except queue.Empty:
-                pass
-            if block_for is None or versions[block_for[0]] > block_for[1] or should_stop() or run_finished():
-                return
-            time.sleep(min(0.01, options.poll_interval_s))
 
     def run_finished() -> bool:
         return fetcher.latest_round >= recipe.max_rounds
 
+    def adopt_ready() -> None:
+        while True:
+            try:
+                learner.adopt(*fetcher.ready.get_nowait())
+            except queue.Empty:
+                return
+
     try:
-        model.train()
         while not should_stop() and not run_finished():
-            if options.max_steps is not None and summary.steps >= options.max_steps:
+            if options.max_steps is not None and learner.summary.steps >= options.max_steps:
                 break
-            t0 = time.perf_counter()
-            step += 1
-            # 2. One inner step on this learner's own lr schedule.
-            for group in opt.param_groups:
-                group["lr"] = lr_at_step(recipe.inner, step)
-            x, y = stream.next_batch(spec.batch_size)
-            loss = loss_fn(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if recipe.inner.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.inner.grad_clip)
-            opt.step()
-            n_tokens = int(x.numel())
-            counters.record_step(n_tokens)
-            tokens_total += n_tokens
-            summary.steps += 1
-            summary.tokens += n_tokens
-            summary.last_loss = loss.item()
-            if spec.slowdown > 1:  # stand-in for an older chip: stretch the step
-                time.sleep((spec.slowdown - 1) * (time.perf_counter() - t0))
-            dt = time.perf_counter() - t0
-            step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
-
-            # 3. Publish the fragment that is due, against the version we last aligned to.
-            p = plan.fragment_at(step)
-            if p is not None and counters.fragments[p].c_steps > 0:
-                local = plan.select(params, p)
-                fc = counters.fragments[p]
-                store.publish_contribution(
-                    learner_id, p, fc.base_version, fc, learner_delta(bases[p], local),
-                    info={"step": step, "step_time_s": round(step_ema, 6), "pool": spec.pool,
-                          "loss": round(summary.last_loss, 6) if math.isfinite(summary.last_loss) else None},
-                )
-                summary.published += 1
-                if lockstep:
-                    pending.append((step + config.overlap_steps, p, fc.base_version))
-
-            # 4. Adopt new global versions (and, in lock-step mode, wait for ours when due).
+            learner.step()
             adopt_ready()
-            while pending and pending[0][0] <= step:
-                _, pp, base = pending.pop(0)
-                adopt_ready(block_for=(pp, base))
-
-            # 5. Save inner state for rejoin.
-            if recipe.save_every_steps and step % recipe.save_every_steps == 0:
-                _save_inner_state(store, learner_id, model, opt, step, stream.state_dict(), tokens_total)
-            if options.log_every_steps and step % options.log_every_steps == 0:
-                log(f"{learner_id}: step {step} loss {summary.last_loss:.4f} published {summary.published} "
-                    f"aligned {summary.aligned} ({step_ema * 1000:.0f} ms/step)")
-            summary.losses.append(summary.last_loss)
+            # Lock-step mode only: wait (tau steps after publishing) for the merged version.
+            while learner.waiting_for() is not None and not should_stop() and not run_finished():
+                time.sleep(0.005)
+                adopt_ready()
+            if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
+                learner.save()
+            if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
+                log(learner.progress_line())
     finally:
         fetcher.stop.set()
         fetcher.join(timeout=5)
-    _save_inner_state(store, learner_id, model, opt, step, stream.state_dict(), tokens_total)
-    log(f"{learner_id}: stopped at step {step} ({summary.published} published, {summary.aligned} aligned)")
-    return summary
+    learner.save()
+    s = learner.summary
+    log(f"{learner_id}: stopped at step {learner.step_count} ({s.published} published, {s.aligned} aligned)")
+    return s

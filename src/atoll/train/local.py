@@ -87,7 +87,7 @@ class LocalRun:
         self.url = url
         self.log_dir = Path(log_dir) if log_dir else None
         self.threads = threads
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         self.learners: dict[str, subprocess.Popen[bytes]] = {}
         self.synchronizer: subprocess.Popen[bytes] | None = None
 

@@ -290,7 +290,10 @@ class Synchronizer:
         # Timings for the grace window: learners report their step time with each contribution.
         step_times = [float(rec.info["step_time_s"]) for k, rec in accepted.items()
                       if isinstance(rec.info.get("step_time_s"), int | float) and math.isfinite(rec.info["step_time_s"])]
-        quorum_s = (decision.quorum_at_s - opened_at) if decision.quorum_at_s is not None else closed_at - opened_at
+        # Time to quorum counts from the round's first contribution (not from the previous close):
+        # with H > P nobody publishes this fragment for a while after the previous round closed.
+        first = min((a.arrived_at_s for a in decision.accepted), default=opened_at)
+        quorum_s = (decision.quorum_at_s - first) if decision.quorum_at_s is not None else closed_at - first
         new_params = result.new_params if result is not None else None
         is_last = self.options.max_rounds is not None and r >= self.options.max_rounds
         val_loss = None
