@@ -77,7 +77,6 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
 
 def reference_synchronous_diloco(recipe: Recipe, config, rounds: int) -> dict[str, torch.Tensor]:
     """Synchronous DiLoCo written out in one process: M models, H AdamW steps each, mean, Nesterov."""
-    torch.set_num_threads(1)
     M, H = config.num_learners, config.inner_steps
     make = recipe.model_factory()
     glob = {n: p.detach().clone() for n, p in make().named_parameters()}
@@ -129,7 +128,12 @@ def test_lockstep_multiprocess_equals_in_process_synchronous_diloco(tmp_path: Pa
     store = RunStore.open(url)
     assert [len(r.accepted) for r in store.history()] == [3] * rounds
     got = store.read_global_state().params
-    want = reference_synchronous_diloco(recipe, config, rounds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the learner processes ran with one thread each
+    try:
+        want = reference_synchronous_diloco(recipe, config, rounds)
+    finally:
+        torch.set_num_threads(threads)
     for n in want:
         # Same ops in the same order on one thread each: equal bit for bit.
         assert torch.equal(got[n], want[n]), (n, (got[n] - want[n]).abs().max())
