@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_simulate(sub)
     _add_plan(sub)
+    _add_orchestration(sub)
     return parser
 
 
@@ -118,6 +119,134 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print("\n".join(result.lines()))
     return 0
+
+
+# -- orchestration (Prefect): up, deploy, train, resume, status, learner, demo ----------------------
+# Each handler parses flags and calls atoll.flows / atoll.tasks; `status` never imports Prefect.
+
+
+def _add_orchestration(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start the local stack: Prefect server (SQLite) + a process worker per pool")
+    p.add_argument("--port", type=int, default=4200, help="server port (default 4200, or a free one)")
+    p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"], help="local process pools")
+    p.add_argument("--home", default=None, help="PREFECT_HOME for the stack (default: your Prefect home)")
+    p.add_argument("--no-deploy", action="store_true", help="do not register atoll's deployments")
+    p.set_defaults(handler=_up)
+
+    p = sub.add_parser("deploy", help="register the training-run deployment and one learner deployment per pool")
+    p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"])
+    p.add_argument("--control-pool", default=None, help="pool of the training run (default: the first pool)")
+    p.add_argument("--create-pools", action="store_true", help="create missing pools as process pools")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env for every job")
+    p.set_defaults(handler=_deploy)
+
+    for name, helptext in (("train", "start a training run from a preset or config file"),
+                           ("resume", "continue a run from its bucket (or fork it from a round)")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "train":
+            p.add_argument("--preset", default="demo", help="recipe preset (demo, smoke)")
+            p.add_argument("--config", default=None, help="YAML/JSON with config: and recipe: keys")
+            p.add_argument("--bucket", default="runs", help="folder or fsspec URL holding runs (default ./runs)")
+            p.add_argument("--name", default=None, help="run name (default run-<hex>)")
+            p.add_argument("--learners", type=int, default=0, help="number of learners (default: the preset's)")
+        else:
+            p.add_argument("run_url", help="the run to resume")
+            p.add_argument("--fork-round", type=int, default=None, help="fork a new run from this round (0 = latest)")
+            p.add_argument("--to", default=None, help="URL of the forked run")
+        p.add_argument("--rounds", type=int, default=0, help="outer rounds (default: the preset's)")
+        p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+        p.add_argument("--in-process", action="store_true",
+                       help="run the training-run flow here instead of on its deployment")
+        p.add_argument("--no-wait", action="store_true", help="return once the run is launched")
+        p.set_defaults(handler=_train)
+
+    p = sub.add_parser("status", help="round history of a run, from its bucket (no Prefect needed)")
+    p.add_argument("run_url")
+    p.add_argument("--last", type=int, default=20, help="show the last N rounds (0: all)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_status)
+
+    p = sub.add_parser("learner", help="run one learner flow here, by hand (it joins the run from the bucket)")
+    p.add_argument("run_url")
+    p.add_argument("--learner-id", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_learner)
+
+    p = sub.add_parser("demo", help="what `make demo` runs: local stack, deploy, train the demo preset")
+    p.add_argument("--dir", default="out/demo", help="where the bucket, Prefect home and logs go")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--keep-up", action="store_true", help="keep the stack up after training until Ctrl-C")
+    p.set_defaults(handler=_demo)
+
+
+def _kv(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _up(args: argparse.Namespace) -> int:
+    from atoll.flows.stack import run_stack_forever
+
+    return run_stack_forever(port=args.port, pools=args.pools, home=args.home, deploy=not args.no_deploy)
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from atoll.flows.deploy import deploy_all, ensure_pools
+
+    if args.create_pools:
+        ensure_pools(args.pools)
+    for name, dep_id in deploy_all(args.pools, control_pool=args.control_pool, env=_kv(args.env)).items():
+        print(f"deployed {name} ({dep_id})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from atoll.flows.client import launch_training
+
+    params = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+    if args.command == "train":
+        from atoll.tasks.runs import new_run_url
+
+        params.update(run_url=new_run_url(args.bucket, args.name), preset=args.preset, learners=args.learners,
+                      config_path=args.config)
+    else:
+        params.update(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to)
+    return launch_training({k: v for k, v in params.items() if v not in (None, 0, "")},
+                           in_process=args.in_process, wait=not args.no_wait)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from atoll.tasks.report import run_status
+    from atoll.tasks.runs import open_run
+
+    store = open_run(args.run_url, _kv(args.storage_option) or None)
+    if not store.exists():
+        print(f"no run at {args.run_url}", file=sys.stderr)
+        return 1
+    print("\n".join(run_status(store, last=args.last or None)))
+    return 0
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from atoll.flows.learner import learner_flow
+
+    learner_flow(args.run_url, args.learner_id, storage_options=_kv(args.storage_option) or None,
+                 threads=args.threads)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from atoll.flows.client import run_demo
+
+    return run_demo(args.dir, learners=args.learners, rounds=args.rounds, port=args.port, keep_up=args.keep_up)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

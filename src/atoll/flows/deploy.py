@@ -1,0 +1,103 @@
+"""Registering atoll's deployments, creating work pools, and starting a training run.
+
+Deployments use module entrypoints (``atoll.flows.learner.learner_flow``): a worker only needs
+atoll installed (a venv, a docker image, a kubernetes image); no source checkout is pulled.
+
+* ``atoll-learner/<pool>``: the learner flow, one deployment per work pool (heterogeneous
+  hardware = heterogeneous pools), with that pool's job variables (env, image, resources);
+* ``atoll-training-run/default``: the training run, on the control pool.
+
+``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectAlreadyExists
+from prefect.types.entrypoint import EntrypointType
+
+from atoll.flows.learner import learner_flow
+from atoll.flows.training import training_run
+from atoll.tasks.learners import LEARNER_FLOW_NAME, pool_tag
+
+__all__ = [
+    "DEFAULT_POOLS",
+    "TRAINING_DEPLOYMENT",
+    "ensure_pools",
+    "deploy_all",
+    "start_training",
+    "learner_job_env",
+]
+
+DEFAULT_POOLS: tuple[str, ...] = ("cpu-fast", "cpu-slow")
+"""The two local process pools of the embedded stack (standing in for two chip generations)."""
+
+TRAINING_DEPLOYMENT = "atoll-training-run/default"
+
+
+def learner_job_env(threads: int = 1) -> dict[str, str]:
+    """Environment for learner processes: one BLAS thread each (islands share nothing)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def ensure_pools(pools: Sequence[str] = DEFAULT_POOLS, *, pool_type: str = "process",
+                 base_job_template: Mapping[str, Any] | None = None) -> list[str]:
+    """Create the work pools that do not exist yet; returns the names created."""
+    created = []
+    with get_client(sync_client=True) as client:
+        for name in pools:
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type=pool_type,
+                                                       base_job_template=dict(base_job_template or {})))
+                created.append(name)
+            except ObjectAlreadyExists:
+                pass
+    return created
+
+
+def deploy_all(
+    pools: Sequence[str] = DEFAULT_POOLS,
+    *,
+    control_pool: str | None = None,
+    env: Mapping[str, str] | None = None,
+    pool_job_variables: Mapping[str, Mapping[str, Any]] | None = None,
+    learner_concurrency: int | None = None,
+) -> dict[str, str]:
+    """Register the learner deployment of every pool and the training-run deployment.
+
+    ``env`` is added to every deployment's job environment (e.g. object-store endpoint and
+    credentials for workers); ``pool_job_variables[pool]`` adds job variables per pool (image,
+    resources ...). Returns ``{deployment name: id}``.
+    """
+    out: dict[str, str] = {}
+    base_env = {**learner_job_env(), **dict(env or {})}
+    for pool in pools:
+        jv = dict((pool_job_variables or {}).get(pool, {}))
+        jv["env"] = {**base_env, **dict(jv.get("env", {}))}
+        dep = learner_flow.to_deployment(
+            name=pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
+            job_variables=jv, tags=["atoll", "atoll-learner", pool_tag(pool)], concurrency_limit=learner_concurrency,
+            description=f"atoll learner on work pool {pool}: one long-lived flow run per learner (island)",
+        )
+        out[f"{LEARNER_FLOW_NAME}/{pool}"] = str(dep.apply())
+    control = control_pool or pools[0]
+    dep = training_run.to_deployment(
+        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables={"env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}, tags=["atoll", "atoll-training-run"],
+        description="atoll training run: the synchronizer; one outer-round flow run per round",
+    )
+    out[TRAINING_DEPLOYMENT] = str(dep.apply())
+    return out
+
+
+def start_training(parameters: Mapping[str, Any], *, deployment: str = TRAINING_DEPLOYMENT,
+                   flow_run_name: str | None = None, tags: Sequence[str] = ()) -> FlowRun:
+    """Launch a training-run flow run on its deployment without waiting for it."""
+    return run_deployment(deployment, parameters=dict(parameters), timeout=0, as_subflow=False,
+                          flow_run_name=flow_run_name, tags=list(tags))  # type: ignore[return-value]

@@ -1,0 +1,78 @@
+"""The learner flow: one long-lived flow run per learner (island).
+
+Launched by the training run through ``run_deployment`` onto the learner's own work pool, or by
+hand anywhere (``atoll learner <run-url> --learner-id ID``). It runs
+:func:`atoll.train.learner.run_learner` unchanged: the learner rebuilds everything from the run
+URL, rejoins from the bucket (latest global state + its own saved inner state) and stops by
+itself once the run has committed its last round. Progress shows as log lines (steps, loss,
+publishes, alignments), a progress artifact (rounds committed, as this learner sees them) and a
+summary artifact at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from atoll.tasks.report import slug
+from atoll.tasks.runs import open_run
+from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+
+__all__ = ["learner_flow"]
+
+
+@flow(name="atoll-learner", persist_result=False, log_prints=False)
+def learner_flow(
+    run_url: str,
+    learner_id: str,
+    storage_options: dict[str, Any] | None = None,
+    threads: int = 1,
+    poll_interval_s: float = 0.2,
+    log_every_steps: int = 50,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
+    """Train as ``learner_id`` of the run at ``run_url`` until the run is finished."""
+    logger = get_run_logger()
+    store = open_run(run_url, storage_options)
+    recipe = load_recipe(store)
+    _, spec = recipe.learner(learner_id)
+    logger.info(f"{learner_id}: pid {os.getpid()} on {socket.gethostname()}, pool {spec.pool}, run {store.url}")
+    progress_id = create_progress_artifact(
+        progress=100.0 * min(1.0, store.latest_round() / recipe.max_rounds),
+        description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
+    )
+
+    def log(line: str) -> None:
+        logger.info(line)
+        if progress_id is None:
+            return
+        try:
+            latest = store.latest_round()
+            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(1.0, latest / recipe.max_rounds),
+                                     description=f"{line} | round {latest} of {recipe.max_rounds}")
+        except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
+            pass
+
+    summary = run_learner(
+        store, learner_id, log=log,
+        options=LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
+                               max_steps=max_steps),
+    )
+    create_markdown_artifact(
+        key=f"{slug(store.manifest.run_id)}-{slug(learner_id)}",
+        description=f"learner {learner_id} of run {store.manifest.run_id}",
+        markdown=(
+            f"# Learner `{learner_id}` (pool `{spec.pool}`)\n\n| | |\n|---|---|\n"
+            f"| started from round | {summary.started_from_round} |\n"
+            f"| resumed its inner state | {'yes' if summary.resumed_inner_state else 'no'} |\n"
+            f"| steps this flow run | {summary.steps} |\n| tokens this flow run | {summary.tokens:,} |\n"
+            f"| contributions published | {summary.published} |\n| global versions aligned | {summary.aligned} |\n"
+            f"| last training loss | {summary.last_loss:.4f} |\n"
+        ),
+    )
+    return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
+            "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss}

@@ -1,0 +1,261 @@
+"""The embedded local stack: a Prefect server (SQLite) and one process worker per local pool.
+
+Used by ``atoll up``, ``make demo``, the integration test and the overhead benchmark. Every
+process is started with :class:`subprocess.Popen` in its own session, so :meth:`LocalStack.stop`
+can stop it and everything it started (learner flow processes included), also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LocalStack", "free_port", "prefect_env", "descendants", "QUIET_PREFECT_ENV"]
+
+QUIET_PREFECT_ENV: dict[str, str] = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_WORKER_QUERY_SECONDS": "1",
+    "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+}
+"""Settings every process of the local stack gets: no telemetry, fast worker polling."""
+
+
+def free_port(preferred: int | None = None) -> int:
+    if preferred:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", preferred))
+                return preferred
+            except OSError:
+                pass
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prefect_env(api_url: str | None = None, home: str | os.PathLike[str] | None = None,
+                extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **QUIET_PREFECT_ENV, **dict(extra or {})}
+    if home is not None:
+        env["PREFECT_HOME"] = str(home)
+    if api_url is not None:
+        env["PREFECT_API_URL"] = api_url
+    env.pop("PREFECT_PROFILE", None)
+    return env
+
+
+class LocalStack:
+    """Start/stop a local Prefect server and process workers (one per pool)."""
+
+    def __init__(
+        self,
+        *,
+        home: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        pools: Sequence[str] = ("cpu-fast", "cpu-slow"),
+        log_dir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.home = Path(home) if home else None
+        self.host = host
+        self.port = port or free_port(4200)
+        self.pools = list(pools)
+        self.log_dir = Path(log_dir) if log_dir else (self.home / "logs" if self.home else None)
+        self.extra_env = dict(env or {})
+        self.server: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[Any] = []
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.ui_url}/api"
+
+    def env(self) -> dict[str, str]:
+        return prefect_env(self.api_url, self.home, self.extra_env)
+
+    def _popen(self, args: list[str], name: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        out: Any = subprocess.DEVNULL
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(out)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start_server(self, timeout_s: float = 120.0) -> None:
+        env = self.env()
+        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_UI_API_URL"] = self.api_url
+        self.server = self._popen([sys.executable, "-m", "prefect", "server", "start", "--host", self.host,
+                                   "--port", str(self.port)], "server", env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.server.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {self.server.returncode} (logs in {self.log_dir})")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"prefect server at {self.api_url} not healthy after {timeout_s:.0f}s")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:  # noqa: S310 - loopback
+                return r.status == 200
+        except OSError:
+            return False
+
+    def create_pools(self) -> None:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from atoll.flows.deploy import ensure_pools
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}):
+            ensure_pools(self.pools)
+
+    def start_worker(self, pool: str) -> subprocess.Popen[bytes]:
+        proc = self._popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+                            "--name", f"atoll-{pool}-{os.getpid()}"], f"worker-{pool}", self.env())
+        self.workers[pool] = proc
+        return proc
+
+    def start(self) -> LocalStack:
+        self.start_server()
+        self.create_pools()
+        for pool in self.pools:
+            self.start_worker(pool)
+        return self
+
+    @contextlib.contextmanager
+    def settings(self) -> Iterator[None]:
+        """Point this process's Prefect client at the stack."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}):
+            yield
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Workers first (with the flow processes they started), then the server."""
+        procs = [*self.workers.values(), *([self.server] if self.server else [])]
+        # Flow processes may run in sessions of their own: find them through the process tree.
+        children = [pid for p in self.workers.values() for pid in descendants(p.pid)]
+        for pid in children:
+            _kill(pid, signal.SIGTERM)
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in children:
+            _kill(pid, signal.SIGKILL)
+        for p in procs:  # whatever is left, in every group, goes now
+            _signal_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+    def __enter__(self) -> LocalStack:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(sig)
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc; elsewhere: none)."""
+    parent: dict[int, int] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out: list[int] = []
+    frontier = [pid]
+    while frontier:
+        cur = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == cur]
+        out += kids
+        frontier += kids
+    return out
+
+
+def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "cpu-slow"),
+                      home: str | None = None, deploy: bool = True) -> int:
+    """``atoll up``: start the stack, register the deployments, print where to look, stop on Ctrl-C."""
+    stack = LocalStack(home=home, port=free_port(port), pools=pools,
+                       log_dir=Path(home) / "logs" if home else Path("out") / "stack-logs")
+    stop = {"now": False}
+
+    def on_term(signum: int, frame: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    print(f"starting Prefect server on {stack.ui_url} (logs in {stack.log_dir}) ...", flush=True)
+    try:
+        stack.start()
+        if deploy:
+            from atoll.flows.deploy import deploy_all
+
+            with stack.settings():
+                names = deploy_all(pools)
+            print("deployments: " + ", ".join(names), flush=True)
+        print(f"Prefect UI: {stack.ui_url}\nworkers: {', '.join(pools)} (process pools)\n"
+              f"in another shell: export PREFECT_API_URL={stack.api_url}; atoll train --preset demo\n"
+              "Ctrl-C stops the server, the workers and the flow runs they started.", flush=True)
+        while not stop["now"]:
+            for name, p in [("server", stack.server), *stack.workers.items()]:
+                if p is not None and p.poll() is not None:
+                    print(f"{name} exited with {p.returncode}; stopping the stack", flush=True)
+                    stop["now"] = True
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping the local stack ...", flush=True)
+        stack.stop()
+    return 0

@@ -1,0 +1,287 @@
+"""What a round looked like, and how much learner work ended up in the model: computed from the bucket.
+
+Pure functions over :class:`~atoll.storage.bucket.RunStore` records (no Prefect import), shared by
+the Prefect tasks that write artifacts and by ``atoll status``, which must work with no Prefect at
+all.
+
+**Goodput** (docs/prefect.md): the share of learner time that ended up in committed rounds.
+
+* Every inner step of learner m feeds all P fragments, and a committed round r merges, for its
+  fragment, a contribution carrying ``c_steps`` steps of m. So m's *useful* steps are
+  ``sum(c_steps over m's merged contributions) / P``: a step counts fully once its work on every
+  fragment reached the global model. Work that did not (a contribution that was late, superseded,
+  rejected, or the steps between a publish and the next alignment, which alignment overwrites)
+  does not count.
+* m's *spent* steps are the steps it ran: the highest local step counter it reported, plus the
+  steps it ran twice after a restart (the counter went back to its last saved state).
+* Both are weighted by m's measured step time (median of the ``step_time_s`` it reports), so the
+  ratio is learner *time*: ``goodput = sum_m useful_m * t_m / sum_m spent_m * t_m``.
+
+Only the bucket is read (commit records and the contribution records they name), so goodput is
+the same whether or not the Prefect database that ran the run still exists.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from atoll.storage.bucket import RunStore
+from atoll.storage.codec import load_record
+from atoll.storage.records import KIND_CONTRIBUTION, CommitRecord, ContributionRecord
+from atoll.storage.validation import InvalidInput
+
+__all__ = [
+    "ContributionRow",
+    "GoodputReport",
+    "GoodputTracker",
+    "contribution_rows",
+    "round_markdown",
+    "history_table",
+    "run_status",
+    "round_flow_name",
+    "slug",
+]
+
+
+def slug(text: str) -> str:
+    """Lowercase letters, digits and dashes only (what Prefect artifact keys accept)."""
+    out = "".join(c if c.isalnum() and c.isascii() else "-" for c in text.lower())
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-") or "run"
+
+
+def round_flow_name(round_: int) -> str:
+    """The name of round ``round_``'s flow run, e.g. ``round-000017``."""
+    return f"round-{round_:06d}"
+
+
+def _read_contribution(store: RunStore, key: str, cache: dict[str, ContributionRecord | None]) -> ContributionRecord | None:
+    if key in cache:
+        return cache[key]
+    rec: ContributionRecord | None = None
+    try:
+        data = store.store.get_or_none(key, max_bytes=1 << 20)
+        if data is not None:
+            rec = ContributionRecord.from_body(load_record(data, KIND_CONTRIBUTION), key)
+    except (InvalidInput, ValueError, TypeError):
+        rec = None
+    cache[key] = rec
+    return rec
+
+
+@dataclass(frozen=True)
+class ContributionRow:
+    """One line of a round's contributions table."""
+
+    learner: str
+    pool: str
+    tokens: int
+    steps: int
+    weight: float
+    status: str
+    """'accepted', or the reason it got weight 0 / was refused."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"learner": self.learner, "pool": self.pool, "tokens": self.tokens, "steps": self.steps,
+                "weight": round(self.weight, 6), "status": self.status}
+
+
+def _learner_of_key(key: str) -> str:
+    name = key.rsplit("/", 1)[-1]
+    return name.split(".s", 1)[0] if ".s" in name else name
+
+
+def contribution_rows(store: RunStore, record: CommitRecord,
+                      cache: dict[str, ContributionRecord | None] | None = None) -> list[ContributionRow]:
+    """The round's contributions: merged ones with their weight, then everything given weight 0."""
+    cache = {} if cache is None else cache
+    pools: Mapping[str, Any] = record.stats.get("pools", {}) or {}
+    rows = [ContributionRow(a.learner_id, str(pools.get(a.learner_id, "")), a.c_tokens, a.c_steps, a.weight, "accepted")
+            for a in sorted(record.accepted, key=lambda a: a.learner_id)]
+    for key, why in sorted(record.rejected.items()):
+        rec = _read_contribution(store, key, cache)
+        if rec is not None:
+            pool = rec.info.get("pool") if isinstance(rec.info.get("pool"), str) else ""
+            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, why))
+        else:
+            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, why))
+    return rows
+
+
+@dataclass
+class GoodputReport:
+    goodput: float | None
+    useful_s: float
+    spent_s: float
+    per_learner: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        if self.goodput is None:
+            return "goodput: n/a (no learner work recorded yet)"
+        return (f"goodput {100 * self.goodput:.1f}% ({self.useful_s:.1f} s of {self.spent_s:.1f} s learner time "
+                f"in committed rounds)")
+
+
+@dataclass
+class _LearnerWork:
+    merged_steps: int = 0
+    events: list[tuple[float, int]] = field(default_factory=list)  # (created_at, local step)
+    step_times: list[float] = field(default_factory=list)
+
+
+class GoodputTracker:
+    """Goodput so far, updated one committed round at a time (each contribution record read once)."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.cache: dict[str, ContributionRecord | None] = {}
+        self.after = 0
+        self.learners: dict[str, _LearnerWork] = {}
+        self._seen: set[str] = set()
+
+    def _note(self, rec: ContributionRecord) -> _LearnerWork:
+        work = self.learners.setdefault(rec.learner_id, _LearnerWork())
+        if rec.key in self._seen:
+            return work
+        self._seen.add(rec.key)
+        step = rec.info.get("step")
+        if isinstance(step, int):
+            work.events.append((rec.created_at, step))
+        st = rec.info.get("step_time_s")
+        if isinstance(st, int | float) and math.isfinite(st) and st > 0:
+            work.step_times.append(float(st))
+        return work
+
+    def add(self, records: Iterable[CommitRecord]) -> None:
+        for record in records:
+            if record.round <= self.after:
+                continue
+            for a in record.accepted:
+                rec = _read_contribution(self.store, a.key, self.cache)
+                work = self._note(rec) if rec is not None else self.learners.setdefault(a.learner_id, _LearnerWork())
+                work.merged_steps += a.c_steps
+            for key in record.rejected:
+                rec = _read_contribution(self.store, key, self.cache)
+                if rec is not None:
+                    self._note(rec)
+            self.after = record.round
+
+    def update(self) -> GoodputReport:
+        """Read the rounds committed since the last call, then report."""
+        latest = self.store.latest_round()
+        if latest > self.after:
+            self.add(self.store.history(self.after + 1, latest))
+        return self.report()
+
+    def report(self) -> GoodputReport:
+        p = self.store.plan.num_fragments
+        useful = spent = 0.0
+        per: dict[str, float] = {}
+        for lid, work in self.learners.items():
+            t = statistics.median(work.step_times) if work.step_times else 1.0
+            steps = [step for _, step in sorted(work.events)]
+            # The highest counter reached, plus every step run twice after a restart (the
+            # counter went back to the learner's last saved state).
+            reruns = sum(max(0, a - b) for a, b in zip(steps, steps[1:], strict=False))
+            spent_steps = (max(steps) if steps else 0) + reruns
+            useful_steps = work.merged_steps / p
+            spent_steps = max(spent_steps, math.ceil(useful_steps))
+            useful += useful_steps * t
+            spent += spent_steps * t
+            per[lid] = useful_steps / spent_steps if spent_steps else 0.0
+        return GoodputReport(goodput=(useful / spent) if spent > 0 else None, useful_s=useful, spent_s=spent,
+                             per_learner=per)
+
+
+def _fmt_s(x: Any) -> str:
+    return f"{float(x):.2f} s" if isinstance(x, int | float) else "-"
+
+
+def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
+                   max_rounds: int | None, goodput: GoodputReport | None = None) -> str:
+    """The round's summary as markdown (the round flow run's artifact)."""
+    s = record.stats
+    accepted = [r for r in rows if r.status == "accepted"]
+    contributors = ", ".join(f"`{r.learner}` ({r.pool or '?'})" for r in accepted) or "none"
+    lines = [
+        f"# Round {record.round}" + (f" of {max_rounds}" if max_rounds else "") + f" — fragment {record.fragment}",
+        "",
+        f"Run `{run_id}` at `{run_url}`",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| quorum reached after | {_fmt_s(s.get('quorum_s'))} |",
+        f"| grace window used | {_fmt_s(s.get('grace_s'))} |",
+        f"| round open for | {_fmt_s(s.get('wait_s'))} |",
+        f"| closed because | {s.get('reason', '-')} |",
+        f"| contributors ({len(accepted)}) | {contributors} |",
+        f"| weight 0 | {len(rows) - len(accepted)} |",
+        f"| tokens merged | {s.get('tokens', 0):,} |",
+        f"| bytes in (deltas) | {s.get('bytes_in', 0):,} |",
+        f"| bytes out per learner (new fragment) | {s.get('bytes_out_per_learner', 0):,} |",
+        f"| validation loss | {s['val_loss']:.4f} |" if isinstance(s.get("val_loss"), int | float)
+        else "| validation loss | not measured this round |",
+        f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
+    ]
+    if goodput is not None:
+        lines.append(f"| goodput so far | {goodput.line().removeprefix('goodput ')} |")
+    return "\n".join(lines) + "\n"
+
+
+def history_table(records: Iterable[CommitRecord]) -> list[str]:
+    """Plain-text round history (what ``atoll status`` prints)."""
+    out = [f"{'round':>6} {'frag':>4} {'in':>3} {'out':>3} {'quorum_s':>8} {'grace_s':>7} {'tokens':>8} "
+           f"{'val_loss':>8}  learners"]
+    for r in records:
+        s = r.stats
+        loss = f"{s['val_loss']:.4f}" if isinstance(s.get("val_loss"), int | float) else "-"
+        who = ",".join(a.learner_id for a in r.accepted) or "-"
+        out.append(f"{r.round:>6} {r.fragment:>4} {len(r.accepted):>3} {len(r.rejected):>3} "
+                   f"{float(s.get('quorum_s', 0)):>8.2f} {float(s.get('grace_s', 0)):>7.2f} "
+                   f"{int(s.get('tokens', 0)):>8} {loss:>8}  {who}")
+    return out
+
+
+def last_val_loss(records: Iterable[CommitRecord]) -> float | None:
+    loss = None
+    for r in records:
+        v = r.stats.get("val_loss")
+        if isinstance(v, int | float):
+            loss = float(v)
+    return loss
+
+
+def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
+    """Everything ``atoll status`` prints: the run, its round history, loss, goodput. Bucket only."""
+    m = store.manifest
+    latest = store.latest_round()
+    recipe = m.extra.get("recipe", {}) if isinstance(m.extra, Mapping) else {}
+    max_rounds = recipe.get("max_rounds")
+    records = store.history(1, latest) if latest else []
+    c = m.config
+    lines = [
+        f"run {m.run_id} at {store.url}",
+        f"  M={c.num_learners} P={c.num_fragments} H={c.inner_steps} tau={c.overlap_steps} K={c.min_quorum}; "
+        f"{latest} of {max_rounds if max_rounds else '?'} rounds committed"
+        + ("" if not max_rounds or latest < max_rounds else " (finished)"),
+    ]
+    fork = m.extra.get("forked_from") if isinstance(m.extra, Mapping) else None
+    if isinstance(fork, Mapping):
+        lines.append(f"  forked from {fork.get('url')} at round {fork.get('round')}")
+    shown = records[-last:] if last else records
+    if records:
+        lines += ["", *history_table(shown)]
+        tracker = GoodputTracker(store)
+        tracker.add(records)
+        loss = last_val_loss(records)
+        lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
+                  tracker.report().line()]
+    ckpts = store.list_checkpoints()
+    if ckpts:
+        lines.append(f"checkpoints at rounds: {', '.join(map(str, ckpts))}")
+    return lines

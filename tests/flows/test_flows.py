@@ -1,0 +1,115 @@
+"""The training-run, round and learner flows under prefect_test_harness; tasks through ``.fn()``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atoll.tasks.learners import run_tag
+from atoll.tasks.report import GoodputTracker, round_flow_name, run_status
+from atoll.tasks.runs import open_run, prepare_run
+from atoll.train.local import to_url
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def _round_runs(client, run_id: str):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterTags
+
+    return client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=["atoll-round"])),
+        flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(run_id)])),
+    )
+
+
+def test_one_completed_round_flow_run_per_round_named_and_tagged(smoke_run) -> None:
+    assert smoke_run.result["rounds"] == 6 and smoke_run.result["action"] == "continued"
+    with _client() as client:
+        runs = _round_runs(client, smoke_run.info.run_id)
+        assert sorted(r.name for r in runs) == [round_flow_name(r) for r in range(1, 7)]
+        assert all(r.state is not None and r.state.is_completed() for r in runs)
+        assert all({run_tag(smoke_run.info.run_id), "atoll-round"} <= set(r.tags) for r in runs)
+        # Each round ran its three tasks.
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+        names = {t.name.rsplit("-", 1)[0] for t in tasks}
+        assert {"await-quorum", "merge-and-commit", "record-round"} <= names
+
+
+def test_round_artifacts_match_the_bucket(smoke_run) -> None:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    store = open_run(smoke_run.url)
+    with _client() as client:
+        for fr in _round_runs(client, smoke_run.info.run_id):
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            by_type = {}
+            for a in arts:
+                by_type.setdefault(a.type, []).append(a)
+            round_ = int(fr.name.split("-")[1])
+            record = store.read_commit(round_)
+            table = by_type["table"][0]
+            assert table.key == "run-smoke-contributions"
+            rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+            accepted = {r["learner"]: r["weight"] for r in rows if r["status"] == "accepted"}
+            assert accepted == {a.learner_id: round(a.weight, 6) for a in record.accepted}
+            assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
+            assert all(r["pool"] == "cpu-fast" for r in rows if r["status"] == "accepted")
+            md = {a.key: a.data for a in by_type["markdown"]}
+            summary = md["run-smoke-round-summary"]
+            assert f"# Round {round_} of 6" in summary and "quorum reached after" in summary
+            assert "goodput" in md["run-smoke-goodput"]
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(type={"any_": ["progress"]}))
+        assert any(a.key == "run-smoke-run-summary-progress" and float(a.data) == 100.0 for a in progress)
+
+
+def test_goodput_and_status_come_from_the_bucket(smoke_run) -> None:
+    store = open_run(smoke_run.url)
+    report = GoodputTracker(store).update()
+    assert report.goodput is not None and 0.0 < report.goodput <= 1.0
+    assert smoke_run.result["goodput"] == pytest.approx(report.goodput)
+    lines = run_status(store)
+    assert "6 of 6 rounds committed (finished)" in lines[1]
+    assert any(line.startswith("goodput") for line in lines)
+    assert sum(1 for line in lines if line.strip().split(" ")[0].isdigit()) == 6
+
+
+def test_training_run_on_a_finished_run_continues_and_commits_nothing(smoke_run) -> None:
+    from atoll.flows.training import training_run
+
+    out = training_run(resume_from=smoke_run.url, manage_learners=False)
+    assert out["rounds"] == 6 and out["action"] == "continued"
+
+
+def test_fork_starts_a_new_run_from_a_committed_round(smoke_run, tmp_path: Path) -> None:
+    src = open_run(smoke_run.url)
+    url = to_url(str(tmp_path / "fork"))
+    info = prepare_run(url, resume_from=smoke_run.url, fork_round=3, rounds=4)
+    assert info.action == "forked" and info.latest_round == 0 and info.max_rounds == 4
+    dst = open_run(url)
+    assert dst.manifest.extra["forked_from"]["round"] == 3
+    want = src.read_global_state(3).params
+    got = dst.read_global_state(0).params
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    # Calling it again (a restarted training run) continues the fork instead of failing.
+    assert prepare_run(url, resume_from=smoke_run.url, fork_round=3).action == "continued"
+
+
+def test_learner_flow_trains_and_reports(prefect_harness: None, tmp_path: Path) -> None:
+    from atoll.flows.learner import learner_flow
+
+    url = to_url(str(tmp_path / "run-l"))
+    prepare_run(url, preset="smoke", rounds=3)
+    out = learner_flow(url, "learner-1", max_steps=4, log_every_steps=2)
+    assert out["steps"] == 4 and out["published"] == 4
+    assert open_run(url).load_learner_state("learner-1") is not None
