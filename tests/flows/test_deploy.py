@@ -1,0 +1,154 @@
+"""Deployments, work-pool templates, prefect.yaml, and the learner fleet's self-healing policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from atoll.tasks.learners import LearnerFleet, learner_tag, pool_tag, run_tag
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_harness: None) -> dict[str, str]:
+    from atoll.flows.deploy import deploy_all, ensure_pools
+
+    pools = ("pool-a", "pool-b")
+    assert set(ensure_pools(pools)) == set(pools)
+    assert ensure_pools(pools) == []  # idempotent
+    return deploy_all(pools, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+
+
+def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str, str]) -> None:
+    assert set(deployed) == {"atoll-learner/pool-a", "atoll-learner/pool-b", "atoll-training-run/default"}
+    with _client() as client:
+        for pool in ("pool-a", "pool-b"):
+            dep = client.read_deployment_by_name(f"atoll-learner/{pool}")
+            assert dep.work_pool_name == pool
+            assert dep.entrypoint == "atoll.flows.learner.learner_flow"
+            assert dep.job_variables["env"]["OMP_NUM_THREADS"] == "1"
+            assert dep.job_variables["env"]["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+            assert pool_tag(pool) in dep.tags
+            assert {"run_url", "learner_id"} <= set(dep.parameter_openapi_schema["required"])
+        train = client.read_deployment_by_name("atoll-training-run/default")
+        assert train.work_pool_name == "pool-a" and train.entrypoint == "atoll.flows.training.training_run"
+        assert {"resume_from", "fork_round", "preset"} <= set(train.parameter_openapi_schema["properties"])
+
+
+def test_entrypoints_load() -> None:
+    from prefect.flows import load_flow_from_entrypoint
+
+    assert load_flow_from_entrypoint("atoll.flows.learner.learner_flow").name == "atoll-learner"
+    assert load_flow_from_entrypoint(str(ROOT / "src/atoll/flows/training.py:training_run")).name == "atoll-training-run"
+
+
+def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str]) -> None:
+    from prefect.states import Cancelled, Crashed
+
+    learners = [{"learner_id": "l0", "pool": "pool-a"}, {"learner_id": "l1", "pool": "pool-b"},
+                {"learner_id": "l2", "pool": "pool-b"}]
+    fleet = LearnerFleet(run_url="file:///nowhere/run-f", run_id="run-f", learners=learners, relaunch_backoff_s=0.0)
+    first = {a.learner_id: a for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
+    assert first["l0"].action == "launched" and first["l1"].action == "launched"
+    assert first["l2"].action == "external"  # contributing from outside Prefect: adopted, not duplicated
+    with _client() as client:
+        runs = fleet.flow_runs(client)
+        assert len(runs["l0"]) == 1 and len(runs["l1"]) == 1
+        fr0 = runs["l0"][0]
+        assert {run_tag("run-f"), learner_tag("l0"), pool_tag("pool-a")} <= set(fr0.tags)
+        assert fr0.work_pool_name == "pool-a" and fr0.parameters["learner_id"] == "l0"
+        # Active runs are adopted, whoever started them.
+        again = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
+        assert again == {"l0": "adopted", "l1": "adopted", "l2": "external"}
+        # A crashed learner is relaunched on its own pool; one a person cancelled stays cancelled.
+        client.set_flow_run_state(fr0.id, Crashed(message="process exited -9"), force=True)
+        client.set_flow_run_state(runs["l1"][0].id, Cancelled(), force=True)
+        healed = {a.learner_id: a for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
+        assert healed["l0"].action == "relaunched" and healed["l1"].action == "cancelled-by-user"
+        runs = fleet.flow_runs(client)
+        assert len(runs["l0"]) == 2 and runs["l0"][0].work_pool_name == "pool-a"
+        assert runs["l0"][0].state.is_scheduled()
+        # A learner that stopped contributing is stale: cancelled and replaced.
+        client.set_flow_run_state(runs["l0"][0].id, __import__("prefect.states", fromlist=["Running"]).Running(),
+                                  force=True)
+        stale = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l0": 1e6, "l2": 1.0})}
+        assert stale["l0"] == "stale-relaunched"
+        assert len(fleet.flow_runs(client)["l0"]) == 3
+        # Once the run is finished nothing is launched.
+        assert {a.action for a in fleet.reconcile(finished=True)} == {"finished"}
+
+
+@pytest.mark.parametrize("name,pool_type", [("process", "process"), ("docker", "docker"),
+                                            ("kubernetes-gpu", "kubernetes")])
+def test_work_pool_templates_validate(prefect_harness: None, name: str, pool_type: str) -> None:
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.server.schemas.actions import validate_base_job_template
+    from prefect.utilities.schema_tools.validation import is_valid_schema, validate
+
+    template = json.loads((INFRA / "work-pools" / f"{name}.json").read_text())
+    validate_base_job_template(template)
+    is_valid_schema(template["variables"])
+    defaults = {k: v["default"] for k, v in template["variables"]["properties"].items() if "default" in v}
+    validate(defaults, template["variables"], raise_on_error=True)
+    with _client() as client:
+        pool = client.create_work_pool(WorkPoolCreate(name=f"tmpl-{name}", type=pool_type, base_job_template=template))
+        assert pool.base_job_template["job_configuration"] == template["job_configuration"]
+    if name == "kubernetes-gpu":
+        container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
+        assert container["image"] == "{{ image }}"
+        assert container["envFrom"][0]["secretRef"]["name"] == "{{ credentials_secret }}"
+
+
+def test_prefect_yaml_declares_the_deployments() -> None:
+    body = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in body["deployments"]}
+    assert set(deps) == {"default", "cpu-fast", "cpu-slow"}
+    assert deps["default"]["entrypoint"].endswith("training.py:training_run")
+    for pool in ("cpu-fast", "cpu-slow"):
+        assert deps[pool]["work_pool"]["name"] == pool
+        assert deps[pool]["entrypoint"] == "src/atoll/flows/learner.py:learner_flow"
+        assert (ROOT / deps[pool]["entrypoint"].split(":")[0]).is_file()
+
+
+def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    from atoll.flows.deploy import ensure_pools
+
+    ensure_pools(("cpu-fast", "cpu-slow"))
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "ATOLL_PROJECT_DIR": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                           str(INFRA / "prefect.yaml")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with _client() as client:
+        dep = client.read_deployment_by_name("atoll-learner/cpu-slow")
+        assert dep.work_pool_name == "cpu-slow"
+        assert dep.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+
+
+def test_status_needs_no_prefect(smoke_run) -> None:
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    code = ("import sys, atoll.cli; rc = atoll.cli.main(['status', sys.argv[1]]); "
+            "assert 'prefect' not in sys.modules, 'status imported prefect'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, smoke_run.url], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "6 of 6 rounds committed" in proc.stdout and "goodput" in proc.stdout
