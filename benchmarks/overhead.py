@@ -1,0 +1,226 @@
+"""Orchestration overhead: the same tiny-preset run through Prefect and through the plain local runner.
+
+    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/]
+
+Side by side on this machine (plain first, then Prefect, same preset, same number of rounds):
+
+* **plain**: ``atoll.train`` only: M learner processes and the synchronizer loop in this process;
+* **prefect**: a local Prefect server (SQLite), a process worker per pool, atoll's deployments,
+  the training-run flow (one round flow run per round, three tasks each, artifacts) and M learner
+  flow runs on the two pools.
+
+Reported, from the bucket (learner side) and from timers / Prefect task runs (synchronizer side):
+
+* learner tokens/s: sum over learners of (tokens between their first and last contribution after
+  warm-up) / (time between them): the learners' own speed, which orchestration must not slow down
+  (target: prefect >= 0.97x plain);
+* the round wall time (commit to commit) split into waiting for the quorum + grace window, merge +
+  storage (load deltas, merge, outer step, write the new fragment and the commit record, evaluate),
+  and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop).
+
+Prints a table and writes ``overhead.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+from atoll.storage.bucket import RunStore  # noqa: E402
+from atoll.tasks.report import GoodputTracker  # noqa: E402
+from atoll.tasks.runs import prepare_run  # noqa: E402
+from atoll.train.local import LocalRun, make_evaluator, synchronizer_options, to_url  # noqa: E402
+from atoll.train.synchronizer import RoundSummary, Synchronizer  # noqa: E402
+
+WARMUP_ROUNDS = 5
+
+
+@dataclass
+class Result:
+    name: str
+    rounds: int
+    wall_s: float
+    tokens_per_s: float
+    round_s: float
+    wait_s: float
+    close_s: float
+
+    @property
+    def orchestration_s(self) -> float:
+        return max(0.0, self.round_s - self.wait_s - self.close_s)
+
+
+def learner_tokens_per_s(store: RunStore) -> float:
+    """Sum over learners of their training speed, from their contribution records after warm-up."""
+    latest = store.latest_round()
+    tracker = GoodputTracker(store)
+    records = store.history(1, latest)
+    tracker.add(records)
+    t_warm = records[min(WARMUP_ROUNDS, len(records) - 1)].created_at
+    tokens_per_step: dict[str, float] = {}
+    for rec in records:
+        for a in rec.accepted:
+            if a.c_steps:
+                tokens_per_step[a.learner_id] = a.c_tokens / a.c_steps
+    total = 0.0
+    for lid, work in tracker.learners.items():
+        events = sorted((t, s) for t, s in work.events if t >= t_warm)
+        if len(events) < 2 or events[-1][0] <= events[0][0] or lid not in tokens_per_step:
+            continue
+        # Only the longest run without a restart (the step counter never goes back).
+        steps = events[-1][1] - events[0][1]
+        if steps <= 0:
+            continue
+        total += steps * tokens_per_step[lid] / (events[-1][0] - events[0][0])
+    return total
+
+
+def round_intervals(store: RunStore) -> tuple[float, float, list[int]]:
+    """Median commit-to-commit time and median quorum wait after warm-up; the rounds measured."""
+    records = store.history(1, store.latest_round())[WARMUP_ROUNDS:]
+    gaps = [b.created_at - a.created_at for a, b in zip(records, records[1:], strict=False)]
+    waits = [float(r.stats.get("wait_s", 0.0)) for r in records[1:]]
+    return statistics.median(gaps), statistics.median(waits), [r.round for r in records[1:]]
+
+
+def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
+    url = to_url(str(bucket / "plain"))
+    info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
+    t0 = time.monotonic()
+    closes: dict[int, float] = {}
+    with LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
+        for spec in info.learners:
+            run.start_learner(spec["learner_id"])
+        store = RunStore.open(url)
+        sync = Synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store))
+        while not sync.finished:
+            polled = sync.poll()
+            if isinstance(polled, RoundSummary):
+                continue
+            if not polled.decision.close:
+                wait = (polled.decision.recheck_at_s or 0) - sync.clock()
+                time.sleep(min(max(wait, 0.005), sync.options.poll_interval_s))
+                continue
+            t = time.perf_counter()
+            sync.close(polled)
+            closes[polled.round] = time.perf_counter() - t
+    wall = time.monotonic() - t0
+    store = RunStore.open(url)
+    round_s, wait_s, measured = round_intervals(store)
+    return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
+                  statistics.median(closes[r] for r in measured if r in closes))
+
+
+def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterName
+
+    from atoll.flows.client import follow
+    from atoll.flows.deploy import deploy_all, start_training
+    from atoll.flows.stack import LocalStack
+    from atoll.tasks.learners import run_tag
+
+    url = to_url(str(bucket / "prefect"))
+    info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
+    stack = LocalStack(home=bucket / "prefect-home", log_dir=bucket / "prefect-logs")
+    try:
+        stack.start()
+        with stack.settings():
+            deploy_all(stack.pools)
+            t0 = time.monotonic()
+            fr = start_training({"run_url": url})
+            state, _ = follow(fr.id, url, every_s=30.0)
+            wall = time.monotonic() - t0
+            if state != "Completed":
+                raise RuntimeError(f"training run ended {state}; logs in {stack.log_dir}")
+            store = RunStore.open(url)
+            round_s, wait_s, measured = round_intervals(store)
+            with get_client(sync_client=True) as client:
+                tasks = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"])),
+                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge-and-commit")), limit=10000)
+                runs = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"])),
+                    limit=10000)
+            round_of = {r.id: int(r.name.split("-")[1]) for r in runs}
+            closes = {round_of[t.flow_run_id]: t.total_run_time.total_seconds() for t in tasks
+                      if t.flow_run_id in round_of}
+    finally:
+        stack.stop()
+    return Result("prefect (flows)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
+                  statistics.median(closes[r] for r in measured if r in closes))
+
+
+def table(results: list[Result]) -> str:
+    base = results[0].tokens_per_s
+    lines = [f"{'runner':<22}{'rounds':>7}{'wall s':>8}{'learner tok/s':>15}{'vs plain':>10}{'round s':>9}"
+             f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}"]
+    for r in results:
+        def share(x: float) -> str:
+            return f"{x:6.2f}s {100 * x / r.round_s:3.0f}%" if r.round_s else "-"
+        lines.append(f"{r.name:<22}{r.rounds:>7}{r.wall_s:>8.0f}{r.tokens_per_s:>15.0f}"
+                     f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s):>14}{share(r.close_s):>15}"
+                     f"{share(r.orchestration_s):>15}")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r.name for r in results]
+    a.bar(names, [r.tokens_per_s for r in results], color=["#888", "#2b6cb0"])
+    a.set_ylabel("learner tokens/s (all learners)")
+    a.set_title("learner throughput")
+    bottom = [0.0] * len(results)
+    for label, vals, color in (("quorum + grace", [r.wait_s for r in results], "#9ae6b4"),
+                               ("merge + storage", [r.close_s for r in results], "#f6ad55"),
+                               ("orchestration", [r.orchestration_s for r in results], "#fc8181")):
+        b.bar(names, vals, bottom=bottom, label=label, color=color)
+        bottom = [x + y for x, y in zip(bottom, vals, strict=True)]
+    b.set_ylabel("seconds per round (median)")
+    b.set_title("where a round's wall time goes")
+    b.legend()
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "overhead.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=48)
+    p.add_argument("--out", default="out")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="atoll-overhead-") as tmp:
+        os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
+        results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
+        print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
+        results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds))
+    print()
+    print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
+          f"medians after {WARMUP_ROUNDS} warm-up rounds")
+    print(table(results))
+    ratio = results[1].tokens_per_s / results[0].tokens_per_s
+    print(f"learner throughput under Prefect: {ratio:.3f}x the plain runner (target >= 0.97x)")
+    print(f"plot: {plot(results, Path(args.out))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
