@@ -28,6 +28,7 @@ test: venv
 # Everything lives under out/demo (bucket, Prefect home, logs); DEMO_ARGS=--keep-up keeps the UI up.
 DEMO_ARGS ?=
 demo: venv
+	mkdir -p out/demo/prefect
 	PREFECT_HOME=$(CURDIR)/out/demo/prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	$(BIN)/atoll demo --dir out/demo --learners 4 $(DEMO_ARGS)
 
