@@ -144,13 +144,15 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
                 raise RuntimeError(f"training run ended {state}; logs in {stack.log_dir}")
             store = RunStore.open(url)
             round_s, wait_s, measured = round_intervals(store)
+            rounds_filter = FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"]))
+            tasks, runs = [], []
             with get_client(sync_client=True) as client:
-                tasks = client.read_task_runs(
-                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"])),
-                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge-and-commit")), limit=10000)
-                runs = client.read_flow_runs(
-                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"])),
-                    limit=10000)
+                while batch := client.read_task_runs(
+                        flow_run_filter=rounds_filter, limit=200, offset=len(tasks),
+                        task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge-and-commit"))):
+                    tasks += batch
+                while batch := client.read_flow_runs(flow_run_filter=rounds_filter, limit=200, offset=len(runs)):
+                    runs += batch
             round_of = {r.id: int(r.name.split("-")[1]) for r in runs}
             closes = {round_of[t.flow_run_id]: t.total_run_time.total_seconds() for t in tasks
                       if t.flow_run_id in round_of}
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # like the plain runner's synchronizer process (and the training-run job)
     with tempfile.TemporaryDirectory(prefix="atoll-overhead-") as tmp:
         os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
         results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
