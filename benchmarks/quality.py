@@ -113,7 +113,7 @@ def main() -> int:
     ap.add_argument("--corpus-mb", type=float, default=8.0)
     ap.add_argument("--evals", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--only", default="", help="comma-separated substrings: run only matching DiLoCo methods")
+    ap.add_argument("--only", default="", help="semicolon-separated substrings: run only matching DiLoCo methods")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -128,7 +128,7 @@ def main() -> int:
               flush=True)
     with tempfile.TemporaryDirectory(prefix="atoll-quality-") as tmp:
         for name, config in methods(args.inner_steps).items():
-            if args.only and not any(s in name for s in args.only.split(",")):
+            if args.only and not any(s in name for s in args.only.split(";")):
                 continue
             results[name] = run_diloco(args, name, config, Path(tmp))
             print(f"[{time.time() - t0:6.0f}s] {name}: {results[name]['curve'][-1][1]:.4f}", flush=True)
