@@ -9,8 +9,9 @@ driven by the virtual clock of atoll.train.virtual: learners 3 and 4 take 1.5x l
 (older chips), so with K = 1 + grace the fast learners do more of the tokens, exactly as they
 would in wall-clock time, but repeatably.
 
-    python benchmarks/quality.py                 # ~0.5 M tokens per method, a few minutes on 2 cores
-    python benchmarks/quality.py --tokens 2e6    # closer to FIELD-NOTES' scale (slower)
+    python benchmarks/quality.py                       # 2 M tokens per method: ~25 min on 2 cores
+    python benchmarks/quality.py --tokens 5e5 --dp-lrs 3e-3   # a quick look (~10 min); DP takes few steps
+    python benchmarks/quality.py --only "P=1);grace, RDA"     # only some DiLoCo methods (DP always runs)
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ def run_diloco(args: argparse.Namespace, name: str, config: DilocoConfig, root: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=float, default=5e5, help="token budget per method (all learners together)")
+    ap.add_argument("--tokens", type=float, default=2e6, help="token budget per method (all learners together)")
     ap.add_argument("--model", default="tiny", choices=sorted(MODEL_PRESETS))
     ap.add_argument("--batch", type=int, default=8, help="sequences per learner step")
     ap.add_argument("--inner-steps", type=int, default=8, help="H (= P for decoupled)")
     ap.add_argument("--inner-lr", type=float, default=3e-3)
-    ap.add_argument("--dp-lrs", default="3e-3,6e-3", help="data-parallel learning rates to try (best is the reference)")
+    ap.add_argument("--dp-lrs", default="2e-3,3e-3,4e-3", help="data-parallel learning rates to try (best is the reference)")
     ap.add_argument("--corpus-mb", type=float, default=8.0)
     ap.add_argument("--evals", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
