@@ -56,3 +56,46 @@ def test_virtual_decoupled_run_with_slow_learners_is_deterministic(tmp_path: Pat
     history = RunStore.open(to_url(str(tmp_path / "run0"))).history()
     assert any(x.learner_id == "learner-2" for r in history for x in r.accepted)
     assert a.curve[-1][1] < a.curve[0][1]
+
+
+USER_MODEL = '''
+import torch
+
+
+class Bigram(torch.nn.Module):
+    """Not atoll's GPT: no .config, one embedding table and one linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(256, 32)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, idx):
+        return self.head(self.table(idx))
+
+
+def make():
+    return Bigram()
+'''
+
+
+def test_a_users_own_module_trains_through_the_same_loops(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "my_models.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config, recipe = smoke_recipe(2, max_rounds=10_000)
+    recipe = Recipe.from_dict({**recipe.to_dict(), "model": "my_models:make", "context_tokens": 32})
+    store = create_run(to_url(str(tmp_path / "run")), config, recipe)
+    assert store.plan.embedding_names == {"table.weight"}
+    result = run_virtual(store, token_budget=40 * 4 * 32 * 2, evaluate=make_evaluator(store),
+                         eval_every_tokens=20 * 4 * 32 * 2)
+    assert result.rounds > 0 and result.curve[-1][1] < result.curve[0][1]
+    # Without a context length the error names the knob.
+    import pytest
+
+    from atoll.core.config import ConfigError
+    from atoll.train.learner import Learner
+
+    bad = Recipe.from_dict({**recipe.to_dict(), "context_tokens": 0})
+    store2 = create_run(to_url(str(tmp_path / "run2")), config, bad)
+    with pytest.raises(ConfigError, match="context_tokens"):
+        Learner(store2, "learner-0", log=lambda _: None)

@@ -150,7 +150,7 @@ class Learner:
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
             raise ValueError(f"model parameters do not match the run's fragment plan: {diff}")
-        context = int(getattr(getattr(self.model, "config", None), "context_tokens", 0)) or 128
+        context = self.recipe.context_for(self.model)
         self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
                                   learner_index=self.index, num_learners=self.config.num_learners,
                                   seed=self.recipe.data.seed)

@@ -58,7 +58,7 @@ def make_evaluator(store: RunStore) -> Callable[[Mapping[str, torch.Tensor]], fl
     recipe = load_recipe(store)
     model = recipe.model_factory()()
     val = recipe.data.corpus().val
-    context = int(getattr(getattr(model, "config", None), "context_tokens", 0)) or 128
+    context = recipe.context_for(model)
 
     def evaluate(params: Mapping[str, torch.Tensor]) -> float:
         with torch.no_grad():

@@ -153,6 +153,10 @@ class Recipe:
     model_seed: int = 0
     """Seed of the initial weights (every process builds the identical start)."""
 
+    context_tokens: int = 0
+    """Sequence length of a training window. 0: the model's ``config.context_tokens`` (atoll's GPT);
+    set it for your own model."""
+
     data: DataSpec = field(default_factory=DataSpec)
     """Where the tokens come from."""
 
@@ -195,6 +199,18 @@ class Recipe:
             if spec.learner_id == learner_id:
                 return i, spec
         raise KeyError(f"learner {learner_id!r} is not in this run's recipe ({[s.learner_id for s in self.learners]})")
+
+    def context_for(self, model: torch.nn.Module) -> int:
+        """Training-window length for ``model``: the recipe's, else the model's config, else an error."""
+        if self.context_tokens:
+            return int(self.context_tokens)
+        found = getattr(getattr(model, "config", None), "context_tokens", None)
+        if not isinstance(found, int) or found < 1:
+            raise ConfigError(
+                f"{type(model).__name__} has no config.context_tokens: set Recipe(context_tokens=...) "
+                "to the sequence length your model accepts"
+            )
+        return found
 
     def model_factory(self) -> Any:
         from atoll.train.model import GPTConfig, model_factory
