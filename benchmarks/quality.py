@@ -17,9 +17,7 @@ would in wall-clock time, but repeatably.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -29,7 +27,6 @@ from pathlib import Path
 import torch
 
 from atoll.core.config import DilocoConfig, synchronous_diloco
-from atoll.storage import RunStore
 from atoll.train import data as data_mod
 from atoll.train.local import create_run, make_evaluator, to_url
 from atoll.train.model import MODEL_PRESETS, build_model, count_parameters, loss_fn

@@ -42,7 +42,7 @@ def wait_for(cond, timeout_s: float, what: str, procs=()) -> None:
 def new_run(tmp_path: Path, *, rounds: int, learners: int = 3, **recipe_changes) -> tuple[str, Recipe]:
     config, recipe = smoke_recipe(learners, max_rounds=rounds)
     if recipe_changes:
-        recipe = Recipe.from_dict({**recipe.to_dict(), **recipe_changes})
+        recipe = recipe.replace(**recipe_changes)
     url = to_url(str(tmp_path / "run"))
     create_run(url, config, recipe)
     return url, recipe
@@ -51,8 +51,7 @@ def new_run(tmp_path: Path, *, rounds: int, learners: int = 3, **recipe_changes)
 def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Path) -> None:
     url, recipe = new_run(tmp_path, rounds=40, eval_every_rounds=10)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         sync = run.start_synchronizer()
         assert sync.wait(timeout=180) == 0, (tmp_path / "logs" / "synchronizer.log").read_text()[-3000:]
     store = RunStore.open(url)
@@ -119,8 +118,7 @@ def test_lockstep_multiprocess_equals_in_process_synchronous_diloco(tmp_path: Pa
     url = to_url(str(tmp_path / "run"))
     create_run(url, config, recipe)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         sync = run.start_synchronizer()
         assert sync.wait(timeout=180) == 0
         for p in run.learners.values():
@@ -143,8 +141,7 @@ def test_sigkilled_learner_rejoins_and_no_round_is_lost(tmp_path: Path) -> None:
     url, recipe = new_run(tmp_path, rounds=100_000)
     store = RunStore.open(url)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         sync = run.start_synchronizer()
         wait_for(lambda: store.latest_round() >= 8, 120, "8 rounds", [sync])
         # Kill it mid-run: after it has contributed and saved its inner state at least once.
@@ -190,8 +187,7 @@ def test_synchronizer_killed_between_payload_and_commit_resumes_exactly(tmp_path
     store = RunStore.open(url)
     crash_round = 6
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         crashing = subprocess.Popen([sys.executable, "-c", CRASHING_SYNCHRONIZER, url, str(crash_round)])
         assert crashing.wait(timeout=120) == -9
         assert store.latest_round() == crash_round - 1
@@ -232,8 +228,7 @@ def test_garbage_contributions_are_rejected_with_reasons_and_training_goes_on(tm
     url, recipe = new_run(tmp_path, rounds=100_000)
     store = RunStore.open(url)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         sync = run.start_synchronizer()
         wait_for(lambda: store.latest_round() >= 4, 120, "4 rounds", [sync])
         planted = {plant_garbage(store, 0, "nan"): "non_finite", plant_garbage(store, 1, "shape"): "shape"}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from atoll.core.config import synchronous_diloco
+from atoll.core.config import ConfigError, synchronous_diloco
 from atoll.storage import RunStore
+from atoll.train.learner import Learner
 from atoll.train.local import create_run, make_evaluator, to_url
-from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
+from atoll.train.recipe import LearnerSpec, smoke_recipe
 from atoll.train.virtual import run_virtual
 
 from .test_loops import reference_synchronous_diloco
@@ -42,7 +44,7 @@ def test_virtual_decoupled_run_with_slow_learners_is_deterministic(tmp_path: Pat
     config, recipe = smoke_recipe(3, max_rounds=10_000)
     learners = tuple(LearnerSpec(learner_id=s.learner_id, batch_size=4, slowdown=1.5 if i == 2 else 1.0)
                      for i, s in enumerate(recipe.learners))
-    recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners]})
+    recipe = recipe.replace(learners=learners)
     results = []
     for k in range(2):
         url = to_url(str(tmp_path / f"run{k}"))
@@ -83,19 +85,14 @@ def test_a_users_own_module_trains_through_the_same_loops(tmp_path: Path, monkey
     (tmp_path / "my_models.py").write_text(USER_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))
     config, recipe = smoke_recipe(2, max_rounds=10_000)
-    recipe = Recipe.from_dict({**recipe.to_dict(), "model": "my_models:make", "context_tokens": 32})
+    recipe = recipe.replace(model="my_models:make", context_tokens=32)
     store = create_run(to_url(str(tmp_path / "run")), config, recipe)
     assert store.plan.embedding_names == {"table.weight"}
     result = run_virtual(store, token_budget=40 * 4 * 32 * 2, evaluate=make_evaluator(store),
                          eval_every_tokens=20 * 4 * 32 * 2)
     assert result.rounds > 0 and result.curve[-1][1] < result.curve[0][1]
     # Without a context length the error names the knob.
-    import pytest
-
-    from atoll.core.config import ConfigError
-    from atoll.train.learner import Learner
-
-    bad = Recipe.from_dict({**recipe.to_dict(), "context_tokens": 0})
+    bad = recipe.replace(context_tokens=0)
     store2 = create_run(to_url(str(tmp_path / "run2")), config, bad)
     with pytest.raises(ConfigError, match="context_tokens"):
         Learner(store2, "learner-0", log=lambda _: None)

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "LATE",
     "Arrival",
     "QuorumDecision",
     "QuorumPolicy",
@@ -31,6 +32,11 @@ __all__ = [
     "decide_round",
     "grace_window_s",
 ]
+
+
+LATE = "late:"
+"""Prefix of the rejection reason for a contribution that missed the grace window. Unlike every
+other rejection it is not final: the next round of the same fragment may still merge it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,4 +346,4 @@ def decide_round(
 
 
 def _late_reason(a: Arrival, close_at_s: float) -> str:
-    return f"late: arrived {a.arrived_at_s - close_at_s:.2f}s after the grace window closed"
+    return f"{LATE} arrived {a.arrived_at_s - close_at_s:.2f}s after the grace window closed"

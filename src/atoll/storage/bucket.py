@@ -184,6 +184,13 @@ class RunStore:
     def __repr__(self) -> str:
         return f"RunStore({self.store!r})"
 
+    def sibling(self) -> RunStore:
+        """Another handle on the same run: shares the object store and the (immutable) manifest,
+        but has its own record caches, so a second thread can poll without sharing state."""
+        other = RunStore(self.store, max_payload_bytes=self.max_payload_bytes)
+        other._manifest = self._manifest
+        return other
+
     @property
     def url(self) -> str:
         return self.store.url

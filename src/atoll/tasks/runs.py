@@ -81,7 +81,7 @@ def _preset(preset: str, learners: int, rounds: int) -> tuple[DilocoConfig, Reci
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(RECIPE_PRESETS)})")
     config, recipe = RECIPE_PRESETS[preset](learners) if learners else RECIPE_PRESETS[preset]()
     if rounds:
-        recipe = Recipe.from_dict({**recipe.to_dict(), "max_rounds": rounds})
+        recipe = recipe.replace(max_rounds=rounds)
     return config, recipe
 
 
@@ -123,7 +123,7 @@ def prepare_run(
         return fork_run(resume_from, run_url, fork_round=int(fork_round or 0), rounds=rounds, storage_options=opts)
     config, recipe = load_config_file(config_path) if config_path else _preset(preset, learners, rounds)
     if config_path and rounds:
-        recipe = Recipe.from_dict({**recipe.to_dict(), "max_rounds": rounds})
+        recipe = recipe.replace(max_rounds=rounds)
     store = create_run(to_url(run_url), config, recipe, storage_options=opts)
     return _info(store, "created")
 
@@ -141,7 +141,7 @@ def fork_run(source_url: str, run_url: str, *, fork_round: int, rounds: int = 0,
     state = src.read_global_state(at)
     recipe = load_recipe(src)
     if rounds:
-        recipe = Recipe.from_dict({**recipe.to_dict(), "max_rounds": rounds})
+        recipe = recipe.replace(max_rounds=rounds)
     dst = open_run(run_url, storage_options)
     dst.init_run(src.config, src.plan, state.params,
                  extra={"recipe": recipe.to_dict(), "forked_from": {"url": src.url, "run_id": src.manifest.run_id,

@@ -85,8 +85,7 @@ class _Fetcher(threading.Thread):
 
     def __init__(self, store: RunStore, after_round: int, poll_interval_s: float) -> None:
         super().__init__(daemon=True, name="atoll-fetcher")
-        self.store = RunStore(store.store)  # own caches; the object store itself is shared
-        self.store._manifest = store.manifest  # noqa: SLF001 - same run, avoid a GET
+        self.store = store.sibling()  # own caches; the object store itself is shared
         self.after = after_round
         self.poll_interval_s = poll_interval_s
         self.ready: queue.Queue[tuple[int, int, dict[str, torch.Tensor]]] = queue.Queue()

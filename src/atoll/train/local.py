@@ -93,17 +93,22 @@ class LocalRun:
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "atoll.train.local", *args]
-        out: Any = subprocess.DEVNULL
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        if not self.log_dir:
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own copy of the fd
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
 
     def start_learner(self, learner_id: str, *extra: str) -> subprocess.Popen[bytes]:
         proc = self._spawn(["learner", self.url, "--learner-id", learner_id, "--threads", str(self.threads), *extra],
                            learner_id)
         self.learners[learner_id] = proc
         return proc
+
+    def start_learners(self, recipe: Recipe) -> None:
+        """One process per learner of the recipe."""
+        for spec in recipe.learners:
+            self.start_learner(spec.learner_id)
 
     def start_synchronizer(self, *extra: str) -> subprocess.Popen[bytes]:
         self.synchronizer = self._spawn(["synchronizer", self.url, "--threads", str(self.threads), *extra],
@@ -171,7 +176,7 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     config, recipe = RECIPE_PRESETS[args.preset](args.learners) if args.learners else RECIPE_PRESETS[args.preset]()
     if args.rounds:
-        recipe = Recipe.from_dict({**recipe.to_dict(), "max_rounds": args.rounds})
+        recipe = recipe.replace(max_rounds=args.rounds)
     url = to_url(args.bucket)
     store = RunStore.open(url)
     if store.exists():
@@ -183,8 +188,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(store)
     log_dir = Path(args.log_dir) if args.log_dir else (Path(url[len("file://"):]) / "logs" if url.startswith("file://") else None)
     with LocalRun(url, log_dir=log_dir, threads=1) as run:
-        for spec in recipe.learners:
-            run.start_learner(spec.learner_id)
+        run.start_learners(recipe)
         print(f"started {len(recipe.learners)} learner processes (logs in {log_dir})")
         t0 = time.monotonic()
 

@@ -200,6 +200,10 @@ class Recipe:
                 return i, spec
         raise KeyError(f"learner {learner_id!r} is not in this run's recipe ({[s.learner_id for s in self.learners]})")
 
+    def replace(self, **changes: Any) -> Recipe:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
     def context_for(self, model: torch.nn.Module) -> int:
         """Training-window length for ``model``: the recipe's, else the model's config, else an error."""
         if self.context_tokens:

@@ -24,15 +24,13 @@ from typing import Any
 import torch
 
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
+from atoll.core.quorum import LATE, Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.synchronize import synchronize_fragment
 from atoll.storage.bucket import RunStore
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
-
-LATE = "late:"  # prefix of core.quorum's reason for a contribution that missed the grace window
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 

@@ -73,8 +73,7 @@ def run_virtual(
                         clock=lambda: vnow)
     learners = [Learner(store, spec.learner_id, log=log) for spec in load_recipe(store).learners]
     rng = random.Random(seed)
-    reader = RunStore(store.store)
-    reader._manifest = store.manifest  # noqa: SLF001 - same run
+    reader = store.sibling()
     seen_round = [lr.start_round for lr in learners]
     fragment_cache: dict[int, dict[str, torch.Tensor]] = {}
     result = VirtualResult()
