@@ -75,7 +75,9 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
 
 
 def reference_synchronous_diloco(recipe: Recipe, config, rounds: int) -> dict[str, torch.Tensor]:
-    """Synchronous DiLoCo written out in one process: M models, H AdamW steps each, mean, Nesterov."""
+    """Synchronous DiLoCo written out in one process: M models, H AdamW steps each, mean, Nesterov.
+
+    Learner i's data is every M-th window from window i (the default interleaved shards)."""
     M, H = config.num_learners, config.inner_steps
     make = recipe.model_factory()
     glob = {n: p.detach().clone() for n, p in make().named_parameters()}
@@ -86,12 +88,14 @@ def reference_synchronous_diloco(recipe: Recipe, config, rounds: int) -> dict[st
                            seed=recipe.data.seed) for i, m in enumerate(models)]
     buf: dict[str, torch.Tensor] = {}
     step = 0
-    for _ in range(rounds):
+    for r in range(rounds):
+        # The inner lr's cosine follows the run's progress: rounds committed so far / max_rounds.
+        progress = r / recipe.max_rounds if recipe.inner.schedule == "run" else None
         for _ in range(H):
             step += 1
             for m, opt, stream, spec in zip(models, opts, streams, recipe.learners):
                 for g in opt.param_groups:
-                    g["lr"] = lr_at_step(recipe.inner, step)
+                    g["lr"] = lr_at_step(recipe.inner, step, progress)
                 x, y = stream.next_batch(spec.batch_size)
                 loss = loss_fn(m, x, y)
                 opt.zero_grad(set_to_none=True)

@@ -33,16 +33,28 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class InnerOptimConfig:
-    """Each learner's own AdamW with linear warmup then cosine decay, on its own step counter."""
+    """Each learner's own AdamW: linear warmup on its own steps, then cosine decay over the run.
+
+    With ``schedule="run"`` (default) the cosine follows the *run's* progress, the newest committed
+    round a learner has seen over ``Recipe.max_rounds``, so fast and slow learners anneal together
+    and all reach the floor as the run ends, as one data-parallel model would. With
+    ``schedule="steps"`` it follows each learner's own step counter over ``total_steps``: then a
+    fast learner reaches the floor early and idles there while a slow one stops far above it
+    (measured in benchmarks/quality.py).
+    """
 
     lr: float = 3e-3
     """Peak inner learning rate."""
 
     warmup_steps: int = 20
-    """Steps of linear warmup from 0 to ``lr``."""
+    """Steps of linear warmup from 0 to ``lr``, on the learner's own step counter."""
+
+    schedule: str = "run"
+    """What the cosine follows: 'run' (committed rounds / max_rounds, shared by all learners) or
+    'steps' (the learner's own step counter / total_steps)."""
 
     total_steps: int = 2000
-    """Length of the cosine schedule; after it the lr stays at ``lr * min_lr_ratio``."""
+    """For ``schedule="steps"``: length of the cosine; after it the lr stays at ``lr * min_lr_ratio``."""
 
     min_lr_ratio: float = 0.1
     """Floor of the cosine as a fraction of ``lr``."""
@@ -66,6 +78,8 @@ class InnerOptimConfig:
             raise ConfigError("inner warmup_steps must be >= 0 and total_steps >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"inner min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio!r})")
+        if self.schedule not in ("run", "steps"):
+            raise ConfigError(f"inner schedule must be 'run' or 'steps' (got {self.schedule!r})")
 
     def make(self, params: Any) -> torch.optim.AdamW:
         return torch.optim.AdamW(
@@ -73,12 +87,18 @@ class InnerOptimConfig:
         )
 
 
-def lr_at_step(cfg: InnerOptimConfig, step: int) -> float:
-    """Learning rate for 1-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``."""
+def lr_at_step(cfg: InnerOptimConfig, step: int, progress: float | None = None) -> float:
+    """Learning rate for 1-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``.
+
+    The cosine runs over ``progress`` in [0, 1] when it is given (the run's progress: what a
+    learner passes under ``schedule="run"``), else over ``(step - warmup_steps) / (total_steps -
+    warmup_steps)``. The warmup always counts the caller's own steps.
+    """
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    span = max(1, cfg.total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if progress is None:
+        progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, max(0.0, progress))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
@@ -129,9 +149,16 @@ class DataSpec:
     seed: int = 0
     """Seed of every learner's batch order."""
 
+    shard: str = "interleaved"
+    """How the train tokens are split among learners: 'interleaved' (learner i takes every M-th
+    window from window i: each shard is a uniform sample of the corpus) or 'contiguous' (learner
+    i takes the i-th 1/M of the tokens: shards differ whenever the corpus is ordered)."""
+
     def __post_init__(self) -> None:
         if self.kind not in ("stdlib", "tokens"):
             raise ConfigError(f"data kind must be 'stdlib' or 'tokens' (got {self.kind!r})")
+        if self.shard not in ("interleaved", "contiguous"):
+            raise ConfigError(f"data shard must be 'interleaved' or 'contiguous' (got {self.shard!r})")
         if self.kind == "tokens" and not (self.train_url and self.val_url):
             raise ConfigError("data kind 'tokens' needs train_url and val_url")
 
