@@ -75,11 +75,15 @@ def outer_label(c: DilocoConfig) -> str:
 def diloco_configs(h: int, outer_lr: float, outer_mu: float) -> dict[str, DilocoConfig]:
     decoupled = DilocoConfig(num_learners=M, num_fragments=h, inner_steps=h, overlap_steps=2, min_quorum=1,
                              grace_factor=0.5, initial_grace_s=1.0, outer_lr=outer_lr, outer_momentum=outer_mu)
+    sync = synchronous_diloco(M, inner_steps=h, outer_lr=outer_lr, outer_momentum=outer_mu)
     return {
         "decoupled": decoupled,
         "nograce": decoupled.replace(grace_factor=0.0, initial_grace_s=0.0),
-        "sync": synchronous_diloco(M, inner_steps=h, outer_lr=outer_lr, outer_momentum=outer_mu),
+        # The same merge rule and outer step as the decoupled rows: the like-for-like synchronous run.
+        "sync": sync.replace(merge=decoupled.merge, weighting=decoupled.weighting),
+        "sync-mean": sync,
         "sync-h1": synchronous_diloco(M, inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
+        "prefix": decoupled,
     }
 
 
@@ -89,11 +93,12 @@ def label_of(kind: str, c: DilocoConfig | None, lr: float, extra: str = "") -> s
     if kind == "bare":
         return f"DP, bare PyTorch loop, AdamW lr {lr:g}"
     assert c is not None
+    merge = "RDA" if c.merge == "rda" else "mean"
     if c.min_quorum == c.num_learners:
-        head = f"sync DiLoCo K=M P=1 H={c.inner_steps}, {c.merge}"
+        head = f"sync DiLoCo K=M P=1 H={c.inner_steps}, {merge}"
     else:
         grace = "+grace" if c.grace_factor > 0 else ", no grace"
-        head = f"decoupled K={c.min_quorum}{grace} H=P={c.inner_steps} tau={c.overlap_steps}, {c.merge.upper() if c.merge == 'rda' else c.merge}"
+        head = f"decoupled K={c.min_quorum}{grace} H=P={c.inner_steps} tau={c.overlap_steps}, {merge}"
     return f"{head}, {outer_label(c)}, inner lr {lr:g}{extra}"
 
 
@@ -195,7 +200,7 @@ def calibrate_rounds(a: argparse.Namespace, config: DilocoConfig, spec: DataSpec
 
 def run_diloco(a: argparse.Namespace, model: dict, spec: DataSpec, config: DilocoConfig, inner_lr: float, seed: int,
                root: Path, *, schedule: str = "run", rounds_cache: dict) -> dict:
-    key = (json.dumps(config.to_dict(), sort_keys=True), spec.kind)
+    key = json.dumps(config.to_dict(), sort_keys=True)  # virtual time: the same for every corpus
     if key not in rounds_cache:
         rounds_cache[key] = calibrate_rounds(a, config, spec, root)
     max_rounds = rounds_cache[key]
@@ -244,8 +249,11 @@ def main() -> int:
     ap.add_argument("--dp-lrs", default="2e-3,4e-3,8e-3", help="DP lr grid (extended until the best is inside)")
     ap.add_argument("--inner-lrs", default="2e-3,4e-3,8e-3", help="decoupled inner lr grid (extended likewise)")
     ap.add_argument("--max-extend", type=int, default=2, help="grid extensions per sweep")
-    ap.add_argument("--rows", default="bare,sync,sync-h1,nograce,prefix",
-                    help="fixed rows beyond the two sweeps: bare, sync, sync-h1, nograce, prefix (pre-fix learner)")
+    ap.add_argument("--rows", default="sync,nograce",
+                    help="rows beyond the two sweeps, at every seed: bare, sync (same merge and outer step as the "
+                         "decoupled rows), sync-mean, sync-h1, nograce, prefix (pre-fix learner)")
+    ap.add_argument("--rows-first-seed", default="bare,sync-h1,sync-mean,prefix",
+                    help="rows run at the first seed only (same choices)")
     ap.add_argument("--code-mb", type=float, default=8.0)
     ap.add_argument("--evals", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
@@ -256,7 +264,8 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in a.seeds.split(",")]
-    rows_wanted = set(filter(None, a.rows.split(",")))
+    rows_all = [r for r in a.rows.split(",") if r]
+    rows_first = [r for r in a.rows_first_seed.split(",") if r and r not in rows_all]
     model = {"vocab_size": 256, "context_tokens": a.context, "num_layers": a.layers, "num_heads": 4,
              "embed_dim": a.width}
     gpt = GPTConfig.from_dict(model)
@@ -287,6 +296,10 @@ def main() -> int:
                 r = fn(seed)
                 runs.setdefault(key, {})[seed] = r
                 labels[key] = label
+                partial = {k: {str(s): {"final": final(v), **{x: v[x] for x in v if x != "curve"}} for s, v in d.items()}
+                           for k, d in runs.items()}
+                (out / f"quality-{cname.split(':')[0]}-partial.json").write_text(
+                    json.dumps({"labels": labels, "runs": partial}, indent=1, default=str))
                 print(f"[{time.time() - t0:6.0f}s] {cname} seed {seed}: {label}: {final(r):.4f}"
                       + (f"  (rounds {r['rounds']}/{r.get('max_rounds', r['rounds'])}, merged work {r['merged_share']:.0%})"
                          if "max_rounds" in r else ""), flush=True)
@@ -321,28 +334,30 @@ def main() -> int:
 
             dp_lr = sweep([float(x) for x in a.dp_lrs.split(",")], dp_row)
             inner_lr = sweep([float(x) for x in a.inner_lrs.split(",")], dec_row)
+
+            def fixed(key: str, seed: int) -> None:
+                c = configs.get(key)
+                if key == "bare":
+                    run("bare", label_of("bare", None, dp_lr), seed, lambda s: run_bare_dp(a, gpt, spec_for(s), dp_lr, s))
+                elif key == "sync-h1":  # H = 1, plain mean: one averaged AdamW step per round, at DP's lr
+                    run(key, label_of("diloco", c, dp_lr), seed,
+                        lambda s: run_diloco(a, model, spec_for(s), c, dp_lr, s, root, rounds_cache=rounds_cache))
+                elif key == "prefix":
+                    run(key, label_of("diloco", c, inner_lr, ", PRE-FIX learner: own-step lr schedule, contiguous shards"),
+                        seed, lambda s: run_diloco(a, model, spec_for(s, "contiguous"), c, inner_lr, s, root,
+                                                   schedule="steps", rounds_cache=rounds_cache))
+                else:
+                    run(key, label_of("diloco", c, inner_lr), seed,
+                        lambda s: run_diloco(a, model, spec_for(s), c, inner_lr, s, root, rounds_cache=rounds_cache))
+
             for seed in seeds:
                 dp_row(dp_lr, seed)
                 dec_row(inner_lr, seed)
-                if "bare" in rows_wanted:
-                    run("bare", label_of("bare", None, dp_lr), seed, lambda s: run_bare_dp(a, gpt, spec_for(s), dp_lr, s))
-                if "sync" in rows_wanted:
-                    c = configs["sync"]
-                    run("sync", label_of("diloco", c, inner_lr), seed,
-                        lambda s: run_diloco(a, model, spec_for(s), c, inner_lr, s, root, rounds_cache=rounds_cache))
-                if "sync-h1" in rows_wanted:
-                    c = configs["sync-h1"]
-                    run("sync-h1", label_of("diloco", c, dp_lr), seed,
-                        lambda s: run_diloco(a, model, spec_for(s), c, dp_lr, s, root, rounds_cache=rounds_cache))
-                if "nograce" in rows_wanted:
-                    c = configs["nograce"]
-                    run("nograce", label_of("diloco", c, inner_lr), seed,
-                        lambda s: run_diloco(a, model, spec_for(s), c, inner_lr, s, root, rounds_cache=rounds_cache))
-                if "prefix" in rows_wanted:
-                    c = configs["decoupled"]
-                    run("prefix", label_of("diloco", c, inner_lr, ", PRE-FIX: own-step lr schedule + contiguous shards"),
-                        seed, lambda s: run_diloco(a, model, spec_for(s, "contiguous"), c, inner_lr, s, root,
-                                                   schedule="steps", rounds_cache=rounds_cache))
+                for key in rows_all:
+                    fixed(key, seed)
+                if seed == seeds[0]:
+                    for key in rows_first:
+                        fixed(key, seed)
 
             # -- the table ------------------------------------------------------------------
             def stats(key: str) -> tuple[float, float, int]:

@@ -3,7 +3,7 @@
 Imports torch and the standard library only (checked by tests/unit/test_layers.py).
 """
 
-from atoll.core.align import FragmentCounters, LearnerCounters, align_fragment, rebase_fragment
+from atoll.core.align import FragmentCounters, LearnerCounters, align_fragment
 from atoll.core.compress import CODECS, CompressionError, EncodedTensor, decode, encode, encoded_nbytes
 from atoll.core.config import ConfigError, DilocoConfig, data_parallel, paper, synchronous_diloco
 from atoll.core.fragments import (
@@ -48,7 +48,6 @@ __all__ = [
     "TimingEstimates",
     "WeightResult",
     "align_fragment",
-    "rebase_fragment",
     "contribution_weights",
     "data_parallel",
     "decide_round",

@@ -16,7 +16,7 @@ import torch
 
 from atoll.core.weights import Counters
 
-__all__ = ["FragmentCounters", "LearnerCounters", "align_fragment", "rebase_fragment"]
+__all__ = ["FragmentCounters", "LearnerCounters", "align_fragment"]
 
 
 @dataclass
@@ -87,29 +87,4 @@ def align_fragment(
         if fragment is None or version is None:
             raise ValueError("resetting counters needs fragment= and version=")
         counters.reset(fragment, version)
-    return {n: v.detach().float().clone() for n, v in global_fragment.items()}
-
-
-@torch.no_grad()
-def rebase_fragment(
-    params: Mapping[str, torch.Tensor],
-    global_fragment: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """Adopt ``global_fragment`` but keep the local progress made since ``reference``, in place:
-    ``theta <- Theta_new + (theta - reference)``. Returns the new base copy (``Theta_new``).
-
-    ``reference`` is the fragment's local value when the learner last published it (that work
-    is in the bucket already) or, if it has not published since its last alignment, that
-    alignment's base (then all of its work since is kept). With no step since ``reference`` this
-    is exactly :func:`align_fragment`'s overwrite.
-    """
-    for name, value in global_fragment.items():
-        if name not in params or name not in reference:
-            raise KeyError(f"global fragment carries {name!r}, which the learner's model or reference lacks")
-        target = params[name]
-        if target.shape != value.shape:
-            raise ValueError(f"global {name!r} has shape {tuple(value.shape)}, local {tuple(target.shape)}")
-        kept = target.detach().float() - reference[name].to(device=target.device, dtype=torch.float32)
-        target.copy_((value.to(device=target.device, dtype=torch.float32) + kept).to(target.dtype))
     return {n: v.detach().float().clone() for n, v in global_fragment.items()}

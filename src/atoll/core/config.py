@@ -27,7 +27,6 @@ __all__ = [
 MergeRule = Literal["rda", "mean"]
 Weighting = Literal["tokens", "uniform"]
 Codec = Literal["fp32", "bf16", "int4"]
-Alignment = Literal["overwrite", "keep_unpublished"]
 
 
 class ConfigError(ValueError):
@@ -83,13 +82,6 @@ class DilocoConfig:
     compression_block_size: int = 32
     """Elements per scale block for 'int4' (even, >= 2)."""
 
-    alignment: Alignment = "overwrite"
-    """How a learner adopts a new global fragment version. 'overwrite' (paper): the local fragment
-    becomes the global value, and local steps not yet merged are lost. 'keep_unpublished': the
-    local progress made since the learner last published that fragment (all of it, if it has not
-    published since its last alignment) is kept on top of the new global value and carried by its
-    next contribution, so no inner step is lost (benchmarks/quality.py: merged work share)."""
-
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -129,7 +121,6 @@ class DilocoConfig:
             "must be finite and >= 0",
         )
         need(self.compression in ("fp32", "bf16", "int4"), "compression", "choose 'fp32', 'bf16' or 'int4'")
-        need(self.alignment in ("overwrite", "keep_unpublished"), "alignment", "choose 'overwrite' or 'keep_unpublished'")
         need(
             is_int(self.compression_block_size)
             and self.compression_block_size >= 2

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from atoll.core.align import FragmentCounters, LearnerCounters, align_fragment, rebase_fragment
+from atoll.core.align import LearnerCounters, align_fragment
 from atoll.core.pseudograd import learner_delta
 from atoll.storage.bucket import RunStore
 from atoll.train.data import BatchStream
@@ -176,8 +176,6 @@ class Learner:
         self.summary.started_from_round = self.start_round
         self.step_ema: float | None = None
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
-        # alignment="keep_unpublished": fragment -> (its local value, c_steps, c_tokens) at its last publish.
-        self.published: dict[int, tuple[dict[str, torch.Tensor], int, int]] = {}
         self.model.train()
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
             f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
@@ -226,9 +224,6 @@ class Learner:
                       "loss": round(loss_now, 6) if math.isfinite(loss_now) else None},
             )
             self.summary.published += 1
-            if self.config.alignment == "keep_unpublished":
-                snapshot = {n: t.detach().float().clone() for n, t in self.plan.select(self.params, p).items()}
-                self.published[p] = (snapshot, fc.c_steps, fc.c_tokens)
             if self.lockstep:
                 self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
 
@@ -244,16 +239,8 @@ class Learner:
         """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
         if round_ <= self.versions[fragment]:
             return False
-        fc = self.counters.fragments[fragment]
-        ref, s_pub, t_pub = self.published.pop(fragment, (self.bases[fragment], 0, 0))
-        if self.config.alignment == "keep_unpublished" and fc.c_steps > s_pub:
-            # Keep the steps not yet published on top of the new version; the next delta carries them.
-            self.bases[fragment] = rebase_fragment(self.params, tensors, ref)
-            self.counters.fragments[fragment] = FragmentCounters(base_version=round_, c_steps=fc.c_steps - s_pub,
-                                                                 c_tokens=fc.c_tokens - t_pub)
-        else:
-            self.bases[fragment] = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment,
-                                                  version=round_)
+        self.bases[fragment] = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment,
+                                              version=round_)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
