@@ -252,12 +252,17 @@ def main() -> int:
     ap.add_argument("--rows", default="sync,nograce",
                     help="rows beyond the two sweeps, at every seed: bare, sync (same merge and outer step as the "
                          "decoupled rows), sync-mean, sync-h1, nograce, prefix (pre-fix learner)")
-    ap.add_argument("--rows-first-seed", default="bare,sync-h1,sync-mean,prefix",
+    ap.add_argument("--rows-first-seed", default="prefix,sync-mean",
                     help="rows run at the first seed only (same choices)")
+    ap.add_argument("--rows-late", default="bare,sync-h1",
+                    help="sanity rows, first seed only, run last (same choices)")
     ap.add_argument("--code-mb", type=float, default=8.0)
     ap.add_argument("--evals", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--resume", action="store_true", help="reuse the runs saved in --out by an earlier invocation "
+                    "with the same settings")
+    ap.add_argument("--report-only", action="store_true", help="with --resume: train nothing, tabulate what is saved")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -266,6 +271,7 @@ def main() -> int:
     seeds = [int(s) for s in a.seeds.split(",")]
     rows_all = [r for r in a.rows.split(",") if r]
     rows_first = [r for r in a.rows_first_seed.split(",") if r and r not in rows_all]
+    rows_late = [r for r in a.rows_late.split(",") if r and r not in rows_all + rows_first]
     model = {"vocab_size": 256, "context_tokens": a.context, "num_layers": a.layers, "num_heads": 4,
              "embed_dim": a.width}
     gpt = GPTConfig.from_dict(model)
@@ -289,17 +295,23 @@ def main() -> int:
             bytes_per_tok = 1.0 if spec0.kind == "stdlib" or cname == "prose" else float("nan")
             runs: dict[str, dict[int, dict]] = {}
             labels: dict[str, str] = {}
+            # Every finished run is saved at once; --resume (same settings!) reuses them, so a long
+            # benchmark can be stopped and continued, or its plan changed, without losing work.
+            saved = out / f"quality-{cname.split(':')[0]}-runs.json"
+            if a.resume and saved.exists():
+                old = json.loads(saved.read_text())
+                labels.update(old["labels"])
+                runs.update({k: {int(sd): r for sd, r in d.items()} for k, d in old["runs"].items()})
 
             def run(key: str, label: str, seed: int, fn) -> float:
                 if seed in runs.get(key, {}):
                     return final(runs[key][seed])
+                if a.report_only:
+                    return math.inf
                 r = fn(seed)
                 runs.setdefault(key, {})[seed] = r
                 labels[key] = label
-                partial = {k: {str(s): {"final": final(v), **{x: v[x] for x in v if x != "curve"}} for s, v in d.items()}
-                           for k, d in runs.items()}
-                (out / f"quality-{cname.split(':')[0]}-partial.json").write_text(
-                    json.dumps({"labels": labels, "runs": partial}, indent=1, default=str))
+                saved.write_text(json.dumps({"labels": labels, "runs": runs}, default=str))
                 print(f"[{time.time() - t0:6.0f}s] {cname} seed {seed}: {label}: {final(r):.4f}"
                       + (f"  (rounds {r['rounds']}/{r.get('max_rounds', r['rounds'])}, merged work {r['merged_share']:.0%})"
                          if "max_rounds" in r else ""), flush=True)
@@ -350,14 +362,16 @@ def main() -> int:
                     run(key, label_of("diloco", c, inner_lr), seed,
                         lambda s: run_diloco(a, model, spec_for(s), c, inner_lr, s, root, rounds_cache=rounds_cache))
 
-            for seed in seeds:
+            # Most telling first: the first seed's rows, then the other seeds, then the sanity rows.
+            for key in rows_all + rows_first:
+                fixed(key, seeds[0])
+            for seed in seeds[1:]:
                 dp_row(dp_lr, seed)
                 dec_row(inner_lr, seed)
                 for key in rows_all:
                     fixed(key, seed)
-                if seed == seeds[0]:
-                    for key in rows_first:
-                        fixed(key, seed)
+            for key in rows_late:
+                fixed(key, seeds[0])
 
             # -- the table ------------------------------------------------------------------
             def stats(key: str) -> tuple[float, float, int]:
@@ -365,7 +379,8 @@ def main() -> int:
                 return statistics.fmean(vals), (max(vals) - min(vals)) / 2, len(vals)
 
             dp_keys = [k for k in runs if k.startswith("dp ")]
-            best_dp = min((k for k in dp_keys if len(runs[k]) == len(seeds)), key=lambda k: stats(k)[0])
+            most = max(len(runs[k]) for k in dp_keys)
+            best_dp = min((k for k in dp_keys if len(runs[k]) == most), key=lambda k: stats(k)[0])
             ref = stats(best_dp)[0]
             dp_bpt = runs[best_dp][seeds[0]]["bytes_per_token"]
             say("")

@@ -5,8 +5,8 @@ Read top to bottom, this is the whole of what a learner does:
 1. Rebuild the model and its data shard from the run's recipe in the bucket; start from the
    latest committed global state, and from its own last saved inner state if it has one (AdamW
    moments, step counter, data cursor): that is rejoin.
-2. Each inner step: AdamW with warmup + cosine on the learner's own step counter; count steps and
-   tokens for every fragment.
+2. Each inner step: AdamW, warmup on the learner's own steps then cosine over the run's progress
+   (rounds adopted / max_rounds); count steps and tokens for every fragment.
 3. After step t, if the schedule says fragment p is due (t mod H == t_p), publish
    ``delta = Theta_p(base) - theta_p`` with the counters since the last alignment.
 4. A background thread watches the bucket for new commits and prefetches new global fragment
