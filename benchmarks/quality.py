@@ -434,7 +434,8 @@ def plot(report: dict, path: Path) -> None:
         shown = [c["best_dp"]] + [k for k in c["runs"] if not k.startswith("dp ")]
         for key in shown:
             curves = [r["curve"] for r in c["runs"][key].values()]
-            n = min(len(cv) for cv in curves)
+            n = max(len(cv) for cv in curves)
+            curves = [cv for cv in curves if len(cv) == n]  # full curves only (a resumed run may lack one)
             xs = [statistics.fmean(cv[i][0] for cv in curves) for i in range(n)]
             ys = [statistics.fmean(cv[i][1] for cv in curves) for i in range(n)]
             ax.plot(xs, ys, marker="o", ms=3, lw=2.2 if key == c["best_dp"] else 1.2, label=c["labels"][key])
