@@ -38,7 +38,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 from atoll.storage.bucket import RunStore  # noqa: E402
 from atoll.tasks.report import GoodputTracker  # noqa: E402
 from atoll.tasks.runs import prepare_run  # noqa: E402
-from atoll.train.local import LocalRun, make_evaluator, synchronizer_options, to_url  # noqa: E402
+from atoll.storage.paths import to_url  # noqa: E402
+from atoll.train.local import LocalRun  # noqa: E402
+from atoll.train.run import make_evaluator  # noqa: E402
+from atoll.train.synchronizer import SynchronizerOptions  # noqa: E402
 from atoll.train.synchronizer import RoundSummary, Synchronizer  # noqa: E402
 
 WARMUP_ROUNDS = 5
@@ -101,7 +104,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         store = RunStore.open(url)
-        sync = Synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store))
+        sync = Synchronizer(store, options=SynchronizerOptions(), evaluate=make_evaluator(store))
         while not sync.finished:
             polled = sync.poll()
             if isinstance(polled, RoundSummary):

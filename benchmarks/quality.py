@@ -28,7 +28,8 @@ import torch
 
 from atoll.core.config import DilocoConfig, synchronous_diloco
 from atoll.train import data as data_mod
-from atoll.train.local import create_run, make_evaluator, to_url
+from atoll.storage.paths import to_url
+from atoll.train.run import create_run, make_evaluator
 from atoll.train.model import MODEL_PRESETS, build_model, count_parameters, loss_fn
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step
 from atoll.train.virtual import run_virtual

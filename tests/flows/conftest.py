@@ -20,7 +20,8 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from atoll.tasks.runs import RunInfo, prepare_run  # noqa: E402
-from atoll.train.local import LocalRun, to_url  # noqa: E402
+from atoll.storage.paths import to_url  # noqa: E402
+from atoll.train.local import LocalRun  # noqa: E402
 
 
 @pytest.fixture(scope="session")

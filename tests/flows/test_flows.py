@@ -11,7 +11,7 @@ import torch
 from atoll.tasks.learners import run_tag
 from atoll.tasks.report import GoodputTracker, round_flow_name, run_status
 from atoll.tasks.runs import open_run, prepare_run
-from atoll.train.local import to_url
+from atoll.storage.paths import to_url
 
 pytestmark = pytest.mark.timeout(300)
 

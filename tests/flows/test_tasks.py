@@ -10,7 +10,7 @@ from atoll.storage.validation import RoundOrderError
 from atoll.tasks.rounds import await_quorum, forget_run, merge_and_commit
 from atoll.tasks.runs import open_run, prepare_run
 from atoll.train.learner import LearnerOptions, run_learner
-from atoll.train.local import to_url
+from atoll.storage.paths import to_url
 from atoll.train.synchronizer import RoundPoll
 
 pytestmark = pytest.mark.timeout(180)

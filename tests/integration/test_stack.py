@@ -25,7 +25,7 @@ from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.tasks.learners import learner_tag, run_tag
 from atoll.tasks.report import round_flow_name
 from atoll.tasks.runs import open_run
-from atoll.train.local import create_run
+from atoll.train.run import create_run
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

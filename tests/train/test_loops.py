@@ -21,7 +21,9 @@ from atoll.storage import RunStore, paths
 from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.train.data import BatchStream
-from atoll.train.local import LocalRun, create_run, to_url
+from atoll.storage.paths import to_url
+from atoll.train.local import LocalRun
+from atoll.train.run import create_run
 from atoll.train.model import loss_fn
 from atoll.train.recipe import Recipe, lr_at_step, smoke_recipe
 

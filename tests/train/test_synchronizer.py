@@ -6,7 +6,7 @@ import uuid
 
 from atoll.storage import RunStore
 from atoll.train.learner import Learner
-from atoll.train.local import create_run
+from atoll.train.run import create_run
 from atoll.train.recipe import smoke_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 

@@ -20,7 +20,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from atoll.tasks.report import slug
 from atoll.tasks.runs import open_run
-from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+from atoll.train.learner import LearnerOptions, run_learner
+from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]
 

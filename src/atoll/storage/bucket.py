@@ -76,7 +76,6 @@ __all__ = [
     "GlobalState",
     "LearnerState",
     "CheckpointInfo",
-    "should_checkpoint",
 ]
 
 Tensors = Mapping[str, torch.Tensor]
@@ -131,11 +130,6 @@ class CheckpointInfo:
     model_url: str
     config_url: str
     sha256: str
-
-
-def should_checkpoint(round_: int, every: int | None) -> bool:
-    """True every ``every`` rounds (rounds ``every``, ``2*every`` ...); never if ``every`` is falsy."""
-    return bool(every) and round_ >= 1 and round_ % int(every) == 0  # type: ignore[operator]
 
 
 class RunStore:
@@ -676,10 +670,6 @@ class RunStore:
                 "created_at": time.time()}
         self.store.put(config_key, dump_record(KIND_CHECKPOINT, body))
         return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)
-
-    def maybe_write_checkpoint(self, round_: int, every: int | None) -> CheckpointInfo | None:
-        """Write a checkpoint of ``round_`` if :func:`should_checkpoint` says so."""
-        return self.write_checkpoint(round_) if should_checkpoint(round_, every) else None
 
     def list_checkpoints(self) -> list[int]:
         """Rounds that have a checkpoint folder (one LIST)."""

@@ -8,10 +8,12 @@ order. See docs/protocol.md for what each object holds.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from atoll.storage.validation import InvalidInput, validate_id
 
 __all__ = [
+    "to_url",
     "RUN_MANIFEST",
     "HEAD",
     "join_url",
@@ -38,6 +40,14 @@ HEAD = "head.json"
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def to_url(bucket: str) -> str:
+    """A local path becomes an absolute ``file://`` URL (other processes may run elsewhere);
+    anything with a scheme is returned as is."""
+    if "://" in bucket:
+        return bucket
+    return "file://" + str(Path(bucket).expanduser().resolve())
 
 
 def join_url(root: str, *keys: str) -> str:

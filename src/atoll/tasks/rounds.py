@@ -28,8 +28,8 @@ from atoll.storage.records import CommitRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError
 from atoll.tasks.report import GoodputTracker, contribution_rows, round_markdown, slug
 from atoll.tasks.runs import open_run
-from atoll.train.learner import load_recipe
-from atoll.train.local import make_evaluator, synchronizer_options
+from atoll.train.run import load_recipe, make_evaluator
+from atoll.train.synchronizer import SynchronizerOptions
 from atoll.train.synchronizer import RoundPoll, RoundSummary, Synchronizer
 
 __all__ = [
@@ -62,7 +62,7 @@ def synchronizer_for(run_url: str, storage_options: Mapping[str, Any] | None = N
         sync = None  # someone else moved the run on (or we are behind): reload from the bucket
     if sync is None:
         store = open_run(run_url, storage_options)
-        opts = synchronizer_options(store, **overrides)
+        opts = SynchronizerOptions(**overrides)
         sync = Synchronizer(store, options=opts, evaluate=make_evaluator(store) if evaluate else None)
         _SYNCS[run_url] = sync
     return sync

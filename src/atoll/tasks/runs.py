@@ -21,8 +21,8 @@ from typing import Any
 from atoll.core.config import DilocoConfig
 from atoll.storage.bucket import RunStore
 from atoll.storage.paths import join_url
-from atoll.train.learner import load_recipe
-from atoll.train.local import create_run, to_url
+from atoll.storage.paths import to_url
+from atoll.train.run import create_run, load_recipe
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
 
 __all__ = ["RunInfo", "prepare_run", "load_config_file", "new_run_url", "open_run"]

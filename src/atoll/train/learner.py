@@ -36,8 +36,9 @@ from atoll.storage.bucket import RunStore
 from atoll.train.data import BatchStream
 from atoll.train.model import loss_fn
 from atoll.train.recipe import Recipe, lr_at_step
+from atoll.train.run import load_recipe
 
-__all__ = ["Learner", "LearnerOptions", "LearnerSummary", "run_learner", "load_recipe"]
+__all__ = ["Learner", "LearnerOptions", "LearnerSummary", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,13 +72,6 @@ class LearnerSummary:
     started_from_round: int = 0
     resumed_inner_state: bool = False
     losses: list[float] = field(default_factory=list)
-
-
-def load_recipe(store: RunStore) -> Recipe:
-    extra = store.manifest.extra
-    if "recipe" not in extra:
-        raise ValueError(f"run {store.url} has no recipe (run.json extra.recipe); it was not created by atoll.train")
-    return Recipe.from_dict(extra["recipe"])
 
 
 class _Fetcher(threading.Thread):

@@ -22,61 +22,14 @@ from typing import Any
 
 import torch
 
-from atoll.core.config import DilocoConfig
-from atoll.core.fragments import plan_fragments
 from atoll.storage.bucket import RunStore
-from atoll.train import data as data_mod
-from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+from atoll.storage.paths import to_url
+from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
+from atoll.train.run import create_run, load_recipe, make_evaluator
 from atoll.train.synchronizer import RoundSummary, SynchronizerOptions, run_synchronizer
 
-__all__ = ["create_run", "make_evaluator", "LocalRun", "to_url", "main"]
-
-
-def to_url(bucket: str) -> str:
-    """A local path becomes an absolute file:// URL (other processes may run elsewhere)."""
-    if "://" in bucket:
-        return bucket
-    return "file://" + str(Path(bucket).expanduser().resolve())
-
-
-def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,
-               storage_options: Mapping[str, Any] | None = None) -> RunStore:
-    """Create a new run in the bucket: frozen config, fragment plan, version-0 weights, recipe."""
-    recipe.check(config)
-    model = recipe.model_factory()()
-    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
-    store = RunStore.open(url, storage_options)
-    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
-                   extra={"recipe": recipe.to_dict()})
-    recipe.data.corpus()  # materialize the token cache once, before learners race to build it
-    return store
-
-
-def make_evaluator(store: RunStore) -> Callable[[Mapping[str, torch.Tensor]], float]:
-    """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
-    recipe = load_recipe(store)
-    model = recipe.model_factory()()
-    val = recipe.data.corpus().val
-    context = recipe.context_for(model)
-
-    def evaluate(params: Mapping[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(params[name])
-        return data_mod.evaluate(model, val, batches=recipe.eval_batches, batch_size=16, context_tokens=context)
-
-    return evaluate
-
-
-def synchronizer_options(store: RunStore, **overrides: Any) -> SynchronizerOptions:
-    recipe = load_recipe(store)
-    return SynchronizerOptions(**{
-        "max_rounds": recipe.max_rounds,
-        "eval_every_rounds": recipe.eval_every_rounds,
-        "checkpoint_every_rounds": recipe.checkpoint_every_rounds,
-        **overrides,
-    })
+__all__ = ["LocalRun", "main"]
 
 
 class LocalRun:
@@ -166,7 +119,7 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    opts = synchronizer_options(store, poll_interval_s=args.poll_interval_s)
+    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s)
     evaluate = make_evaluator(store)
     run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
                      log=lambda s: print(s, flush=True))
@@ -199,7 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     run.start_learner(lid)
 
         store = RunStore.open(url)
-        last = run_synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store),
+        last = run_synchronizer(store, evaluate=make_evaluator(store),
                                 on_round=on_round, log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
     final = store.read_commit(last)
     loss = final.stats.get("val_loss") if final else None

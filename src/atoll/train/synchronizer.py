@@ -29,6 +29,7 @@ from atoll.core.synchronize import synchronize_fragment
 from atoll.storage.bucket import RunStore
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError
+from atoll.train.run import RoundSchedule
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
@@ -37,28 +38,14 @@ Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 @dataclass(frozen=True, kw_only=True)
 class SynchronizerOptions:
-    """How the synchronizer polls and what it records."""
+    """Process-local knobs of one synchronizer process. Nothing here changes what is trained:
+    the algorithm lives in the run's DilocoConfig and the round schedule in its recipe (run.json)."""
 
     poll_interval_s: float = 0.2
     """Longest sleep between two polls of an open round."""
 
-    max_wait_s: float | None = None
-    """Close a round below quorum (with >= 1 valid contribution) after this long; None: never."""
-
     live_timeout_s: float | None = None
     """A learner not seen for this long is not 'live' (for early close). None: max(5 s, 3 H step times)."""
-
-    outlier_norm_ratio: float | None = 100.0
-    """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median."""
-
-    eval_every_rounds: int = 0
-    """Validation loss of the global model every this many rounds (0: never; the last round always)."""
-
-    checkpoint_every_rounds: int = 0
-    """Consolidated checkpoint every this many rounds (0: only at the last round)."""
-
-    max_rounds: int | None = None
-    """Stop after committing this round."""
 
     synchronizer_id: str = "synchronizer"
     """Written into every commit record (who won the round)."""
@@ -117,9 +104,8 @@ class Synchronizer:
         self.clock = clock
         self.config = store.config
         self.plan = store.plan
-        self.policy = self.config.quorum_policy(
-            poll_interval_s=self.options.poll_interval_s, max_wait_s=self.options.max_wait_s
-        )
+        self.schedule = RoundSchedule.of(store)
+        self.policy = self.config.quorum_policy(poll_interval_s=self.options.poll_interval_s)
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
@@ -160,7 +146,7 @@ class Synchronizer:
 
     @property
     def finished(self) -> bool:
-        return self.options.max_rounds is not None and self.round >= self.options.max_rounds
+        return self.schedule.is_last(self.round)
 
     def fragment_of_round(self, round_: int) -> int:
         return (round_ - 1) % self.plan.num_fragments
@@ -271,7 +257,7 @@ class Synchronizer:
                 current=self.fragments[p], bases=bases, contributions=contributions, optimizer=opt,
                 merge=self.config.merge, weighting=self.config.weighting,
                 embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
-                outlier_norm_ratio=self.options.outlier_norm_ratio,
+                outlier_norm_ratio=self.config.outlier_norm_ratio,
             )
         merged_keys = set(result.weights) if result is not None else set()
         if result is not None:
@@ -293,10 +279,8 @@ class Synchronizer:
         first = min((a.arrived_at_s for a in decision.accepted), default=opened_at)
         quorum_s = (decision.quorum_at_s - first) if decision.quorum_at_s is not None else closed_at - first
         new_params = result.new_params if result is not None else None
-        is_last = self.options.max_rounds is not None and r >= self.options.max_rounds
         val_loss = None
-        every = self.options.eval_every_rounds
-        if self.evaluate is not None and ((every and r % every == 0) or is_last):
+        if self.evaluate is not None and self.schedule.evaluates(r):
             params = {n: t for frag in self.fragments for n, t in frag.items()}
             if new_params is not None:
                 params.update(new_params)
@@ -342,8 +326,7 @@ class Synchronizer:
             self.optimizers[p] = opt
         self.ema = ema
         self._consume(commit.record)
-        every_ckpt = self.options.checkpoint_every_rounds
-        if (every_ckpt and r % every_ckpt == 0) or is_last:
+        if self.schedule.checkpoints(r):
             self.store.write_checkpoint(r)
         return RoundSummary(record=commit.record, won=True, decision=decision, val_loss=val_loss)
 
@@ -364,7 +347,7 @@ def run_synchronizer(
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
 ) -> int:
-    """Run rounds until ``options.max_rounds`` is committed or ``should_stop()``; returns the last round.
+    """Run rounds until the schedule's ``max_rounds`` is committed or ``should_stop()``; returns the last round.
 
     Sleeps on atoll's own clock between polls (never longer than the decision's recheck time).
     """
