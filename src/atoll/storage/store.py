@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
+from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
 
@@ -124,21 +125,6 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded exponential backoff with jitter: attempt n waits in [d/2, d], d = min(max, base * 2**n)."""
-
-    attempts: int = 5
-    """Total tries of one operation (1 = no retry)."""
-
-    base_delay_s: float = 0.1
-    max_delay_s: float = 5.0
-
-    def delay_s(self, attempt: int, rng: random.Random) -> float:
-        d = min(self.max_delay_s, self.base_delay_s * (2**attempt))
-        return d / 2 + rng.uniform(0, d / 2)
-
-
 class ObjectStore:
     """Objects under one root URL of any fsspec filesystem. Keys are ``/``-separated and relative."""
 
@@ -161,7 +147,7 @@ class ObjectStore:
         self.is_memory = "memory" in protocols
         self.url = url or (self.root if self.is_local else f"{self.protocol}://{self.root.lstrip('/')}")
         self._options = redact(storage_options)
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or STORAGE_RETRY
         self._sleep = sleep
         self._rng = random.Random(seed)
         self.op_counts: Counter[str] = Counter()
