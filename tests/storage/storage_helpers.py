@@ -12,7 +12,7 @@ import torch
 from atoll.core import DilocoConfig, FragmentPlan, plan_fragments
 from atoll.core.weights import Counters
 from atoll.storage import RunStore, paths
-from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex, tensors_to_bytes
+from atoll.storage.codec import SCHEMA_VERSION, dump_record, encoded_to_bytes, sha256_hex, tensors_to_bytes
 from atoll.core.compress import encode
 
 SHAPES = {"blk.0.w": (4, 3), "blk.0.b": (3,), "blk.1.w": (3, 3), "emb.weight": (5, 2)}
@@ -79,7 +79,7 @@ def plant_contribution(
     }
     data = dump_record("atoll/contribution", body)
     if schema_version is not None:
-        data = data.replace(b'"schema_version":1', f'"schema_version":{schema_version}'.encode())
+        data = data.replace(f'"schema_version":{SCHEMA_VERSION}'.encode(), f'"schema_version":{schema_version}'.encode())
     backend.raw_put(url, key, data)
     return key
 

@@ -30,8 +30,10 @@ from atoll.storage import (
     UnsafeStoreError,
     paths,
 )
-from atoll.storage.codec import encoded_to_bytes
+from atoll.storage.codec import dump_record, encoded_to_bytes
+from atoll.storage.records import KIND_COMMIT
 from atoll.core.compress import encode
+from atoll.core.rejection import RejectionKind
 
 GCS_NO_CREATE_ONCE = (
     "gcp-storage-emulator ignores ifGenerationMatch=0 (a second create overwrites), so GCS "
@@ -475,15 +477,35 @@ def test_bad_unknown_schema_version(committed):
     backend, url, rs = committed
     key = plant_contribution(backend, url, fragment=0, tensors=fragment_delta(rs, 0), schema_version=99)
     listing = backend.open(url).list_contributions(0, 0)
-    assert key in listing.rejected and "schema_version 99" in listing.rejected[key]
+    assert key in listing.rejected and listing.rejected[key].kind is RejectionKind.SCHEMA
+    assert "schema_version 99" in listing.rejected[key].detail
     assert key not in {r.key for r in listing.records}
     # A commit record of an unknown version is refused too, with the reason.
-    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":1', b'"schema_version":2')
+    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":2', b'"schema_version":3')
     backend.raw_put(url, "commits/00000099.json", data)
-    with pytest.raises(InvalidInput, match="unknown schema_version 2"):
+    with pytest.raises(InvalidInput, match="unknown schema_version 3"):
         backend.open(url).read_commit(99)
     fs, root = backend.fs_and_root(url)
     fs.rm_file(f"{root}/commits/00000099.json")
+
+
+def test_schema_1_commit_records_stay_readable(committed):
+    """Schema 1 stored rejections as bare text; they read back typed ('late:' text stays LATE)."""
+    backend, url, rs = committed
+    record = rs.read_commit(1)
+    body = record.to_dict()
+    body["rejected"] = {"contributions/f0000/b00000000/x.json": "late: arrived 0.50s after the grace window closed",
+                        "contributions/f0000/b00000000/y.json": "outlier: norm 9 > 5 x median 1"}
+    data = dump_record(KIND_COMMIT, body).replace(b'"schema_version":2', b'"schema_version":1')
+    backend.raw_put(url, "commits/00000098.json", data.replace(b'"round":1,', b'"round":98,'))
+    old = backend.open(url).read_commit(98)
+    assert old is not None
+    late = old.rejected["contributions/f0000/b00000000/x.json"]
+    assert late.kind is RejectionKind.LATE and not late.final and late.detail.startswith("arrived 0.50s")
+    other = old.rejected["contributions/f0000/b00000000/y.json"]
+    assert other.kind is RejectionKind.UNSPECIFIED and other.final and other.detail.startswith("outlier")
+    fs, root = backend.fs_and_root(url)
+    fs.rm_file(f"{root}/commits/00000098.json")
 
 
 def test_bad_missing_payload(committed):
@@ -522,7 +544,7 @@ def test_bad_planted_learner_id_in_record(committed):
     data = backend.raw_get(url, key).replace(b'"learner_id":"ok-id"', b'"learner_id":"../../commits"')
     backend.raw_put(url, key, data)
     listing = backend.open(url).list_contributions(0, 0)
-    assert "bad_id" in listing.rejected[key]
+    assert listing.rejected[key].kind is RejectionKind.BAD_ID
 
 
 def test_bad_oversize(committed):

@@ -63,7 +63,7 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
     assert again.round == committed and again.versions == sync.versions
     assert again.ema.to_dict() == sync.ema.to_dict()
     assert again.consumed >= sync.consumed - {k for r in RunStore.open(url).history() for k, why in r.rejected.items()
-                                              if why.startswith("late")}
+                                              if not why.final}
 
 
 def test_late_contribution_is_reconsidered_by_the_next_round_of_its_fragment() -> None:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.core import Counters, contribution_weights, merge_fragment, rda, weighted_mean
+from atoll.core.rejection import RejectionKind
 
 
 def norm(t: torch.Tensor) -> float:
@@ -31,8 +32,8 @@ def test_token_weights() -> None:
     )
     # raw: a = 400^2/4 = 40000, b = 400^2/2 = 80000
     assert res.weights == pytest.approx({"a": 1 / 3, "b": 2 / 3})
-    assert "c_steps=0" in res.rejected["c"]
-    assert contribution_weights({"a": Counters(c_steps=3, c_tokens=0)}).rejected["a"].startswith("zero weight")
+    assert res.rejected["c"].kind is RejectionKind.NO_STEPS and "c_steps=0" in res.rejected["c"].detail
+    assert contribution_weights({"a": Counters(c_steps=3, c_tokens=0)}).rejected["a"].kind is RejectionKind.NO_TOKENS
     uni = contribution_weights({"a": Counters(c_steps=4, c_tokens=400), "b": Counters(c_steps=1, c_tokens=9)}, rule="uniform")
     assert uni.weights == {"a": 0.5, "b": 0.5}
     with pytest.raises(ValueError, match="weighting rule"):

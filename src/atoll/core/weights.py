@@ -11,7 +11,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Counters", "WeightResult", "contribution_weights"]
+from atoll.core.rejection import Rejection, RejectionKind
+
+__all__ = ["Counters", "WeightResult", "contribution_weights", "unweighable"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +32,17 @@ class WeightResult:
     """Normalised weights (summing to 1 over accepted keys) and the reasons for zero weights."""
 
     weights: dict[str, float]
-    rejected: dict[str, str]
+    rejected: dict[str, Rejection]
+
+
+def unweighable(c_steps: int, c_tokens: int) -> Rejection | None:
+    """The one check for a contribution that cannot be weighed (no steps or no tokens since its
+    learner aligned the fragment), used by the quorum decision, the weights and the merge alike."""
+    if c_steps <= 0:
+        return Rejection(RejectionKind.NO_STEPS, f"no inner steps since last alignment (c_steps={c_steps})")
+    if c_tokens <= 0:
+        return Rejection(RejectionKind.NO_TOKENS, f"no tokens since last alignment (c_tokens={c_tokens})")
+    return None
 
 
 def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "tokens") -> WeightResult:
@@ -38,12 +50,11 @@ def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "token
     if rule not in ("tokens", "uniform"):
         raise ValueError(f"weighting rule must be 'tokens' or 'uniform', got {rule!r}")
     raw: dict[str, float] = {}
-    rejected: dict[str, str] = {}
+    rejected: dict[str, Rejection] = {}
     for key, c in counters.items():
-        if c.c_steps <= 0:
-            rejected[key] = f"zero weight: no inner steps (c_steps={c.c_steps})"
-        elif c.c_tokens <= 0:
-            rejected[key] = f"zero weight: no tokens (c_tokens={c.c_tokens})"
+        why = unweighable(c.c_steps, c.c_tokens)
+        if why is not None:
+            rejected[key] = why
         else:
             raw[key] = 1.0 if rule == "uniform" else float(c.c_tokens) ** 2 / float(c.c_steps)
     total = math.fsum(raw.values())

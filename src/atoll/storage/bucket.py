@@ -29,6 +29,7 @@ import torch
 from atoll.core.compress import CompressionError, EncodedTensor, encode
 from atoll.core.config import DilocoConfig
 from atoll.core.fragments import FragmentPlan
+from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
 from atoll.storage import paths
@@ -57,7 +58,8 @@ from atoll.storage.records import (
     LearnerStateRecord,
     RunManifest,
 )
-from atoll.storage.store import ObjectStore, RetryPolicy
+from atoll.core.retry import RetryPolicy
+from atoll.storage.store import ObjectStore
 from atoll.storage.validation import (
     InvalidInput,
     RoundOrderError,
@@ -99,7 +101,7 @@ class ContributionListing:
     """Contribution records found by one poll, and the ones whose record itself was unusable."""
 
     records: list[ContributionRecord] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, Rejection] = field(default_factory=dict)
 
 
 @dataclass
@@ -341,8 +343,7 @@ class RunStore:
             try:
                 encoded[name] = encode(value, codec, block_size=block_size)
             except CompressionError as e:
-                kind = "non_finite" if "NaN" in str(e) else "layout"
-                raise InvalidInput(kind, f"delta {name!r}: {e}") from None
+                raise InvalidInput(e.kind, f"delta {name!r}: {e}") from None
         shapes = {n: e.shape for n, e in encoded.items()}
         check_shapes(shapes, expected, what=f"delta for fragment {fragment}")
         data, meta = encoded_to_bytes(encoded)
@@ -356,12 +357,12 @@ class RunStore:
                                     created_at=time.time(), info=info)
         if not self.store.create(key, dump_record(KIND_CONTRIBUTION, record.to_dict())):
             existing = self._read_contribution_record(key)
-            if isinstance(existing, str):
+            if isinstance(existing, Rejection):
                 raise InvalidInput("schema", f"a different, unreadable record already sits at {key}: {existing}")
             return existing
         return record
 
-    def _read_contribution_record(self, key: str) -> ContributionRecord | str:
+    def _read_contribution_record(self, key: str) -> ContributionRecord | Rejection:
         """Parsed record, or the reason it is unusable. Cached: records are immutable."""
         cached = self._contrib_cache.get(key)
         if cached is not None:
@@ -369,11 +370,12 @@ class RunStore:
         url = self.store.key_url(key)
         data = self.store.get_or_none(key, max_bytes=1 << 20)
         if data is None:
-            return "record vanished"  # not cached: it may be a listing race
+            # Not cached: it may be a listing race.
+            return Rejection(RejectionKind.MISSING_PAYLOAD, "record listed but gone before it could be read")
         try:
             if len(data) > 1 << 20:
                 raise InvalidInput("oversize", "contribution record larger than 1 MiB", url=url)
-            result: ContributionRecord | str = ContributionRecord.from_body(
+            result: ContributionRecord | Rejection = ContributionRecord.from_body(
                 load_record(data, KIND_CONTRIBUTION, url=url), key
             )
             expected_key = paths.contribution_key(result.fragment, result.base_version, result.learner_id,
@@ -381,7 +383,7 @@ class RunStore:
             if expected_key != key:
                 raise InvalidInput("schema", f"record fields say it belongs at {expected_key}", url=url)
         except InvalidInput as e:
-            result = str(e)
+            result = e.rejection
         self._contrib_cache[key] = result
         return result
 
@@ -401,7 +403,7 @@ class RunStore:
                     continue
                 key = prefix + name
                 rec = self._read_contribution_record(key)
-                if isinstance(rec, str):
+                if isinstance(rec, Rejection):
                     listing.rejected[key] = rec
                 else:
                     listing.records.append(rec)
@@ -435,15 +437,15 @@ class RunStore:
 
     def load_contributions(
         self, records: Iterable[ContributionRecord]
-    ) -> tuple[list[FragmentContribution], dict[str, str]]:
-        """Load many; bad ones land in the second value as ``key -> reason`` instead of raising."""
+    ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
+        """Load many; bad ones land in the second value as ``key -> Rejection`` instead of raising."""
         ok: list[FragmentContribution] = []
-        rejected: dict[str, str] = {}
+        rejected: dict[str, Rejection] = {}
         for r in records:
             try:
                 ok.append(self.load_contribution(r))
             except InvalidInput as e:
-                rejected[r.key] = str(e)
+                rejected[r.key] = e.rejection
         return ok, rejected
 
     # -- commits -----------------------------------------------------------------------------
@@ -535,7 +537,7 @@ class RunStore:
         params: Tensors | None,
         momentum: Tensors | None = None,
         accepted: Iterable[AcceptedContribution | Mapping[str, Any]] = (),
-        rejected: Mapping[str, str] | None = None,
+        rejected: Mapping[str, Rejection] | None = None,
         timings: Mapping[str, Any] | None = None,
         stats: Mapping[str, Any] | None = None,
         committed_by: str = "synchronizer",
@@ -557,7 +559,11 @@ class RunStore:
         state = list(self._state_table(round_ - 1))
         accepted_t = tuple(a if isinstance(a, AcceptedContribution) else AcceptedContribution.from_body(dict(a))
                            for a in accepted)
-        body_extra = {"rejected": dict(rejected or {}), "timings": dict(timings or {}), "stats": dict(stats or {})}
+        rejections = dict(rejected or {})
+        for key, why in rejections.items():
+            if not isinstance(why, Rejection):
+                raise TypeError(f"rejected[{key!r}] must be a Rejection, got {type(why).__name__}")
+        body_extra = {"timings": dict(timings or {}), "stats": dict(stats or {})}
         for k, v in body_extra.items():
             if not finite_json(v):
                 raise ValueError(f"{k} must be JSON-able without NaN/Inf")
@@ -575,7 +581,7 @@ class RunStore:
             state[fragment] = FragmentState(version=round_, params=params_ref, momentum=momentum_ref)
         record = CommitRecord(
             round=round_, fragment=fragment, updated=params is not None, state=tuple(state),
-            accepted=accepted_t, rejected=body_extra["rejected"], timings=body_extra["timings"],
+            accepted=accepted_t, rejected=rejections, timings=body_extra["timings"],
             stats=body_extra["stats"], committed_by=committed_by, nonce=uuid.uuid4().hex, created_at=time.time(),
         )
         if self.store.create(paths.commit_key(round_), dump_record(KIND_COMMIT, record.to_dict())):

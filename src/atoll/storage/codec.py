@@ -33,7 +33,12 @@ __all__ = [
     "load_record",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version written into every record. 2: commit records store each rejection as
+``{"kind", "detail"}`` (core's typed :class:`~atoll.core.rejection.Rejection`)."""
+
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions this atoll reads; version 1 differs only in storing rejections as bare text."""
 """Version of every JSON record this code writes; readers reject any other."""
 
 PART_SEPARATOR = "::"
@@ -146,10 +151,11 @@ def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, 
     if doc.get("schema") != kind:
         raise InvalidInput("schema", f"expected a {kind!r} record, got schema {doc.get('schema')!r}", url=url)
     version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise InvalidInput(
             "schema",
-            f"unknown schema_version {version!r} for {kind!r} (this atoll reads version {SCHEMA_VERSION})",
+            f"unknown schema_version {version!r} for {kind!r} (this atoll reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})",
             url=url,
         )
     doc.pop("schema"), doc.pop("schema_version")

@@ -13,6 +13,7 @@ from typing import Any
 
 from atoll.core.config import ConfigError, DilocoConfig
 from atoll.core.fragments import FragmentPlan
+from atoll.core.rejection import Rejection
 from atoll.storage.validation import InvalidInput, validate_id
 
 __all__ = [
@@ -60,6 +61,17 @@ def _dict(body: Mapping[str, Any], name: str) -> dict[str, Any]:
     v = body.get(name, {})
     _need(isinstance(v, dict), f"{name} must be an object, got {type(v).__name__}")
     return dict(v)
+
+
+def _rejection(value: Any, key: str) -> Rejection:
+    """A stored rejection: ``{"kind", "detail"}`` (schema 2), or the bare text of schema 1."""
+    if isinstance(value, str):
+        return Rejection.from_legacy_text(value)
+    _need(isinstance(value, dict), f"rejected[{key!r}] must be an object with kind and detail")
+    try:
+        return Rejection.from_dict(value)
+    except ValueError as e:
+        raise InvalidInput("schema", f"rejected[{key!r}]: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -255,8 +267,10 @@ class CommitRecord:
     state: tuple[FragmentState, ...]
     """Every fragment's current version after this round (so resume needs only this record)."""
     accepted: tuple[AcceptedContribution, ...]
-    rejected: Mapping[str, str]
-    """Contribution key -> reason it got weight 0 / was refused."""
+    rejected: Mapping[str, Rejection]
+    """Contribution key -> why it got weight 0 / was refused. Stored as ``{"kind", "detail"}``
+    (schema version 2); version-1 records stored only text, read back by
+    :meth:`Rejection.from_legacy_text`."""
     timings: Mapping[str, Any]
     """The synchronizer's EMA timings (``TimingEma.to_dict()``) after this round."""
     stats: Mapping[str, Any]
@@ -272,7 +286,7 @@ class CommitRecord:
             "updated": self.updated,
             "state": [s.to_dict() for s in self.state],
             "accepted": [a.to_dict() for a in self.accepted],
-            "rejected": dict(self.rejected),
+            "rejected": {k: r.to_dict() for k, r in self.rejected.items()},
             "timings": dict(self.timings),
             "stats": dict(self.stats),
             "committed_by": self.committed_by,
@@ -291,8 +305,7 @@ class CommitRecord:
               f"state must list all {num_fragments} fragments")
         accepted = body.get("accepted", [])
         _need(isinstance(accepted, list), "accepted must be a list")
-        rejected = _dict(body, "rejected")
-        _need(all(isinstance(v, str) for v in rejected.values()), "rejected reasons must be strings")
+        rejected = {k: _rejection(v, k) for k, v in _dict(body, "rejected").items()}
         updated = body.get("updated")
         _need(isinstance(updated, bool), "updated must be a boolean")
         fragment = _int(body, "fragment")

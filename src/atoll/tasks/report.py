@@ -107,9 +107,9 @@ def contribution_rows(store: RunStore, record: CommitRecord,
         rec = _read_contribution(store, key, cache)
         if rec is not None:
             pool = rec.info.get("pool") if isinstance(rec.info.get("pool"), str) else ""
-            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, why))
+            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, str(why)))
         else:
-            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, why))
+            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, str(why)))
     return rows
 
 

@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.quorum import LATE, Arrival, QuorumDecision, TimingEma, decide_round
-from atoll.core.synchronize import synchronize_fragment
+from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.retry import ROUND_RETRY
+from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
 from atoll.storage.bucket import RunStore
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
-from atoll.storage.validation import InvalidInput, RoundOrderError
+from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.train.run import RoundSchedule
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
@@ -83,8 +85,8 @@ class RoundPoll:
     polled_at_s: float
     accepted: dict[str, ContributionRecord]
     """Contribution key -> record, for the contributions the decision accepted."""
-    rejected: dict[str, str]
-    """Contribution key -> reason, for everything that will not be merged."""
+    rejected: dict[str, Rejection]
+    """Contribution key -> why, for everything that will not be merged."""
 
 
 class Synchronizer:
@@ -135,7 +137,7 @@ class Synchronizer:
         self.consumed.update(a.key for a in rec.accepted)
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
-        self.consumed.update(k for k, why in rec.rejected.items() if not why.startswith(LATE))
+        self.consumed.update(k for k, why in rec.rejected.items() if why.final)
 
     def _previous_version(self, p: int) -> int | None:
         c = self.versions[p]
@@ -184,7 +186,7 @@ class Synchronizer:
             bases.add(prev)
         listing = self.store.list_contributions(p, bases)
         candidates: dict[str, ContributionRecord] = {}
-        rejected: dict[str, str] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
+        rejected: dict[str, Rejection] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
         for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
             if rec.key in self.consumed:
                 continue
@@ -192,7 +194,8 @@ class Synchronizer:
             self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
             older = candidates.get(rec.learner_id)
             if older is not None:
-                rejected[older.key] = f"superseded by a newer contribution from {rec.learner_id}"
+                rejected[older.key] = Rejection(RejectionKind.SUPERSEDED,
+                                                f"a newer contribution from {rec.learner_id} replaces it")
             candidates[rec.learner_id] = rec
         arrivals = [
             Arrival(learner_id=rec.learner_id, arrived_at_s=self._first_seen[rec.key], c_steps=rec.c_steps,
@@ -210,13 +213,39 @@ class Synchronizer:
         )
 
     def close(self, poll: RoundPoll) -> RoundSummary:
-        """Merge the accepted contributions of a closing poll, take the outer step and commit."""
+        """Merge the accepted contributions of a closing poll, take the outer step and commit.
+
+        Reads top to bottom: merge (on a copy of the outer optimizer), account, evaluate, time,
+        commit; then either advance to the committed state or adopt the winner's.
+        """
         if not poll.decision.close:
             raise ValueError(f"round {poll.round} is still open: {poll.decision.reason}")
         if poll.round != self.round + 1:
             raise ValueError(f"poll is for round {poll.round} but the next round is {self.round + 1}")
-        return self._close(poll.round, poll.fragment, poll.decision, dict(poll.accepted), dict(poll.rejected),
-                           poll.opened_at_s, poll.polled_at_s)
+        r, p = poll.round, poll.fragment
+        rejected = dict(poll.rejected)
+        result, opt = self._merge(p, poll.accepted, rejected)
+        accepted = accepted_contributions(poll.accepted, result)
+        for key in poll.accepted:  # accepted by the quorum rule but not by the merge: say so
+            if result is None or key not in result.weights:
+                rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
+        val_loss = self._evaluate(r, p, result)
+        stats = round_stats(poll, accepted, result, val_loss=val_loss,
+                            fragment_numel=self.plan.fragment_numel(p))
+        timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
+                               steady=self._rounds_closed > 0)
+        commit = self.store.commit_round(
+            r, p, params=result.new_params if result is not None else None,
+            momentum=opt.state_dict() if result is not None else None,
+            accepted=accepted, rejected=rejected, timings=timings.to_dict(), stats=stats,
+            committed_by=self.options.synchronizer_id,
+        )
+        if not commit.won:
+            return self._adopt(commit.record)
+        self._advance(commit.record, result, opt, timings)
+        if self.schedule.checkpoints(r):
+            self.store.write_checkpoint(r)
+        return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss)
 
     def tick(self) -> RoundSummary | QuorumDecision:
         """Poll once and close if the policy says so. Returns a RoundSummary if a round committed."""
@@ -227,20 +256,32 @@ class Synchronizer:
             return polled.decision
         return self.close(polled)
 
-    def _close(
-        self,
-        r: int,
-        p: int,
-        decision: QuorumDecision,
-        accepted: dict[str, ContributionRecord],
-        rejected: dict[str, str],
-        opened_at: float,
-        closed_at: float,
-    ) -> RoundSummary:
+    def _merge(
+        self, p: int, accepted: Mapping[str, ContributionRecord], rejected: dict[str, Rejection]
+    ) -> tuple[FragmentRoundResult | None, NesterovOuterOptimizer]:
+        """Load the accepted deltas (bad payloads join ``rejected``) and merge them into fragment
+        ``p`` with one outer step, on a copy of the optimizer: if another synchronizer wins the
+        commit, ours is discarded."""
         contributions, bad = self.store.load_contributions(accepted.values())
         rejected.update(bad)
         # A fixed merge order makes a round's result independent of arrival order (bit for bit).
         contributions.sort(key=lambda c: (c.learner_id, c.key))
+        opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
+        opt.load_state_dict(self.optimizers[p].state_dict())
+        if not contributions:
+            return None, opt
+        result = synchronize_fragment(
+            current=self.fragments[p], bases=self._bases(p, contributions), contributions=contributions,
+            optimizer=opt, merge=self.config.merge, weighting=self.config.weighting,
+            embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
+            outlier_norm_ratio=self.config.outlier_norm_ratio,
+        )
+        if result is not None:
+            rejected.update(result.rejected)
+        return result, opt
+
+    def _bases(self, p: int, contributions: list[FragmentContribution]) -> dict[int, dict[str, torch.Tensor]]:
+        """Fragment ``p`` at every base version the contributions name (the current one is in memory)."""
         bases: dict[int, dict[str, torch.Tensor]] = {}
         for c in contributions:
             if c.base_version not in bases:
@@ -248,87 +289,28 @@ class Synchronizer:
                     self.fragments[p] if c.base_version == self.versions[p]
                     else self.store.read_global_fragment(p, c.base_version)
                 )
-        # Step a copy of the optimizer: if another synchronizer wins the commit, ours is discarded.
-        opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
-        opt.load_state_dict(self.optimizers[p].state_dict())
-        result = None
-        if contributions:
-            result = synchronize_fragment(
-                current=self.fragments[p], bases=bases, contributions=contributions, optimizer=opt,
-                merge=self.config.merge, weighting=self.config.weighting,
-                embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
-                outlier_norm_ratio=self.config.outlier_norm_ratio,
-            )
-        merged_keys = set(result.weights) if result is not None else set()
-        if result is not None:
-            rejected.update(result.rejected)
-        accepted_out = [
-            AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
-                                 base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
-            for k, rec in accepted.items() if result is not None and k in merged_keys
-        ]
-        for k in accepted:
-            if k not in merged_keys and k not in rejected:
-                rejected[k] = "not merged"
+        return bases
 
-        # Timings for the grace window: learners report their step time with each contribution.
-        step_times = [float(rec.info["step_time_s"]) for k, rec in accepted.items()
-                      if isinstance(rec.info.get("step_time_s"), int | float) and math.isfinite(rec.info["step_time_s"])]
-        # Time to quorum counts from the round's first contribution (not from the previous close):
-        # with H > P nobody publishes this fragment for a while after the previous round closed.
-        first = min((a.arrived_at_s for a in decision.accepted), default=opened_at)
-        quorum_s = (decision.quorum_at_s - first) if decision.quorum_at_s is not None else closed_at - first
-        new_params = result.new_params if result is not None else None
-        val_loss = None
-        if self.evaluate is not None and self.schedule.evaluates(r):
-            params = {n: t for frag in self.fragments for n, t in frag.items()}
-            if new_params is not None:
-                params.update(new_params)
-            val_loss = float(self.evaluate(params))
-        bytes_in = sum(rec.payload.nbytes for k, rec in accepted.items() if k in merged_keys)
-        stats = {
-            "quorum_s": round(max(0.0, quorum_s), 4),
-            "grace_s": round(decision.grace_s, 4),
-            "wait_s": round(closed_at - opened_at, 4),
-            "reason": decision.reason,
-            "waiting_for": list(decision.waiting_for),
-            "tokens": sum(rec.c_tokens for k, rec in accepted.items() if k in merged_keys),
-            "steps": sum(rec.c_steps for k, rec in accepted.items() if k in merged_keys),
-            "bytes_in": bytes_in,
-            "bytes_out_per_learner": 4 * self.plan.fragment_numel(p) if new_params is not None else 0,
-            "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
-            "pools": {rec.learner_id: rec.info.get("pool") for rec in accepted.values() if isinstance(rec.info.get("pool"), str)},
-            "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in accepted.values()
-                             if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
-        }
-        if val_loss is not None and math.isfinite(val_loss):
-            stats["val_loss"] = round(val_loss, 6)
-        sync_s = self.clock() - closed_at
-        ema = TimingEma.from_dict(self.ema.to_dict())
-        if step_times:
-            ema.update("step_s", statistics.median(step_times))
-        if decision.quorum_at_s is not None and self._rounds_closed > 0:
-            # The first round after a (re)start also measures learner start-up, not steady state.
-            ema.update("quorum_s", max(0.0, quorum_s))
-        ema.update("sync_s", max(0.0, sync_s))
-        commit = self.store.commit_round(
-            r, p, params=new_params, momentum=opt.state_dict() if new_params is not None else None,
-            accepted=accepted_out, rejected=rejected, timings=ema.to_dict(), stats=stats,
-            committed_by=self.options.synchronizer_id,
-        )
-        if not commit.won:
-            return self._adopt(commit.record)
-        self.round = r
+    def _evaluate(self, r: int, p: int, result: FragmentRoundResult | None) -> float | None:
+        """Validation loss of the global model after round ``r``, when the schedule asks for it."""
+        if self.evaluate is None or not self.schedule.evaluates(r):
+            return None
+        params = {n: t for frag in self.fragments for n, t in frag.items()}
+        if result is not None:
+            params.update(result.new_params)
+        return float(self.evaluate(params))
+
+    def _advance(self, record: CommitRecord, result: FragmentRoundResult | None,
+                 opt: NesterovOuterOptimizer, timings: TimingEma) -> None:
+        """Our commit won: make its state ours."""
+        self.round = record.round
         self._rounds_closed += 1
-        if new_params is not None:
-            self.versions[p] = r
-            self.fragments[p] = {n: t.float() for n, t in new_params.items()}
-            self.optimizers[p] = opt
-        self.ema = ema
-        self._consume(commit.record)
-        if self.schedule.checkpoints(r):
-            self.store.write_checkpoint(r)
-        return RoundSummary(record=commit.record, won=True, decision=decision, val_loss=val_loss)
+        if result is not None:
+            self.versions[record.fragment] = record.round
+            self.fragments[record.fragment] = {n: t.float() for n, t in result.new_params.items()}
+            self.optimizers[record.fragment] = opt
+        self.ema = timings
+        self._consume(record)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours."""
@@ -336,6 +318,71 @@ class Synchronizer:
         self._consume(record)
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def accepted_contributions(accepted: Mapping[str, ContributionRecord],
+                           result: FragmentRoundResult | None) -> list[AcceptedContribution]:
+    """The commit record's ``accepted`` table: every contribution the merge weighed."""
+    if result is None:
+        return []
+    return [
+        AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
+                             base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
+        for k, rec in accepted.items() if k in result.weights
+    ]
+
+
+def _quorum_s(poll: RoundPoll) -> float:
+    """Time to quorum, counted from the round's first contribution (not from the previous close:
+    with H > P nobody publishes this fragment for a while after the previous round closed)."""
+    d = poll.decision
+    first = min((a.arrived_at_s for a in d.accepted), default=poll.opened_at_s)
+    return max(0.0, (d.quorum_at_s if d.quorum_at_s is not None else poll.polled_at_s) - first)
+
+
+def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
+                val_loss: float | None, fragment_numel: int) -> dict[str, Any]:
+    """The commit record's ``stats``: round facts for people (pure; JSON-able)."""
+    merged = {a.key for a in accepted}
+    recs = poll.accepted
+    d = poll.decision
+    stats: dict[str, Any] = {
+        "quorum_s": round(_quorum_s(poll), 4),
+        "grace_s": round(d.grace_s, 4),
+        "wait_s": round(poll.polled_at_s - poll.opened_at_s, 4),
+        "reason": d.reason,
+        "waiting_for": list(d.waiting_for),
+        "tokens": sum(a.c_tokens for a in accepted),
+        "steps": sum(a.c_steps for a in accepted),
+        "bytes_in": sum(rec.payload.nbytes for k, rec in recs.items() if k in merged),
+        "bytes_out_per_learner": 4 * fragment_numel if result is not None else 0,
+        "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
+        "pools": {rec.learner_id: rec.info.get("pool") for rec in recs.values() if isinstance(rec.info.get("pool"), str)},
+        "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in recs.values()
+                         if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
+    }
+    if val_loss is not None and math.isfinite(val_loss):
+        stats["val_loss"] = round(val_loss, 6)
+    return stats
+
+
+def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool) -> TimingEma:
+    """The grace window's EMAs after this round (pure: returns a new TimingEma).
+
+    Learners report their step time with each contribution (the median of the round's is folded
+    in). Time to quorum is folded in only in ``steady`` state: the first round after a (re)start
+    also measures learner start-up.
+    """
+    out = TimingEma.from_dict(ema.to_dict())
+    step_times = [float(v) for rec in poll.accepted.values()
+                  if isinstance(v := rec.info.get("step_time_s"), int | float) and not isinstance(v, bool)
+                  and math.isfinite(v) and v >= 0]
+    if step_times:
+        out.update("step_s", statistics.median(step_times))
+    if poll.decision.quorum_at_s is not None and steady:
+        out.update("quorum_s", _quorum_s(poll))
+    out.update("sync_s", max(0.0, sync_s))
+    return out
 
 
 def run_synchronizer(
@@ -353,12 +400,21 @@ def run_synchronizer(
     """
     sync = Synchronizer(store, options=options, evaluate=evaluate)
     log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
+    failures = 0
     while not sync.finished and not should_stop():
         try:
             out = sync.tick()
-        except (RoundOrderError, InvalidInput) as e:  # pragma: no cover - storage said no; retry later
-            log(f"synchronizer: round {sync.round + 1}: {e}; retrying")
-            time.sleep(sync.options.poll_interval_s)
+            failures = 0
+        except (RoundOrderError, InvalidInput, TransientStorageError) as e:
+            # Storage said no (bad data never raises here: it becomes a recorded rejection).
+            # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
+            # and whoever runs it restarts it from the bucket.
+            failures += 1
+            if ROUND_RETRY.exhausted(failures):
+                raise
+            log(f"synchronizer: round {sync.round + 1}: {e}; retry {failures} of {ROUND_RETRY.attempts - 1}")
+            time.sleep(ROUND_RETRY.delay_s(failures - 1))
+            sync = Synchronizer(store, options=sync.options, evaluate=evaluate, clock=sync.clock)
             continue
         if isinstance(out, RoundSummary):
             log(out.line())
