@@ -18,7 +18,7 @@ def norm(t: torch.Tensor) -> float:
 
 
 def reference_rda(vs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
-    """SPEC §1 written out literally, in float64."""
+    """RDA as docs/training.md and the paper define it, written out literally, in float64."""
     vs64 = [v.double() for v in vs]
     sw = sum(ws)
     radius = sum(w * v.norm() for w, v in zip(ws, vs64)) / sw

@@ -1,6 +1,6 @@
 """Merging outer gradients: weighted mean and radial-directional averaging (RDA).
 
-RDA, per tensor (SPEC §1)::
+RDA, per tensor (paper arXiv 2604.21428, radial-directional averaging)::
 
     Delta = (sum w ||v|| / sum w) * phi(sum w phi(v) / sum w),   phi(x) = x / ||x||, phi(0) = 0
 

@@ -42,8 +42,9 @@ class RetryPolicy:
 
     def delay_s(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0 = the first retry)."""
-        d = min(self.max_delay_s, self.base_delay_s * (2 ** min(retry, 60)))
-        return d / 2 + (rng or random).uniform(0, d / 2)
+        d = min(self.max_delay_s, self.base_delay_s * float(2 ** min(retry, 60)))
+        jitter: float = (rng or random).uniform(0, d / 2)
+        return d / 2 + jitter
 
     def exhausted(self, failures: int) -> bool:
         """True once ``failures`` consecutive failures used up every attempt."""

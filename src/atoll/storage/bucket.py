@@ -145,7 +145,7 @@ class RunStore:
         self.max_payload_bytes = max_payload_bytes
         self._manifest: RunManifest | None = None
         self._commits: OrderedDict[int, CommitRecord] = OrderedDict()
-        self._contrib_cache: dict[str, ContributionRecord | str] = {}
+        self._contrib_cache: dict[str, ContributionRecord | Rejection] = {}
         self._latest: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
@@ -375,13 +375,12 @@ class RunStore:
         try:
             if len(data) > 1 << 20:
                 raise InvalidInput("oversize", "contribution record larger than 1 MiB", url=url)
-            result: ContributionRecord | Rejection = ContributionRecord.from_body(
-                load_record(data, KIND_CONTRIBUTION, url=url), key
-            )
-            expected_key = paths.contribution_key(result.fragment, result.base_version, result.learner_id,
-                                                  result.c_steps, result.payload.sha256)
+            record = ContributionRecord.from_body(load_record(data, KIND_CONTRIBUTION, url=url), key)
+            expected_key = paths.contribution_key(record.fragment, record.base_version, record.learner_id,
+                                                  record.c_steps, record.payload.sha256)
             if expected_key != key:
                 raise InvalidInput("schema", f"record fields say it belongs at {expected_key}", url=url)
+            result: ContributionRecord | Rejection = record
         except InvalidInput as e:
             result = e.rejection
         self._contrib_cache[key] = result
@@ -489,8 +488,8 @@ class RunStore:
                 except (InvalidInput, ValueError, TypeError):
                     pass
             if start == 0:
-                rounds = [r for n in self.store.list(paths.commits_prefix())
-                          if (r := paths.parse_commit_key(n)) is not None]
+                rounds = [parsed for n in self.store.list(paths.commits_prefix())
+                          if (parsed := paths.parse_commit_key(n)) is not None]
                 start = max(rounds, default=0)
             self._latest = start
         r = self._latest

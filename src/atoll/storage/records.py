@@ -47,14 +47,16 @@ def _need(ok: bool, what: str) -> None:
 
 def _int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
     v = body.get(name)
-    _need(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f"{name} must be an integer >= {minimum}, got {v!r}")
-    return int(v)  # type: ignore[arg-type]
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= minimum):
+        raise InvalidInput("schema", f"{name} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
 
 
 def _float(body: Mapping[str, Any], name: str) -> float:
     v = body.get(name)
-    _need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), f"{name} must be a finite number, got {v!r}")
-    return float(v)  # type: ignore[arg-type]
+    if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)):
+        raise InvalidInput("schema", f"{name} must be a finite number, got {v!r}")
+    return float(v)
 
 
 def _dict(body: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -133,14 +135,14 @@ class RunManifest:
             shapes[n] = tuple(s)
         _need(set(shapes) == set(plan.sizes), "run manifest: shapes do not cover the plan's parameters")
         initial = body.get("initial")
-        _need(isinstance(initial, list) and len(initial) == plan.num_fragments,
-              "run manifest: initial must list one payload per fragment")
+        if not (isinstance(initial, list) and len(initial) == plan.num_fragments):
+            raise InvalidInput("schema", "run manifest: initial must list one payload per fragment")
         return cls(
             run_id=validate_id(body.get("run_id"), "run id"),
             config=config,
             plan=plan,
             shapes=shapes,
-            initial=tuple(BlobRef.from_body(b, "initial[]") for b in initial),  # type: ignore[union-attr]
+            initial=tuple(BlobRef.from_body(b, "initial[]") for b in initial),
             created_at=_float(body, "created_at"),
             extra=_dict(body, "extra"),
         )
@@ -301,28 +303,30 @@ class CommitRecord:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], num_fragments: int) -> CommitRecord:
         state = body.get("state")
-        _need(isinstance(state, list) and len(state) == num_fragments,
-              f"state must list all {num_fragments} fragments")
+        if not (isinstance(state, list) and len(state) == num_fragments):
+            raise InvalidInput("schema", f"state must list all {num_fragments} fragments")
         accepted = body.get("accepted", [])
         _need(isinstance(accepted, list), "accepted must be a list")
         rejected = {k: _rejection(v, k) for k, v in _dict(body, "rejected").items()}
         updated = body.get("updated")
-        _need(isinstance(updated, bool), "updated must be a boolean")
+        if not isinstance(updated, bool):
+            raise InvalidInput("schema", "updated must be a boolean")
         fragment = _int(body, "fragment")
         _need(fragment < num_fragments, f"fragment {fragment} out of range (P={num_fragments})")
         nonce, by = body.get("nonce"), body.get("committed_by")
-        _need(isinstance(nonce, str) and isinstance(by, str), "nonce and committed_by must be strings")
+        if not (isinstance(nonce, str) and isinstance(by, str)):
+            raise InvalidInput("schema", "nonce and committed_by must be strings")
         return cls(
             round=_int(body, "round", minimum=1),
             fragment=fragment,
-            updated=updated,  # type: ignore[arg-type]
-            state=tuple(FragmentState.from_body(s) for s in state),  # type: ignore[union-attr]
+            updated=updated,
+            state=tuple(FragmentState.from_body(s) for s in state),
             accepted=tuple(AcceptedContribution.from_body(a) for a in accepted),
             rejected=rejected,
             timings=_dict(body, "timings"),
             stats=_dict(body, "stats"),
-            committed_by=by,  # type: ignore[arg-type]
-            nonce=nonce,  # type: ignore[arg-type]
+            committed_by=by,
+            nonce=nonce,
             created_at=_float(body, "created_at"),
         )
 
