@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.core import Counters, contribution_weights, merge_fragment, rda, weighted_mean
+from atoll.core.merge import RDA_CANCEL_TOL
 from atoll.core.rejection import RejectionKind
 
 
@@ -120,3 +121,17 @@ def test_merge_errors() -> None:
         rda([torch.tensor([float("nan"), 1.0])], [1.0])
     with pytest.raises(ValueError, match="same tensor names"):
         merge_fragment([{"a": torch.ones(1)}, {"b": torch.ones(1)}], [1.0, 1.0])
+
+
+def test_rda_near_cancellation_returns_zero_not_amplified_noise() -> None:
+    """v and -v one ulp apart: the mean direction is ~1e-8, far below RDA_CANCEL_TOL."""
+    torch.manual_seed(0)
+    v = torch.randn(1000)
+    w = -torch.nextafter(v, v + torch.sign(v))  # -v, one ulp larger in magnitude
+    out = rda([v, w], [1.0, 1.0])
+    assert torch.equal(out, torch.zeros(1000))
+    # Just above the tolerance the direction is kept and scaled to the mean radius.
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1e-5])
+    kept = rda([a, b], [1.0, 1.0])
+    assert float(torch.linalg.vector_norm(kept)) == pytest.approx(float((a.norm() + b.norm()) / 2), rel=1e-5)
+    assert RDA_CANCEL_TOL == 1e-6

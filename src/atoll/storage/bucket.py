@@ -65,6 +65,7 @@ from atoll.storage.validation import (
     RoundOrderError,
     RunExistsError,
     RunNotFoundError,
+    TransientStorageError,
     check_finite,
     check_shapes,
     check_tensor_layout,
@@ -368,7 +369,12 @@ class RunStore:
         if cached is not None:
             return cached
         url = self.store.key_url(key)
-        data = self.store.get_or_none(key, max_bytes=1 << 20)
+        try:
+            data = self.store.get_or_none(key, max_bytes=1 << 20)
+        except TransientStorageError:
+            raise  # the store is unwell, not this record: the caller's retry policy decides
+        except Exception as e:  # noqa: BLE001 - e.g. a directory or a FIFO where a record belongs
+            return Rejection(RejectionKind.CORRUPT, f"record cannot be read: {type(e).__name__}: {e}")
         if data is None:
             # Not cached: it may be a listing race.
             return Rejection(RejectionKind.MISSING_PAYLOAD, "record listed but gone before it could be read")

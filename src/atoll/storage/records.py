@@ -45,10 +45,16 @@ def _need(ok: bool, what: str) -> None:
         raise InvalidInput("schema", what)
 
 
+MAX_RECORD_INT = 2**53
+"""Largest integer a record may hold (exact in a float64; far beyond any real count). Bigger
+integers are rejected so that no later float conversion can overflow."""
+
+
 def _int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
     v = body.get(name)
-    if not (isinstance(v, int) and not isinstance(v, bool) and v >= minimum):
-        raise InvalidInput("schema", f"{name} must be an integer >= {minimum}, got {v!r}")
+    if not (isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_RECORD_INT):
+        shown = repr(v) if not isinstance(v, int) or v.bit_length() < 200 else f"an integer of {v.bit_length()} bits"
+        raise InvalidInput("schema", f"{name} must be an integer in [{minimum}, 2**53], got {shown}")
     return int(v)
 
 

@@ -91,7 +91,7 @@ def validate_id(value: object, what: str = "id") -> str:
         raise InvalidInput("bad_id", f"{what} {value!r} contains a path separator")
     if ".." in value:
         raise InvalidInput("bad_id", f"{what} {value!r} contains '..'")
-    if not SAFE_ID_PATTERN.match(value):
+    if not SAFE_ID_PATTERN.fullmatch(value):  # fullmatch: '$' alone would accept a trailing newline
         raise InvalidInput(
             "bad_id",
             f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-] starting with a letter or digit",

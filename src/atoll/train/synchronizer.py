@@ -340,6 +340,24 @@ def _quorum_s(poll: RoundPoll) -> float:
     return max(0.0, (d.quorum_at_s if d.quorum_at_s is not None else poll.polled_at_s) - first)
 
 
+MAX_TIMING_S = 86_400.0
+"""Timings reported by learners are clipped to [0, one day]: a bogus report cannot set a
+grace window of centuries (the report is the learner's own number, not a measurement of ours)."""
+
+
+def _seconds(value: Any) -> float | None:
+    """A learner-reported duration as a clipped float, or None if it is not a usable number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond float range
+        return MAX_TIMING_S
+    if not math.isfinite(x):
+        return None
+    return min(max(x, 0.0), MAX_TIMING_S)
+
+
 def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
                 val_loss: float | None, fragment_numel: int) -> dict[str, Any]:
     """The commit record's ``stats``: round facts for people (pure; JSON-able)."""
@@ -374,9 +392,7 @@ def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool
     also measures learner start-up.
     """
     out = TimingEma.from_dict(ema.to_dict())
-    step_times = [float(v) for rec in poll.accepted.values()
-                  if isinstance(v := rec.info.get("step_time_s"), int | float) and not isinstance(v, bool)
-                  and math.isfinite(v) and v >= 0]
+    step_times = [t for rec in poll.accepted.values() if (t := _seconds(rec.info.get("step_time_s"))) is not None]
     if step_times:
         out.update("step_s", statistics.median(step_times))
     if poll.decision.quorum_at_s is not None and steady:
