@@ -43,10 +43,20 @@ def _open(backend, url, faults, sleeps=None, attempts=4):
     return rs, proxies[0]
 
 
+def s3_slowdown() -> OSError:
+    """What s3fs raises for a 503 SlowDown: botocore's ClientError translated, kept as the cause."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(ClientError(
+        {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+         "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject"))
+
+
 TRANSIENTS = [
     ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
     TimeoutError("read timed out"),
-    OSError(errno.EIO, "An error occurred (SlowDown) when calling the PutObject operation: Please reduce your request rate. 503"),
+    s3_slowdown(),
 ]
 
 
@@ -164,6 +174,10 @@ def test_secrets_are_never_printed(backend):
 
 
 def test_is_transient_classification():
+    """The exception classes themselves (test_real_errors.py has them raised by the real clients)."""
+    from botocore.exceptions import ClientError
+    from gcsfs.retry import HttpError
+
     assert is_transient(ConnectionResetError())
     assert is_transient(TimeoutError())
     assert is_transient(OSError(errno.ECONNRESET, "x"))
@@ -171,18 +185,25 @@ def test_is_transient_classification():
     assert not is_transient(FileExistsError("x"))
     assert not is_transient(PermissionError("x"))
 
-    class HttpError(Exception):
-        def __init__(self, code):
-            self.code = code
+    def http_error(code):  # as gcsfs.retry.validate_response builds it
+        return HttpError({"code": code, "message": "backend error"})
 
-    assert is_transient(HttpError(503)) and is_transient(HttpError(429)) and not is_transient(HttpError(404))
+    assert is_transient(http_error(503)) and is_transient(http_error(429)) and is_transient(http_error(408))
+    assert not is_transient(http_error(404)) and not is_transient(http_error(412))
 
-    class ClientError(Exception):
-        def __init__(self, code, status):
-            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
 
-    assert is_transient(ClientError("SlowDown", 503)) and is_transient(ClientError("InternalError", 500))
-    assert not is_transient(ClientError("NoSuchKey", 404))
+    assert is_transient(client_error("SlowDown", 503)) and is_transient(client_error("InternalError", 500))
+    assert is_transient(client_error("Throttling", 400))  # the code alone says throttled
+    assert not is_transient(client_error("NoSuchKey", 404))
+    assert is_transient(s3_slowdown()) and s3_slowdown().errno == errno.EBUSY
     wrapped = OSError("translated")
     wrapped.__cause__ = ConnectionResetError()
     assert is_transient(wrapped)
+
+    class LookAlike(Exception):  # a class that merely shares a name or an attribute decides nothing
+        code = 503
+
+    assert not is_transient(LookAlike())
