@@ -158,7 +158,7 @@ def test_recovery_distributions_have_the_mean() -> None:
     for kind in ("fixed", "exponential", "weibull"):
         x = RecoveryDelay(kind=kind, mean_s=100.0, shape=0.6).sample(rng, 200_000)
         assert x.mean() == pytest.approx(100.0, rel=0.03)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="recovery kind must be .*got 'lognormal'"):
         RecoveryDelay(kind="lognormal")
 
 

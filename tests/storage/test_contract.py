@@ -70,7 +70,7 @@ def test_init_twice_is_refused_and_missing_run_is_clear(backend):
     with pytest.raises(RunNotFoundError, match="run.json"):
         _ = rs.manifest
     init_run(rs)
-    with pytest.raises(RunExistsError):
+    with pytest.raises(RunExistsError, match="a run already exists at "):
         init_run(backend.open(url))
 
 
@@ -171,7 +171,7 @@ def test_create_once_race_exactly_one_wins(backend, request):
         torch.testing.assert_close(state.params[name], t)
 
 
-def test_second_commit_of_a_round_loses(backend, request):
+def test_second_commit_of_a_round_loses(backend, request, monkeypatch):
     if backend.name == "gcs":
         request.applymarker(pytest.mark.xfail(reason=GCS_NO_CREATE_ONCE, strict=True))
     url = backend.new_url()
@@ -179,12 +179,21 @@ def test_second_commit_of_a_round_loses(backend, request):
     a, b = backend.open(url), backend.open(url)
     args_a, args_b = _commit_args(a, 0, 1), _commit_args(b, 0, 2)
     assert a.commit_round(1, 0, committed_by="a", **args_a).won
-    # b has not seen round 1 yet (a fresh reader) and writes its payloads; the record is refused.
-    b._commits.clear()
-    res = b.store.create(paths.commit_key(1), b"{}")
-    assert res is False
+    assert b.store.create(paths.commit_key(1), b"{}") is False
+    # b looks for round 1 just before a's record lands (it sees nothing), writes its payloads, and
+    # its create-once of the record is refused: it must lose and report a's record, not its own.
+    real_get, looked = b.store.get_or_none, []
+
+    def racing_get(key, **kwargs):
+        if key == paths.commit_key(1) and not looked:
+            looked.append(key)
+            return None
+        return real_get(key, **kwargs)
+
+    monkeypatch.setattr(b.store, "get_or_none", racing_get)
     lost = b.commit_round(1, 0, committed_by="b", **args_b)
-    assert not lost.won and lost.record.committed_by == "a"
+    assert looked and not lost.won and lost.record.committed_by == "a"
+    assert backend.open(url, fresh=True).read_commit(1).committed_by == "a"
 
 
 def test_capability_probe(backend):
@@ -203,7 +212,7 @@ def test_rounds_commit_in_order(backend):
     url = backend.new_url()
     rs = backend.open(url)
     init_run(rs)
-    with pytest.raises(RoundOrderError):
+    with pytest.raises(RoundOrderError, match="round 1 is not committed in "):
         rs.commit_round(2, 1, **_commit_args(rs, 1, 1))
     assert rs.latest_round() == 0
 
@@ -392,7 +401,7 @@ def committed(backend):
 def _reject(rs, key: str, kind: str, match: str | None = None) -> InvalidInput:
     listing = rs.list_contributions(0, 0)
     (rec,) = [r for r in listing.records if r.key == key]
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=rf"^\[{kind}\] ") as ei:
         rs.load_contribution(rec)
     assert ei.value.kind == kind, str(ei.value)
     if match:
@@ -460,7 +469,7 @@ def test_bad_non_finite(committed):
     delta = fragment_delta(rs, 0)
     n0 = next(iter(delta))
     bad = {**delta, n0: delta[n0].clone().index_fill_(0, torch.tensor([0]), float("nan"))}
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=rf"^\[non_finite\] delta '{n0}': ") as ei:
         rs.publish_contribution("l1", 0, 0, counters(), bad)
     assert ei.value.kind == "non_finite"
     from atoll.storage.codec import tensors_to_bytes
@@ -468,7 +477,7 @@ def test_bad_non_finite(committed):
     _, meta = encoded_to_bytes({n: encode(t) for n, t in delta.items()})
     key = plant_contribution(backend, url, fragment=0, payload=payload, meta=meta)
     _reject(backend.open(url), key, "non_finite")
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[non_finite\] round 2 params") as ei:
         rs.commit_round(2, 1, params={n: torch.full(SHAPES[n], float("nan")) for n in rs.plan.fragments[1]})
     assert ei.value.kind == "non_finite"
 
@@ -520,19 +529,19 @@ BAD_IDS = ["../escape", "a/b", "a\\b", "..", "x..y", "", "white space", "ünïco
 def test_bad_ids(committed):
     backend, url, rs = committed
     for bad_id in BAD_IDS:
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.publish_contribution(bad_id, 0, 0, counters(), fragment_delta(rs, 0))
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.save_learner_state(bad_id, {"x": torch.zeros(1)})
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id ") as ei:
             paths.run_url(backend.base_url, bad_id)
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.load_learner_state(bad_id)
         assert ei.value.kind == "bad_id", bad_id
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id '\.\./up' contains a path separator") as ei:
         backend.open(backend.new_url()).init_run(tiny_config(), tiny_plan(), tiny_params(), run_id="../up")
     assert ei.value.kind == "bad_id"
     assert rs.list_contributions(0, 0).records == []
@@ -550,7 +559,7 @@ def test_bad_planted_learner_id_in_record(committed):
 def test_bad_oversize(committed):
     backend, url, rs = committed
     small = backend.open(url, max_payload_bytes=200)
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[oversize\] delta payload is \d+ bytes, cap is 200$") as ei:
         small.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert ei.value.kind == "oversize"
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
@@ -563,6 +572,6 @@ def test_bad_oversize(committed):
                              learner_id="liar")
     listing = small.list_contributions(0, 0)
     (r,) = [x for x in listing.records if x.key == key]
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[oversize\] payload is larger than the cap of 200 bytes") as ei:
         small.load_contribution(r)
     assert ei.value.kind == "oversize"

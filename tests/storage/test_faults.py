@@ -82,7 +82,7 @@ def test_persistent_transient_error_names_operation_and_url(backend):
     init_run(backend.open(url))
     faults = Faults(("cat_file",), n=10**6, exc=ConnectionResetError(errno.ECONNRESET, "reset"))
     rs, _ = _open(backend, url, faults, attempts=3)
-    with pytest.raises(TransientStorageError) as ei:
+    with pytest.raises(TransientStorageError, match=r"^get .* failed after 3 attempt\(s\): ConnectionResetError") as ei:
         rs.read_global_fragment(0, 0)
     msg = str(ei.value)
     assert msg.startswith("get ") and "after 3 attempt(s)" in msg
@@ -96,7 +96,7 @@ def test_non_transient_errors_are_not_retried(backend):
     init_run(backend.open(url))
     faults = Faults(("cat_file",), n=10**6, exc=PermissionError("AccessDenied"))
     rs, _ = _open(backend, url, faults)
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError, match="AccessDenied"):
         _ = rs.manifest
     assert faults.hits == 1
 
@@ -107,14 +107,14 @@ def test_half_failed_contribution_leaves_nothing_trusted(backend):
     # The record write fails for good after the payload landed: no record, nothing listed.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="contributions/")
     rs, _ = _open(backend, url, faults, attempts=2)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^create .*/contributions/f0000/b00000000/l1\.s.* failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert backend.open(url).list_contributions(0, 0).records == []
     # A payload write that stored half the bytes and then failed for good: no record points at it.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="blobs/",
                     write_first=True, truncate=True)
     rs, _ = _open(backend, url, faults, attempts=2)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^put .*/blobs/sha256/[0-9a-f]{64}\.safetensors failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0, seed=5))
     reader = backend.open(url)
     assert reader.list_contributions(0, 0).records == []
@@ -122,7 +122,7 @@ def test_half_failed_contribution_leaves_nothing_trusted(backend):
     good = reader.publish_contribution("l2", 0, 0, counters(), fragment_delta(rs, 0, seed=6))
     blob = paths.blob_key(good.payload.sha256)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:20])
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[truncated\] payload has 20 bytes, record says \d+") as ei:
         backend.open(url).load_contribution(backend.open(url).list_contributions(0, 0).records[0])
     assert ei.value.kind == "truncated"
 
@@ -133,7 +133,7 @@ def test_half_failed_commit_leaves_the_round_open(backend):
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="commits/")
     rs, _ = _open(backend, url, faults, attempts=2)
     cur = rs.read_global_fragment(0, 0)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^create .*/commits/00000001\.json failed after 2"):
         rs.commit_round(1, 0, params={n: t + 1 for n, t in cur.items()})
     reader = backend.open(url)
     assert reader.latest_round() == 0
@@ -167,7 +167,7 @@ def test_secrets_are_never_printed(backend):
     store = ObjectStore(FsProxy(fs, Faults(("cat_file",), 99, ConnectionResetError("reset"))), root,
                         url=backend.new_url(), storage_options=options,
                         retry=RetryPolicy(attempts=2, base_delay_s=0), sleep=lambda s: None)
-    with pytest.raises(TransientStorageError) as ei:
+    with pytest.raises(TransientStorageError, match=r"^get .*/x failed after 2 attempt") as ei:
         store.get("x")
     for s in ("hunter2-secret", "tok-123", "AKIAEXAMPLE", "sess-999"):
         assert s not in repr(store) and s not in str(ei.value)

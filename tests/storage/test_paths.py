@@ -14,7 +14,7 @@ def test_keys_are_fixed_width_and_sort_numerically():
     assert paths.parse_commit_key("s3://b/run/commits/00000042.json") == 42
     assert paths.parse_commit_key(".tmp-abc-00000042.json") is None
     assert paths.parse_commit_key("head.json") is None
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="rounds start at 1, got 0"):
         paths.commit_key(0)
 
 
@@ -24,7 +24,7 @@ def test_contribution_key_layout():
     assert key == "contributions/f0003/b00000012/learner-0.s0000000024.abababababababab.json"
     assert key.startswith(paths.contributions_prefix(3, 12))
     assert paths.blob_key(sha) == f"blobs/sha256/{sha}.safetensors"
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="not a sha256 hex digest: '../../etc'"):
         paths.blob_key("../../etc")
     assert paths.learner_state_key("l-1") == "learners/l-1/state.json"
     assert paths.checkpoint_model_key(100) == "checkpoints/00000100/model.safetensors"

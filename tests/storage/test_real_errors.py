@@ -60,7 +60,7 @@ class ErrorServer:
     def answer_s3(self, status: int, code: str) -> None:
         self.status, self.content_type, self.requests = status, "application/xml", []
         self.body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
-                     f"<Message>test</Message></Error>").encode()
+                     f"<Message>the test server says {code}</Message></Error>").encode()
 
     def answer_gcs(self, status: int, message: str = "test") -> None:
         self.status, self.content_type, self.requests = status, "application/json", []
@@ -186,7 +186,7 @@ def test_s3_missing_and_forbidden_are_not_retried(error_server: ErrorServer, sta
     e = raised_by(lambda: fs.cat_file("bkt/run/x"))
     assert isinstance(e, exc) and not is_transient(e)
     store = store_on(fs, "bkt/run")
-    with pytest.raises(exc):
+    with pytest.raises(exc, match="Forbidden" if status == 403 else f"the test server says {code}"):
         store.get("x")
     assert store.op_counts["retry"] == 0
 
@@ -254,7 +254,7 @@ def test_gcs_missing_forbidden_and_bad_request_are_not_retried(error_server: Err
     assert not is_transient(HttpError({"code": status, "message": "x"}))
     store = store_on(fs, "bkt/run")
     error_server.requests.clear()
-    with pytest.raises(exc):
+    with pytest.raises(exc, match={404: "b/bkt/o/run%2Fx", 403: "Forbidden", 400: "Bad Request"}[status]):
         store.get("x")
     assert store.op_counts["retry"] == 0 and len(error_server.requests) == 1
 

@@ -19,9 +19,9 @@ def test_paper_defaults() -> None:
 
 def test_frozen_and_keyword_only() -> None:
     c = DilocoConfig()
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'num_learners'"):
         c.num_learners = 3  # type: ignore[misc]
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
         DilocoConfig(4)  # type: ignore[misc]
 
 

@@ -137,9 +137,9 @@ def test_timing_ema() -> None:
     ema.update("sync_s", 1.0)
     restored = TimingEma.from_dict(ema.to_dict())
     assert restored.estimates() == ema.estimates() == TimingEstimates(step_s=3.0, sync_s=1.0)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="unknown timing 'lunch_s'"):
         ema.update("lunch_s", 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="timing sample for step_s must be finite and >= 0, got nan"):
         ema.update("step_s", float("nan"))
     with pytest.raises(ValueError, match="ema_decay"):
         TimingEma(decay=1.0)

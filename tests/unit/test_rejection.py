@@ -27,7 +27,7 @@ def test_unknown_kind_and_bad_detail_are_refused() -> None:
         Rejection.from_dict({"kind": "nope", "detail": "x"})
     with pytest.raises(ValueError, match="detail must be a string"):
         Rejection.from_dict({"kind": "late", "detail": 3})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'not-a-kind' is not a valid RejectionKind"):
         Rejection("not-a-kind", "x")  # type: ignore[arg-type]  # the point of the test
 
 

@@ -16,7 +16,7 @@ The last two give ``ln(G_8 / G_E) = 2 λ e (1 - 1/8)`` -> **e**, then **y**, the
 (256 chips per slice, a structural choice, not fitted) **R = y / (r S)**. So: restart cost from
 DP alone; reconfiguration cost from the ratio elastic : M=8; recovery delay from what is left.
 Everything else the simulator prints (other N, other M, uptime, rounds per hour, heterogeneity)
-is a prediction. tests/sim/test_calibration.py checks the simulated values land within 2 points.
+is a prediction. tests/sim/test_sim.py::test_calibration_reproduces_the_paper_within_two_points checks the fit.
 """
 
 from __future__ import annotations
