@@ -122,7 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 # -- orchestration (Prefect): up, deploy, train, resume, status, learner, demo ----------------------
-# Each handler parses flags and calls atoll.flows / atoll.tasks; `status` never imports Prefect.
+# Each handler parses flags and calls atoll.ops / atoll.flows / atoll.runs; `status` never imports Prefect.
 
 
 def _add_orchestration(sub: argparse._SubParsersAction) -> None:
@@ -193,13 +193,13 @@ def _kv(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from atoll.flows.stack import run_stack_forever
+    from atoll.ops.stack import run_stack_forever
 
     return run_stack_forever(port=args.port, pools=args.pools, home=args.home, deploy=not args.no_deploy)
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from atoll.flows.deploy import deploy_all, ensure_pools
+    from atoll.ops.deploy import deploy_all, ensure_pools
 
     if args.create_pools:
         ensure_pools(args.pools)
@@ -209,23 +209,23 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from atoll.flows.client import launch_training
+    from atoll.ops.client import launch_training
+    from atoll.runs.options import TrainingRunOptions
 
-    params = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
     if args.command == "train":
-        from atoll.tasks.runs import new_run_url
+        from atoll.runs.manage import new_run_url
 
-        params.update(run_url=new_run_url(args.bucket, args.name), preset=args.preset, learners=args.learners,
-                      config_path=args.config)
+        options = TrainingRunOptions(run_url=new_run_url(args.bucket, args.name), preset=args.preset,
+                                     learners=args.learners, config_path=args.config, **common)
     else:
-        params.update(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to)
-    return launch_training({k: v for k, v in params.items() if v not in (None, 0, "")},
-                           in_process=args.in_process, wait=not args.no_wait)
+        options = TrainingRunOptions(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to, **common)
+    return launch_training(options, in_process=args.in_process, wait=not args.no_wait)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from atoll.tasks.report import run_status
-    from atoll.tasks.runs import open_run
+    from atoll.runs.manage import open_run
+    from atoll.runs.report import run_status
 
     store = open_run(args.run_url, _kv(args.storage_option) or None)
     if not store.exists():
@@ -244,7 +244,7 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from atoll.flows.client import run_demo
+    from atoll.ops.client import run_demo
 
     return run_demo(args.dir, learners=args.learners, rounds=args.rounds, port=args.port, keep_up=args.keep_up)
 

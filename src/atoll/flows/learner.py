@@ -18,8 +18,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from atoll.tasks.report import slug
-from atoll.tasks.runs import open_run
+from atoll.runs.manage import open_run
+from atoll.runs.report import slug
 from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
 

@@ -20,12 +20,11 @@ from typing import Any
 
 from atoll.core.config import DilocoConfig
 from atoll.storage.bucket import RunStore
-from atoll.storage.paths import join_url
-from atoll.storage.paths import to_url
-from atoll.train.run import create_run, load_recipe
+from atoll.storage.paths import join_url, to_url
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
+from atoll.train.run import create_run, load_recipe
 
-__all__ = ["RunInfo", "prepare_run", "load_config_file", "new_run_url", "open_run"]
+__all__ = ["RunInfo", "prepare_run", "fork_run", "load_config_file", "new_run_url", "open_run"]
 
 
 @dataclass

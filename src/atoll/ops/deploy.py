@@ -1,11 +1,13 @@
 """Registering atoll's deployments, creating work pools, and starting a training run.
 
-Deployments use module entrypoints (``atoll.flows.learner.learner_flow``): a worker only needs
-atoll installed (a venv, a docker image, a kubernetes image); no source checkout is pulled.
+Deployments use module entrypoints (``atoll.flows.learner.learner_flow``,
+``atoll.flows.training.training_run``): a worker only needs atoll installed (a venv, a docker
+image, a kubernetes image); no source checkout is pulled.
 
 * ``atoll-learner/<pool>``: the learner flow, one deployment per work pool (heterogeneous
   hardware = heterogeneous pools), with that pool's job variables (env, image, resources);
-* ``atoll-training-run/default``: the training run, on the control pool.
+* ``atoll-training-run/default``: the training run, on the control pool; its one parameter is a
+  :class:`~atoll.runs.options.TrainingRunOptions` (:func:`start_training` sends it).
 
 ``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``.
 """
@@ -24,6 +26,7 @@ from prefect.types.entrypoint import EntrypointType
 
 from atoll.flows.learner import learner_flow
 from atoll.flows.training import training_run
+from atoll.runs.options import TrainingRunOptions
 from atoll.tasks.learners import LEARNER_FLOW_NAME, pool_tag
 
 __all__ = [
@@ -96,8 +99,9 @@ def deploy_all(
     return out
 
 
-def start_training(parameters: Mapping[str, Any], *, deployment: str = TRAINING_DEPLOYMENT,
+def start_training(options: TrainingRunOptions, *, deployment: str = TRAINING_DEPLOYMENT,
                    flow_run_name: str | None = None, tags: Sequence[str] = ()) -> FlowRun:
     """Launch a training-run flow run on its deployment without waiting for it."""
-    return run_deployment(deployment, parameters=dict(parameters), timeout=0, as_subflow=False,
-                          flow_run_name=flow_run_name, tags=list(tags))  # type: ignore[return-value]
+    return run_deployment(deployment, parameters={"options": options.model_dump(mode="json")}, timeout=0,
+                          as_subflow=False, flow_run_name=flow_run_name,
+                          tags=list(tags))  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine
