@@ -154,6 +154,9 @@ def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
         dep = client.read_deployment_by_name("atoll-learner/cpu-slow")
         assert dep.work_pool_name == "cpu-slow"
         assert dep.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+        train = client.read_deployment_by_name("atoll-training-run/default")
+        assert train.parameter_openapi_schema["required"] == ["options"]
+        assert "fleet" in train.parameter_openapi_schema["definitions"]["TrainingRunOptions"]["properties"]
 
 
 def test_status_needs_no_prefect(smoke_run) -> None:
