@@ -169,12 +169,14 @@ def table(results: list[Result]) -> str:
     base = results[0].tokens_per_s
     lines = [f"{'runner':<22}{'rounds':>7}{'wall s':>8}{'learner tok/s':>15}{'vs plain':>10}{'round s':>9}"
              f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}"]
+
+    def share(x: float, total: float) -> str:
+        return f"{x:6.2f}s {100 * x / total:3.0f}%" if total else "-"
+
     for r in results:
-        def share(x: float) -> str:
-            return f"{x:6.2f}s {100 * x / r.round_s:3.0f}%" if r.round_s else "-"
         lines.append(f"{r.name:<22}{r.rounds:>7}{r.wall_s:>8.0f}{r.tokens_per_s:>15.0f}"
-                     f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s):>14}{share(r.close_s):>15}"
-                     f"{share(r.orchestration_s):>15}")
+                     f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s, r.round_s):>14}"
+                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}")
     return "\n".join(lines)
 
 

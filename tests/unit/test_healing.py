@@ -23,7 +23,8 @@ def obs(**kw) -> LearnerObservation:
 # (case, observation, action, cancel, launch)
 TABLE = [
     # -- the run is over: nothing is launched, whatever the state ---------------------------------
-    ("finished, crashed", obs(state="CRASHED", launches=1, since_launch_s=900, finished=True), A.FINISHED, False, False),
+    ("finished, crashed", obs(state="CRASHED", launches=1, since_launch_s=900, finished=True), A.FINISHED,
+     False, False),
     ("finished, no flow run", obs(finished=True), A.FINISHED, False, False),
     # -- no flow run yet -----------------------------------------------------------------------------
     ("first launch", obs(), A.LAUNCHED, False, True),
@@ -44,7 +45,8 @@ TABLE = [
      A.STALE_RELAUNCHED, True, True),
     ("stale: running long, never contributed", obs(state="RUNNING", running_for_s=400), A.STALE_RELAUNCHED, True, True),
     ("a fresh incarnation is not blamed for its predecessor's silence",
-     obs(state="RUNNING", running_for_s=30, last_seen_age_s=900, launches=2, since_launch_s=40), A.ADOPTED, False, False),
+     obs(state="RUNNING", running_for_s=30, last_seen_age_s=900, launches=2, since_launch_s=40), A.ADOPTED,
+     False, False),
     ("stale at max_launches: cancelled, not relaunched",
      obs(state="RUNNING", running_for_s=4000, last_seen_age_s=400, launches=3, since_launch_s=4000), A.WAITING,
      True, False),

@@ -68,11 +68,12 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
     failures = 0
     summaries: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it).
+    no_heartbeat = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     while not ctx.finished:
         r = ctx.next_round
         try:
-            # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it).
-            with tags(run_tag(info.run_id), "atoll-round"), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            with tags(run_tag(info.run_id), "atoll-round"), temporary_settings(no_heartbeat):
                 out = outer_round(ctx, r, run_id=info.run_id)
             failures = 0
         except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state

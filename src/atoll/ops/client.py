@@ -29,7 +29,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
     with get_client(sync_client=True) as client:
         while True:
             fr = client.read_flow_run(flow_run_id)
-            state = fr.state.name if fr.state else "?"
+            state = (fr.state.name or "?") if fr.state else "?"
             final = fr.state is not None and fr.state.is_final()
             if run_url and (final or time.monotonic() - last_print >= every_s):
                 store = open_run(run_url, storage_options)

@@ -15,12 +15,13 @@ image, a kubernetes image); no source checkout is pulled.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from prefect.deployments.runner import RunnerDeployment
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.types.entrypoint import EntrypointType
 
@@ -83,18 +84,18 @@ def deploy_all(
     for pool in pools:
         jv = dict((pool_job_variables or {}).get(pool, {}))
         jv["env"] = {**base_env, **dict(jv.get("env", {}))}
-        dep = learner_flow.to_deployment(
+        dep = cast(RunnerDeployment, learner_flow.to_deployment(  # sync call: not a coroutine
             name=pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
             job_variables=jv, tags=["atoll", "atoll-learner", pool_tag(pool)], concurrency_limit=learner_concurrency,
             description=f"atoll learner on work pool {pool}: one long-lived flow run per learner (island)",
-        )
+        ))
         out[f"{LEARNER_FLOW_NAME}/{pool}"] = str(dep.apply())
     control = control_pool or pools[0]
-    dep = training_run.to_deployment(
+    dep = cast(RunnerDeployment, training_run.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
         job_variables={"env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}, tags=["atoll", "atoll-training-run"],
         description="atoll training run: the synchronizer; one outer-round flow run per round",
-    )
+    ))
     out[TRAINING_DEPLOYMENT] = str(dep.apply())
     return out
 

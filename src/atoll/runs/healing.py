@@ -136,7 +136,8 @@ def decide_learner(obs: LearnerObservation, policy: HealingPolicy) -> HealingDec
             why = f"running but silent for {silent:.0f}s (stale_after_s {policy.stale_after_s:g})"
             refused = _launch_refused(obs, policy)
             if refused:
-                return HealingDecision(HealingAction.WAITING, f"{why}; cancelled, relaunch held: {refused}", cancel=True)
+                return HealingDecision(HealingAction.WAITING, f"{why}; cancelled, relaunch held: {refused}",
+                                       cancel=True)
             return HealingDecision(HealingAction.STALE_RELAUNCHED, f"{why}; cancelled and relaunched",
                                    cancel=True, launch=True)
         return HealingDecision(HealingAction.ADOPTED, f"its flow run is {obs.state.lower()}")

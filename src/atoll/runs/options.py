@@ -28,19 +28,26 @@ class FleetOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    manage: bool = Field(True, description="Launch, adopt and relaunch the run's learner flow runs. "
-                         "Off: start no learners (they are started by hand, e.g. `atoll learner`).")
+    manage: bool = Field(
+        default=True,
+        description="Launch, adopt and relaunch the run's learner flow runs. Off: start no learners "
+        "(they are started by hand, e.g. `atoll learner`).")
     deployments: dict[str, str] = Field(
         default_factory=dict,
         description="Learner deployment per work pool, as `flow/deployment` (default: `atoll-learner/<pool>`).")
-    threads: int = Field(1, ge=1, description="Torch threads of each learner process.")
-    poll_interval_s: float = Field(0.2, gt=0, description="How often a learner looks for new global versions (s).")
-    watch_every_s: float = Field(10.0, gt=0, description="While a round waits, look after the learners this "
-                                 "often (s); also after every 5 rounds.")
-    stale_after_s: float = Field(300.0, gt=0, description="A running learner silent for longer than this (s) is "
-                                 "cancelled and launched again.")
-    relaunch_backoff_s: float = Field(5.0, ge=0, description="Least time between two launches of one learner (s).")
-    max_launches: int = Field(50, ge=1, description="Most flow runs launched per learner by one training run.")
+    threads: int = Field(default=1, ge=1, description="Torch threads of each learner process.")
+    poll_interval_s: float = Field(
+        default=0.2, gt=0, description="How often a learner looks for new global versions (s).")
+    watch_every_s: float = Field(
+        default=10.0, gt=0,
+        description="While a round waits, look after the learners this often (s); also after every 5 rounds.")
+    stale_after_s: float = Field(
+        default=300.0, gt=0,
+        description="A running learner silent for longer than this (s) is cancelled and launched again.")
+    relaunch_backoff_s: float = Field(
+        default=5.0, ge=0, description="Least time between two launches of one learner (s).")
+    max_launches: int = Field(
+        default=50, ge=1, description="Most flow runs launched per learner by one training run.")
 
     def policy(self) -> HealingPolicy:
         return HealingPolicy(stale_after_s=self.stale_after_s, relaunch_backoff_s=self.relaunch_backoff_s,
@@ -57,25 +64,31 @@ class TrainingRunOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # -- which run -----------------------------------------------------------------------------
-    run_url: str | None = Field(None, description="The run: a folder or an fsspec URL (s3://, gs://, file://). "
-                                "A new run is created there unless it exists, which is then continued.")
-    preset: str = Field("demo", description="Recipe preset of a new run (`demo`, `smoke`).")
-    learners: int = Field(0, ge=0, description="Learners of a new run (0: the preset's).")
-    rounds: int = Field(0, ge=0, description="Outer rounds of a new or forked run (0: the preset's or source's).")
-    config_path: str | None = Field(None, description="YAML/JSON file with `config:` and `recipe:` keys for a new "
-                                    "run (instead of the preset).")
-    resume_from: str | None = Field(None, description="Continue this run from its last committed round (with "
-                                    "`fork_round`: fork it into `run_url`).")
-    fork_round: int | None = Field(None, ge=0, description="Fork `resume_from` at this round (0: its latest) into "
-                                   "a new run at `run_url`.")
+    run_url: str | None = Field(
+        default=None,
+        description="The run: a folder or an fsspec URL (s3://, gs://, file://). A new run is created there "
+        "unless it exists, which is then continued.")
+    preset: str = Field(default="demo", description="Recipe preset of a new run (`demo`, `smoke`).")
+    learners: int = Field(default=0, ge=0, description="Learners of a new run (0: the preset's).")
+    rounds: int = Field(
+        default=0, ge=0, description="Outer rounds of a new or forked run (0: the preset's or the source's).")
+    config_path: str | None = Field(
+        default=None,
+        description="YAML/JSON file with `config:` and `recipe:` keys for a new run (instead of the preset).")
+    resume_from: str | None = Field(
+        default=None,
+        description="Continue this run from its last committed round (with `fork_round`: fork it into `run_url`).")
+    fork_round: int | None = Field(
+        default=None, ge=0, description="Fork `resume_from` at this round (0: its latest) into a new run at `run_url`.")
     storage_options: dict[str, Any] | None = Field(
-        None, description="fsspec storage options of the bucket. Prefer credentials in the workers' environment: "
+        default=None,
+        description="fsspec storage options of the bucket. Prefer credentials in the workers' environment: "
         "flow parameters show in the UI.")
 
     # -- how to orchestrate it -------------------------------------------------------------------
-    poll_interval_s: float = Field(0.2, gt=0, description="Longest sleep of the synchronizer between two polls "
-                                   "of an open round (s).")
-    fleet: FleetOptions = Field(default_factory=FleetOptions, description="The run's learner flow runs.")
+    poll_interval_s: float = Field(
+        default=0.2, gt=0, description="Longest sleep of the synchronizer between two polls of an open round (s).")
+    fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
 
     @property
     def target_url(self) -> str | None:
