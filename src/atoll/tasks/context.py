@@ -45,11 +45,11 @@ class RunContext:
 
     __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync")
 
-    def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True,
-                 store: RunStore | None = None) -> None:
+    def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
+        """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
         self.info = info
         self.options = options
-        self.store = store if store is not None else open_run(info.run_url, options.storage_options)
+        self.store: RunStore = open_run(info.run_url, options.storage_options)
         self.tracker = GoodputTracker(self.store)
         self.fleet: LearnerFleet | None = None
         if options.fleet.manage:
