@@ -330,7 +330,9 @@ class _Sim:
             return
         nxt = dec.close_at_s if dec.close_at_s is not None else dec.recheck_at_s
         if nxt is not None and (deadline or rnd.deadline_at is None or nxt < rnd.deadline_at):
-            rnd.deadline_at = max(nxt, t)
+            # "look again at t" without closing happens when now - opened is a rounding hair under
+            # max_wait_s: look again one float later, so simulated time moves on
+            rnd.deadline_at = nxt if nxt > t else math.nextafter(t, math.inf)
             self.push(rnd.deadline_at, _RECHECK, p, rnd.serial)
 
     def close(self, t: float, p: int, dec: FastDecision) -> None:
