@@ -8,8 +8,19 @@ from hypothesis import strategies as st
 
 import atoll.core.quorum as core_quorum
 import atoll.sim.decoupled as decoupled_mod
-from atoll.core.quorum import Arrival, QuorumPolicy, TimingEstimates, decide_round, grace_window_s
-from atoll.sim.decoupled import DecoupledSetup, equal_islands, simulate_decoupled, two_speed_islands
+from atoll.core.quorum import (
+    Arrival,
+    QuorumPolicy,
+    TimingEstimates,
+    decide_round,
+    grace_window_s,
+)
+from atoll.sim.decoupled import (
+    DecoupledSetup,
+    equal_islands,
+    simulate_decoupled,
+    two_speed_islands,
+)
 from atoll.sim.fleet import failure_trace
 from atoll.sim.presets import paper_costs
 from atoll.sim.quorum_fast import as_tuple, decide_fast

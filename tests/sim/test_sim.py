@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from atoll.cli import main
 from atoll.core.quorum import QuorumPolicy
 from atoll.sim.calibrate import PaperTargets, calibrate
-from atoll.sim.decoupled import DecoupledSetup, equal_islands, simulate_decoupled, two_speed_islands
+from atoll.sim.decoupled import (
+    DecoupledSetup,
+    equal_islands,
+    simulate_decoupled,
+    two_speed_islands,
+)
 from atoll.sim.fleet import (
     SECONDS_PER_YEAR,
     CostModel,
@@ -120,7 +125,11 @@ def test_no_failures_goodput_is_one(spread: float) -> None:
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), frac=st.floats(0.0, 0.9), kind=st.sampled_from(["fixed", "exponential", "exponentiated_weibull"]))
+@given(
+    seed=st.integers(0, 10_000),
+    frac=st.floats(0.0, 0.9),
+    kind=st.sampled_from(["fixed", "exponential", "exponentiated_weibull"]),
+)
 def test_more_failures_never_raise_goodput(seed: int, frac: float, kind: str) -> None:
     costs = dataclasses.replace(
         paper_costs(), recovery=RecoveryDelay(kind=kind, mean_s=600.0, shape=0.7, exponent=2.0)

@@ -33,7 +33,7 @@ import numpy as np
 
 from atoll.sim.fleet import SECONDS_PER_YEAR, CostModel, RecoveryDelay, elastic_schedule
 
-__all__ = ["PaperTargets", "calibrate"]
+__all__ = ["PaperTargets", "calibrate", "first_order"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,11 +41,24 @@ from typing import Literal
 
 import numpy as np
 
-from atoll.core.quorum import Arrival, QuorumPolicy, TimingEma, decide_round, grace_window_s
-from atoll.sim.fleet import TIMELINE_BINS, CostModel, FailureTrace, Schedule, SystemResult, elastic_schedule
+from atoll.core.quorum import (
+    Arrival,
+    QuorumPolicy,
+    TimingEma,
+    decide_round,
+    grace_window_s,
+)
+from atoll.sim.fleet import (
+    TIMELINE_BINS,
+    CostModel,
+    FailureTrace,
+    Schedule,
+    SystemResult,
+    elastic_schedule,
+)
 from atoll.sim.quorum_fast import FastArrival, FastDecision, as_tuple, decide_fast
 
-__all__ = ["Island", "DecoupledSetup", "equal_islands", "two_speed_islands", "simulate_decoupled"]
+__all__ = ["DecoupledSetup", "Island", "equal_islands", "simulate_decoupled", "two_speed_islands"]
 
 QuorumPath = Literal["fast", "core"]
 

@@ -347,7 +347,7 @@ def elastic_schedule(
     e = costs.reconfig_s
     W = costs.readmit_window_s
     S = float(min(costs.slice_chips, chips))
-    max_out = max(1, int(math.ceil(chips / S)))
+    max_out = max(1, math.ceil(chips / S))
     f = np.asarray(times_s, dtype=float).tolist()
     n = len(f)
     ready_t = np.asarray(times_s, dtype=float) + np.asarray(recovery_s, dtype=float)

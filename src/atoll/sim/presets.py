@@ -11,7 +11,7 @@ from typing import Any
 
 from atoll.sim.fleet import CostModel, RecoveryDelay
 
-__all__ = ["PAPER_COSTS", "Scenario", "paper_costs", "paper_scenario", "load_scenario", "scenario_from_mapping"]
+__all__ = ["PAPER_COSTS", "Scenario", "load_scenario", "paper_costs", "paper_scenario", "scenario_from_mapping"]
 
 PAPER_SIZES = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 PAPER_MS = (2, 4, 8, 16)

@@ -13,7 +13,8 @@ Arrivals are plain tuples ``(arrived_at_s, learner_id, key, c_steps, c_tokens)``
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -48,7 +49,7 @@ def decide_fast(
     now_s: float,
     opened_at_s: float,
     arrivals: Sequence[FastArrival],
-    live: Set[str],
+    live: AbstractSet[str],
     policy: QuorumPolicy,
     grace_s: float,
 ) -> FastDecision:

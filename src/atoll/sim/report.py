@@ -7,20 +7,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atoll.core.quorum import QuorumPolicy
-from atoll.sim.decoupled import DecoupledSetup, equal_islands, simulate_decoupled, two_speed_islands
-from atoll.sim.fleet import SECONDS_PER_YEAR, CostModel, SystemResult, failure_trace, simulate_dp, simulate_elastic_dp
+from atoll.sim.decoupled import (
+    DecoupledSetup,
+    equal_islands,
+    simulate_decoupled,
+    two_speed_islands,
+)
+from atoll.sim.fleet import (
+    SECONDS_PER_YEAR,
+    CostModel,
+    SystemResult,
+    failure_trace,
+    simulate_dp,
+    simulate_elastic_dp,
+)
 from atoll.sim.presets import Scenario
 
 __all__ = [
     "GridResult",
-    "run_fleet",
-    "run_grid",
-    "run_heterogeneous",
+    "dp_renewal",
     "format_grid",
     "format_results",
     "format_rule_of_thumb",
     "plot_grid",
     "plot_timelines",
+    "rule_sizes",
+    "run_elastic_curve",
+    "run_fleet",
+    "run_grid",
+    "run_heterogeneous",
     "write_report",
 ]
 
@@ -158,10 +173,18 @@ def format_rule_of_thumb(grid: GridResult) -> str:
         if grid.costs is not None:
             row.append(f"{100 * grid.results[(n, 'DP')].goodput:.1f} | {100 * dp_renewal(grid.costs, n):.1f}")
         rows.append(row)
-    return _table(
+    text = _table(
         rows,
         title="rule of thumb: M learners on N chips vs elastic DP on N/M chips (goodput %); DP vs renewal formula",
     )
+    if grid.costs is not None:
+        c = grid.costs
+        text += (
+            f"\nmodel: DP outage R = E[recovery] + restart = {c.dp_outage_s:.1f} s; reconfiguration "
+            f"{c.reconfig_s:.2f} s; re-admission window {c.readmit_window_s:.1f} s; recovery "
+            f"{c.recovery.kind} (k={c.recovery.shape:g}, a={c.recovery.exponent:g}) mean {c.recovery.mean_s:.1f} s"
+        )
+    return text
 
 
 def format_results(results: Sequence[SystemResult], title: str = "") -> str:
@@ -211,8 +234,8 @@ def plot_grid(grid: GridResult, path: Path) -> Path:
     for sy in grid.systems:
         ax.plot(grid.sizes, [100 * grid.results[(n, sy)].goodput for n in grid.sizes], marker="o", label=sy, color=colors[sy])
     if grid.costs is not None:
-        xs = np.geomspace(min(grid.sizes) / 2, max(grid.sizes) * 2, 100)
-        ax.plot(xs, [100 * dp_renewal(grid.costs, x) for x in xs], ls=":", color=colors["DP"], label="DP: 1/(1+λR)")
+        ns = np.geomspace(min(grid.sizes) / 2, max(grid.sizes) * 2, 100)
+        ax.plot(ns, [100 * dp_renewal(grid.costs, x) for x in ns], ls=":", color=colors["DP"], label="DP: 1/(1+λR)")
     ax.scatter([1.2e6] * 3, [27, 58, 88], marker="x", color="k", s=60, zorder=5, label="paper (1.2M)")
     ax.set_xscale("log")
     ax.set_xlabel("fleet size N (chips)")
@@ -224,11 +247,24 @@ def plot_grid(grid: GridResult, path: Path) -> Path:
 
     if grid.elastic_curve and grid.learners:
         xs = sorted(grid.elastic_curve)
-        ax2.plot(xs, [100 * grid.elastic_curve[n].goodput for n in xs], color=colors["elastic DP"], marker=".", label="elastic DP on x chips")
+        ax2.plot(
+            xs,
+            [100 * grid.elastic_curve[n].goodput for n in xs],
+            color=colors["elastic DP"],
+            marker=".",
+            label="elastic DP on x chips",
+        )
         for m in grid.learners:
             sy = f"decoupled M={m}"
-            ax2.scatter([n / m for n in grid.sizes], [100 * grid.results[(n, sy)].goodput for n in grid.sizes],
-                        color=colors[sy], marker="o", s=40, zorder=4, label=f"M={m} learners on {m}x chips")
+            ax2.scatter(
+                [n / m for n in grid.sizes],
+                [100 * grid.results[(n, sy)].goodput for n in grid.sizes],
+                color=colors[sy],
+                marker="o",
+                s=40,
+                zorder=4,
+                label=f"M={m} learners on {m}x chips",
+            )
         ax2.set_xscale("log")
         ax2.set_xlabel("chips per learner x = N / M")
         ax2.set_ylabel("goodput (%)")
