@@ -272,7 +272,7 @@ def simulate_dp(trace: FailureTrace, costs: CostModel) -> SystemResult:
     starts: list[float] = []
     ends: list[float] = []
     end = -1.0
-    for f, r in zip(trace.times_s.tolist(), trace.recovery_s.tolist()):
+    for f, r in zip(trace.times_s.tolist(), trace.recovery_s.tolist(), strict=True):
         if f >= end:
             end = f + restart + (r if waits else 0.0)
             starts.append(f)

@@ -209,7 +209,7 @@ def _table(rows: list[list[str]], title: str = "") -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [title] if title else []
     for j, r in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
