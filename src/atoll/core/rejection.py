@@ -54,7 +54,11 @@ class RejectionKind(StrEnum):
     OVERSIZE = "oversize"
     """Payload or record larger than its cap."""
     CORRUPT = "corrupt"
-    """Bytes that are not a valid safetensors or JSON document."""
+    """Bytes that are not a valid safetensors or JSON document, or a record whose digest does
+    not match its content."""
+    BAD_SIGNATURE = "bad_signature"
+    """The run has a keyring and the record is unsigned, signed with another key, or from a
+    learner with no key."""
     # -- history ---------------------------------------------------------------------------------
     UNSPECIFIED = "unspecified"
     """A reason written by commit-record schema version 1, which stored only text. Final (only
@@ -69,7 +73,7 @@ class RejectionKind(StrEnum):
 STORAGE_KINDS = frozenset({
     RejectionKind.TRUNCATED, RejectionKind.CHECKSUM, RejectionKind.LAYOUT, RejectionKind.NON_FINITE,
     RejectionKind.SCHEMA, RejectionKind.MISSING_PAYLOAD, RejectionKind.BAD_ID, RejectionKind.OVERSIZE,
-    RejectionKind.CORRUPT,
+    RejectionKind.CORRUPT, RejectionKind.BAD_SIGNATURE,
 })
 """The kinds bad input can have (what :class:`atoll.storage.validation.InvalidInput` carries)."""
 

@@ -29,6 +29,7 @@ from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import ROUND_RETRY
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
 from atoll.storage.bucket import RunStore
+from atoll.storage.integrity import IntegrityError
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.train.run import RoundSchedule
@@ -130,8 +131,13 @@ class Synchronizer:
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
-        for rec in self.store.history(max(1, round_ - 2 * self.plan.num_fragments + 1), round_) if round_ else []:
-            self._consume(rec)
+        for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
+            try:
+                rec = self.store.read_commit(r)
+            except IntegrityError:
+                continue  # a void slot consumed nothing we can know of
+            if rec is not None:
+                self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
         self.consumed.update(a.key for a in rec.accepted)
@@ -143,7 +149,10 @@ class Synchronizer:
         c = self.versions[p]
         if c == 0:
             return None
-        before = self.store.read_commit(c - 1) if c > 1 else None
+        try:
+            before = self.store.read_commit(c - 1) if c > 1 else None
+        except IntegrityError:
+            return None  # cannot tell what came before: only the current version is a valid base
         return before.versions[p] if before is not None else 0
 
     @property
@@ -176,7 +185,12 @@ class Synchronizer:
         opened_at = self._opened[1]
 
         # Someone else (a racing or previous incarnation) may have committed this round already.
-        existing = self.store.read_commit(r)
+        # A slot holding something that does not verify is void: we close the round ourselves and
+        # commit_round writes the repair record (the forged or corrupt object is never used).
+        try:
+            existing = self.store.read_commit(r)
+        except IntegrityError:
+            existing = None
         if existing is not None:
             return self._adopt(existing)
 
