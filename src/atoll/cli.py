@@ -2,15 +2,24 @@
 
 Each subcommand is a small function that parses its flags and calls library code; the library
 does the work so a notebook can do the same without the CLI.
+
+Errors: atoll's own (a bad run folder, a missing run, bad input, a bad config or argument) print
+one line, ``atoll: error: <what>``, and exit with status 2. A traceback means a bug in atoll; add
+``--debug`` (or set ``ATOLL_DEBUG=1``) to see one for the errors above too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from atoll import __version__
+
+if TYPE_CHECKING:
+    from atoll.storage.bucket import RunStore
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo across compute islands, on Prefect 3 and object storage.",
     )
     parser.add_argument("--version", action="version", version=f"atoll {__version__}")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for every error (or ATOLL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_simulate(sub)
     _add_plan(sub)
@@ -187,7 +197,7 @@ def _kv(pairs: Sequence[str]) -> dict[str, str]:
     for item in pairs:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"--storage-option/--env: expected KEY=VALUE, got {item!r}")
         out[key] = value
     return out
 
@@ -209,10 +219,17 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+    if args.command == "resume":
+        # Read the source run (only read) before anything starts: a missing or broken run is a
+        # one-line error here, not a failed flow run later.
+        from atoll.runs.report import check_run
+
+        check_run(_open_existing(args.run_url, common["storage_options"]))
+
     from atoll.ops.client import launch_training
     from atoll.runs.options import TrainingRunOptions
 
-    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
     if args.command == "train":
         from atoll.runs.manage import new_run_url
 
@@ -223,14 +240,23 @@ def _train(args: argparse.Namespace) -> int:
     return launch_training(options, in_process=args.in_process, wait=not args.no_wait)
 
 
-def _status(args: argparse.Namespace) -> int:
+def _open_existing(run_url: str, storage_options: dict[str, str] | None) -> RunStore:
+    """The run at ``run_url``, opened read-only (no write, not even the create-once probe)."""
     from atoll.runs.manage import open_run
+    from atoll.storage.validation import RunNotFoundError
+
+    store = open_run(run_url, storage_options, read_only=True)
+    if not store.exists():
+        raise RunNotFoundError(f"no run at {run_url} (no run.json)")
+    return store
+
+
+def _status(args: argparse.Namespace) -> int:
     from atoll.runs.report import run_status
 
-    store = open_run(args.run_url, _kv(args.storage_option) or None)
-    if not store.exists():
-        print(f"no run at {args.run_url}", file=sys.stderr)
-        return 1
+    if args.last < 0:
+        raise ValueError(f"--last must be >= 0, got {args.last}")
+    store = _open_existing(args.run_url, _kv(args.storage_option) or None)
     print("\n".join(run_status(store, last=args.last or None)))
     return 0
 
@@ -249,6 +275,31 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, learners=args.learners, rounds=args.rounds, port=args.port, keep_up=args.keep_up)
 
 
+MAX_ERROR_CHARS = 500
+"""An error line is cut here (a hostile object's name or id could be megabytes long)."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What atoll raises on purpose for bad runs, input, config or arguments (no traceback)."""
+    from atoll.core.config import ConfigError
+    from atoll.storage.validation import InvalidInput, StorageError
+
+    # OSError: a missing file, no permission, a broken mount: the machine's state, not a bug.
+    return (StorageError, InvalidInput, ConfigError, ValueError, OSError)
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one printable line of at most MAX_ERROR_CHARS characters."""
+    from atoll.storage.validation import StorageError
+
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, StorageError):  # "[Errno 13] ..." says too little
+        text = f"{type(exc).__name__}: {text}"
+    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -256,7 +307,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return int(handler(args) or 0)
+    debug = args.debug or os.environ.get("ATOLL_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("atoll: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if debug:
+            raise
+        print(f"atoll: error: {error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

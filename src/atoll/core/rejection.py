@@ -36,6 +36,10 @@ class RejectionKind(StrEnum):
     """Outer-gradient norm far above the round's median."""
     NOT_MERGED = "not_merged"
     """Accepted by the quorum decision but left out of the merge for no other recorded reason."""
+    IMPOSSIBLE_COUNTERS = "impossible_counters"
+    """Counters no honest learner can report: more tokens than its steps could consume (steps x
+    batch x context from the recipe), or more steps than are possible since its base version.
+    Final."""
     # -- bad input (storage validation; also raised as InvalidInput) -----------------------------
     TRUNCATED = "truncated"
     """Payload shorter than its record says."""

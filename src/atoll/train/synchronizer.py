@@ -10,6 +10,11 @@ current version or the one before it (a learner may have published just before i
 version; its delta is re-anchored, never applied as if fresh), not already merged or rejected by
 an earlier round, and the newest one per learner. Anything older is stale: the learner has
 since overwritten that work with a newer global version.
+
+Counters are checked before anything else looks at a contribution (they decide its weight, and
+they are the learner's own numbers): more tokens than steps x batch x context from the recipe, or
+more steps than are possible since its base version (:func:`atoll.core.weights.max_steps_since`),
+is an ``impossible_counters`` rejection, and the record does not count as a sign of life.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import ROUND_RETRY
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
+from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
-from atoll.train.run import RoundSchedule
+from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
@@ -109,6 +115,9 @@ class Synchronizer:
         self.plan = store.plan
         self.schedule = RoundSchedule.of(store)
         self.policy = self.config.quorum_policy(poll_interval_s=self.options.poll_interval_s)
+        self.token_bounds = _token_bounds(store)
+        self._started_at = clock()
+        self._seen_at: dict[int, float] = {}  # round -> when this synchronizer saw it committed
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
@@ -204,6 +213,10 @@ class Synchronizer:
         for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
             if rec.key in self.consumed:
                 continue
+            why = self.check_counters(rec, r, now)
+            if why is not None:
+                rejected[rec.key] = why
+                continue
             self._first_seen.setdefault(rec.key, now)
             self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
             older = candidates.get(rec.learner_id)
@@ -225,6 +238,21 @@ class Synchronizer:
             accepted={a.key: candidates[a.learner_id] for a in decision.accepted},
             rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
         )
+
+    def check_counters(self, rec: ContributionRecord, round_: int, now: float) -> Rejection | None:
+        """IMPOSSIBLE_COUNTERS if ``rec`` claims more steps or tokens than a learner can have done."""
+        elapsed = now - self._seen_at.get(rec.base_version, self._started_at)
+        max_steps = max_steps_since(rec.base_version, round_, self.config.inner_steps, elapsed_s=elapsed)
+        per_step = self.token_bounds.of(rec.learner_id) if self.token_bounds is not None else None
+        return impossible_counters(rec.c_steps, rec.c_tokens, max_steps=max_steps, max_tokens_per_step=per_step)
+
+    def _saw(self, round_: int) -> None:
+        """Remember when this synchronizer saw ``round_`` committed (bounded: older rounds fall back
+        to the synchronizer's start, which only makes the step bound more generous)."""
+        self._seen_at[round_] = self.clock()
+        horizon = round_ - 2 * self.plan.num_fragments - 2
+        for old in [k for k in self._seen_at if k < horizon]:
+            del self._seen_at[old]
 
     def close(self, poll: RoundPoll) -> RoundSummary:
         """Merge the accepted contributions of a closing poll, take the outer step and commit.
@@ -319,6 +347,7 @@ class Synchronizer:
         """Our commit won: make its state ours."""
         self.round = record.round
         self._rounds_closed += 1
+        self._saw(record.round)
         if result is not None:
             self.versions[record.fragment] = record.round
             self.fragments[record.fragment] = {n: t.float() for n, t in result.new_params.items()}
@@ -330,8 +359,19 @@ class Synchronizer:
         """Another synchronizer committed this round first: take its state, not ours."""
         self._load(record.round)
         self._consume(record)
+        self._saw(record.round)
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def _token_bounds(store: RunStore) -> TokenBounds | None:
+    """Tokens per step from the run's recipe; None for a run without one (built by hand)."""
+    if "recipe" not in store.manifest.extra:
+        return None
+    try:
+        return TokenBounds.of_recipe(load_recipe(store))
+    except (ImportError, ValueError, TypeError, KeyError):  # ConfigError is a ValueError
+        return None  # a model this process cannot build: the step bound still holds
 
 
 def accepted_contributions(accepted: Mapping[str, ContributionRecord],
