@@ -176,6 +176,11 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(handler=_status)
 
+    p = sub.add_parser("verify", help="walk a run's commit chain and check every published object (reads only)")
+    p.add_argument("run_url")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_verify)
+
     p = sub.add_parser("learner", help="run one learner flow here, by hand (it joins the run from the bucket)")
     p.add_argument("run_url")
     p.add_argument("--learner-id", required=True)
@@ -249,6 +254,23 @@ def _open_existing(run_url: str, storage_options: dict[str, str] | None) -> RunS
     if not store.exists():
         raise RunNotFoundError(f"no run at {run_url} (no run.json)")
     return store
+
+
+def _verify(args: argparse.Namespace) -> int:
+    store = _open_existing(args.run_url, _kv(args.storage_option) or None)
+    signed = "with the synchronizer's key" if store.keyring.key("synchronizer") else "digests and links only"
+    print(f"verifying {store.url} ({signed}) ...", flush=True)
+
+    def progress(r: int) -> None:
+        if r % 1000 == 0:
+            print(f"  round {r} verified", flush=True)
+
+    report = store.verify(on_round=progress)
+    for line in report.problems:
+        print(f"  PROBLEM {line}")
+    print(f"{report.verified} of {report.latest} round(s) verified; void slots: {report.void or 'none'}; "
+          + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))
+    return 0 if report.ok else 1
 
 
 def _status(args: argparse.Namespace) -> int:

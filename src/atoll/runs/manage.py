@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import uuid
 from collections.abc import Mapping
@@ -55,11 +54,7 @@ def open_run(run_url: str, storage_options: Mapping[str, Any] | None = None, *,
     status``, the source of a fork, a run that is only looked at): it works on a read-only folder
     or with read-only credentials."""
     opts = dict(storage_options or {}) or None
-    if not read_only:
-        return RunStore.open(to_url(run_url), opts)
-    if "read_only" in inspect.signature(RunStore.open).parameters:  # the storage layer's own mode
-        return RunStore.open(to_url(run_url), opts, read_only=True)  # type: ignore[call-arg,unused-ignore]
-    return RunStore.open(to_url(run_url), opts, check_create_once=False)
+    return RunStore.open(to_url(run_url), opts, read_only=read_only)
 
 
 def new_run_url(bucket: str, name: str | None = None) -> str:
