@@ -30,8 +30,9 @@ from atoll.storage import (
     UnsafeStoreError,
     paths,
 )
-from atoll.storage.codec import dump_record, encoded_to_bytes
-from atoll.storage.records import KIND_COMMIT
+from atoll.storage.codec import dump_record, encoded_to_bytes, load_record
+from atoll.storage.integrity import IntegrityError
+from atoll.storage.records import KIND_COMMIT, CommitRecord
 from atoll.core.compress import encode
 from atoll.core.rejection import RejectionKind
 
@@ -253,11 +254,15 @@ def test_list_calls_per_poll_are_bounded(backend):
     for i in range(3):
         writer.publish_contribution(f"l{i}", 0, 0, counters(), fragment_delta(writer, 0, seed=i))
         before = px.lists
-        listing = reader.list_contributions(0, 0)  # one poll of one base version: one LIST
-        assert px.lists - before == 1 and len(listing.records) == i + 1
+        # One poll of one base version: one LIST of learners/, then one per learner's prefix.
+        listing = reader.list_contributions(0, 0)
+        assert px.lists - before == 1 + (i + 1) and len(listing.records) == i + 1
+        before = px.lists
+        listing = reader.list_contributions(0, 0, learner_ids=[f"l{j}" for j in range(i + 1)])  # ids known
+        assert px.lists - before == i + 1 and len(listing.records) == i + 1
     before = px.lists
-    reader.list_contributions(0, [0, 1])  # two base versions: two LISTs
-    assert px.lists - before == 2
+    reader.list_contributions(0, [0, 1], learner_ids=["l0", "l1", "l2"])  # two base versions x 3 learners
+    assert px.lists - before == 6
     assert writer.commit_round(1, 0, **_commit_args(writer, 0, 1)).won
     before = px.lists
     for _ in range(3):
@@ -414,7 +419,7 @@ def _reject(rs, key: str, kind: str, match: str | None = None) -> InvalidInput:
 def test_bad_truncated_payload(committed):
     backend, url, rs = committed
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
-    blob = paths.blob_key(rec.payload.sha256)
+    blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:-7])
     err = _reject(backend.open(url), rec.key, "truncated")
     assert url.rstrip("/").split("://")[-1] in err.url
@@ -423,7 +428,7 @@ def test_bad_truncated_payload(committed):
 def test_bad_checksum(committed):
     backend, url, rs = committed
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
-    blob = paths.blob_key(rec.payload.sha256)
+    blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     data = bytearray(backend.raw_get(url, blob))
     data[-1] ^= 0xFF
     backend.raw_put(url, blob, bytes(data))
@@ -489,32 +494,29 @@ def test_bad_unknown_schema_version(committed):
     assert key in listing.rejected and listing.rejected[key].kind is RejectionKind.SCHEMA
     assert "schema_version 99" in listing.rejected[key].detail
     assert key not in {r.key for r in listing.records}
-    # A commit record of an unknown version is refused too, with the reason.
-    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":2', b'"schema_version":3')
-    backend.raw_put(url, "commits/00000099.json", data)
-    with pytest.raises(InvalidInput, match="unknown schema_version 3"):
+    # A commit record of an unknown version is refused too, with the reason: its slot is void.
+    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":3', b'"schema_version":4')
+    backend.raw_put(url, "sync/commits/00000099.json", data)
+    with pytest.raises(IntegrityError, match="unknown schema_version 4"):
         backend.open(url).read_commit(99)
     fs, root = backend.fs_and_root(url)
-    fs.rm_file(f"{root}/commits/00000099.json")
+    fs.rm_file(f"{root}/sync/commits/00000099.json")
 
 
 def test_schema_1_commit_records_stay_readable(committed):
-    """Schema 1 stored rejections as bare text; they read back typed ('late:' text stays LATE)."""
+    """Schema 1 stored rejections as bare text; they parse back typed ('late:' text stays LATE).
+    (A layout-1 run cannot be continued, but its records still parse, e.g. for inspection.)"""
     backend, url, rs = committed
     record = rs.read_commit(1)
     body = record.to_dict()
     body["rejected"] = {"contributions/f0000/b00000000/x.json": "late: arrived 0.50s after the grace window closed",
                         "contributions/f0000/b00000000/y.json": "outlier: norm 9 > 5 x median 1"}
-    data = dump_record(KIND_COMMIT, body).replace(b'"schema_version":2', b'"schema_version":1')
-    backend.raw_put(url, "commits/00000098.json", data.replace(b'"round":1,', b'"round":98,'))
-    old = backend.open(url).read_commit(98)
-    assert old is not None
+    data = dump_record(KIND_COMMIT, body).replace(b'"schema_version":3', b'"schema_version":1')
+    old = CommitRecord.from_body(load_record(data, KIND_COMMIT), rs.plan.num_fragments)
     late = old.rejected["contributions/f0000/b00000000/x.json"]
     assert late.kind is RejectionKind.LATE and not late.final and late.detail.startswith("arrived 0.50s")
     other = old.rejected["contributions/f0000/b00000000/y.json"]
     assert other.kind is RejectionKind.UNSPECIFIED and other.final and other.detail.startswith("outlier")
-    fs, root = backend.fs_and_root(url)
-    fs.rm_file(f"{root}/commits/00000098.json")
 
 
 def test_bad_missing_payload(committed):

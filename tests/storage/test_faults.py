@@ -120,7 +120,7 @@ def test_half_failed_contribution_leaves_nothing_trusted(backend):
     assert reader.list_contributions(0, 0).records == []
     # ... and if a record did point at such a blob, the reader would refuse it (size/sha checks).
     good = reader.publish_contribution("l2", 0, 0, counters(), fragment_delta(rs, 0, seed=6))
-    blob = paths.blob_key(good.payload.sha256)
+    blob = paths.blob_key(good.payload.sha256, good.learner_id)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:20])
     with pytest.raises(InvalidInput, match=r"^\[truncated\] payload has 20 bytes, record says \d+") as ei:
         backend.open(url).load_contribution(backend.open(url).list_contributions(0, 0).records[0])

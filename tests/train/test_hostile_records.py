@@ -12,6 +12,7 @@ import pytest
 from atoll.core.rejection import RejectionKind
 from atoll.storage import RunStore, paths
 from atoll.storage.codec import dump_record
+from atoll.storage.integrity import seal
 from atoll.storage.paths import to_url
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.storage.validation import InvalidInput, validate_id
@@ -66,7 +67,7 @@ def _plant(store: RunStore, fragment: int, name: str, body_changes: dict) -> str
             "payload": {"sha256": sha, "nbytes": real.payload.nbytes if real else 1},
             "tensors": dict(real.tensors) if real else {}, "created_at": 0.0, "info": {}}
     body.update(body_changes)
-    data = json.dumps({"schema": KIND_CONTRIBUTION, "schema_version": 2, **body}).encode()
+    data = dump_record(KIND_CONTRIBUTION, seal(KIND_CONTRIBUTION, body))  # a rogue writer can seal
     store.store.put(key, data)
     return key
 
@@ -138,3 +139,35 @@ def test_a_record_cannot_smuggle_a_non_json_constant(tmp_path: Path) -> None:
     store.store.put(key, dump_record(KIND_CONTRIBUTION, {"learner_id": "evil-nan"}).replace(b'"evil-nan"', b'NaN', 1))
     assert len(_rounds(learners, sync, clock, 3)) >= 3
     assert _rejections(store)[key].kind is RejectionKind.CORRUPT
+
+
+def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_path: Path) -> None:
+    """A learner writes the next commit record itself (chained and sealed, but unsigned by the
+    synchronizer). The keyed synchronizer never adopts it: it commits the round to a repair slot
+    and the run goes on; learners keep merging."""
+    from atoll.storage.codec import sha256_hex
+    from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, Keyring
+
+    config, recipe = smoke_recipe(3, max_rounds=1000)
+    keys = {SYNCHRONIZER_KEY_ID: b"s" * 32, **{s.learner_id: s.learner_id.encode() * 4 for s in recipe.learners}}
+    url = to_url(str(tmp_path / "run"))
+    create_run(url, config.replace(initial_grace_s=0.0), recipe)
+    learners = [Learner(RunStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
+                        log=lambda _: None) for s in recipe.learners]
+    clock = Clock()
+    sync = Synchronizer(RunStore.open(url, keyring=Keyring(keys)), clock=clock)
+    assert len(_rounds(learners, sync, clock, 2)) >= 2
+    store = RunStore.open(url)
+    r = sync.round + 1
+    prev = store.store.get_or_none(paths.commit_key(r - 1))
+    assert prev is not None
+    forged = dict(json.loads(prev))
+    forged.update(round=r, committed_by="learner-0", prev_sha256=sha256_hex(prev), signature="0" * 64)
+    store.store.put(paths.commit_key(r), json.dumps(forged).encode())
+    done = _rounds(learners, sync, clock, 3)
+    assert len(done) >= 3 and all(s.won for s in done)
+    assert done[0].record.round == r and done[0].record.committed_by == "synchronizer"
+    assert store.store.get_or_none(paths.repair_key(r, 1)) is not None
+    keyed = RunStore.open(url, keyring=Keyring(keys))
+    assert keyed.latest_round() == sync.round and keyed.read_commit(r).committed_by == "synchronizer"
+    assert any(a.learner_id.startswith("learner-") for s in done for a in s.record.accepted)

@@ -22,6 +22,7 @@ from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.train.data import BatchStream
 from atoll.storage.paths import to_url
+from atoll.storage.integrity import seal
 from atoll.train.local import LocalRun
 from atoll.train.run import create_run
 from atoll.train.model import loss_fn
@@ -195,11 +196,11 @@ def test_synchronizer_killed_between_payload_and_commit_resumes_exactly(tmp_path
         crashing = subprocess.Popen([sys.executable, "-c", CRASHING_SYNCHRONIZER, url, str(crash_round)])
         assert crashing.wait(timeout=120) == -9
         assert store.latest_round() == crash_round - 1
-        blobs_before = set(store.store.list("blobs/sha256/"))
+        blobs_before = set(store.store.list("sync/blobs/sha256/"))
         assert store.read_commit(crash_round) is None
         sync = run.start_synchronizer()
         assert sync.wait(timeout=120) == 0
-    assert set(store.store.list("blobs/sha256/")) >= blobs_before
+    assert set(store.store.list("sync/blobs/sha256/")) >= blobs_before
     history = store.history()
     assert [r.round for r in history] == list(range(1, 15))
     assert len({r.nonce for r in history}) == 14
@@ -219,12 +220,12 @@ def plant_garbage(store: RunStore, fragment: int, kind: str) -> str:
         enc[name] = EncodedTensor("fp32", tuple(t.shape), {"data": t})
     payload, meta = encoded_to_bytes(enc)
     sha = sha256_hex(payload)
-    store.store.put(paths.blob_key(sha), payload)
+    store.store.put(paths.blob_key(sha, f"rogue-{kind}"), payload)
     key = paths.contribution_key(fragment, version, f"rogue-{kind}", 5, sha)
     body = {"learner_id": f"rogue-{kind}", "fragment": fragment, "base_version": version, "c_steps": 5,
             "c_tokens": 10_000, "payload": {"sha256": sha, "nbytes": len(payload)}, "tensors": meta,
             "created_at": time.time(), "info": {}}
-    store.store.create(key, dump_record(KIND_CONTRIBUTION, body))
+    store.store.create(key, dump_record(KIND_CONTRIBUTION, seal(KIND_CONTRIBUTION, body)))  # a rogue can seal
     return key
 
 

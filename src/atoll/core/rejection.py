@@ -36,6 +36,10 @@ class RejectionKind(StrEnum):
     """Outer-gradient norm far above the round's median."""
     NOT_MERGED = "not_merged"
     """Accepted by the quorum decision but left out of the merge for no other recorded reason."""
+    IMPOSSIBLE_COUNTERS = "impossible_counters"
+    """Counters no honest learner can report: more tokens than its steps could consume (steps x
+    batch x context from the recipe), or more steps than are possible since its base version.
+    Final."""
     # -- bad input (storage validation; also raised as InvalidInput) -----------------------------
     TRUNCATED = "truncated"
     """Payload shorter than its record says."""
@@ -54,7 +58,11 @@ class RejectionKind(StrEnum):
     OVERSIZE = "oversize"
     """Payload or record larger than its cap."""
     CORRUPT = "corrupt"
-    """Bytes that are not a valid safetensors or JSON document."""
+    """Bytes that are not a valid safetensors or JSON document, or a record whose digest does
+    not match its content."""
+    BAD_SIGNATURE = "bad_signature"
+    """The run has a keyring and the record is unsigned, signed with another key, or from a
+    learner with no key."""
     # -- history ---------------------------------------------------------------------------------
     UNSPECIFIED = "unspecified"
     """A reason written by commit-record schema version 1, which stored only text. Final (only
@@ -69,7 +77,7 @@ class RejectionKind(StrEnum):
 STORAGE_KINDS = frozenset({
     RejectionKind.TRUNCATED, RejectionKind.CHECKSUM, RejectionKind.LAYOUT, RejectionKind.NON_FINITE,
     RejectionKind.SCHEMA, RejectionKind.MISSING_PAYLOAD, RejectionKind.BAD_ID, RejectionKind.OVERSIZE,
-    RejectionKind.CORRUPT,
+    RejectionKind.CORRUPT, RejectionKind.BAD_SIGNATURE,
 })
 """The kinds bad input can have (what :class:`atoll.storage.validation.InvalidInput` carries)."""
 

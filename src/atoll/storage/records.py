@@ -71,6 +71,13 @@ def _dict(body: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(v)
 
 
+def _sha_or_empty(value: Any) -> str:
+    if not (value == "" or (isinstance(value, str) and len(value) == 64
+                            and all(c in "0123456789abcdef" for c in value))):
+        raise InvalidInput("schema", f"prev_sha256 must be 64 lowercase hex digits, got {value!r}")
+    return str(value)
+
+
 def _rejection(value: Any, key: str) -> Rejection:
     """A stored rejection: ``{"kind", "detail"}`` (schema 2), or the bare text of schema 1."""
     if isinstance(value, str):
@@ -286,9 +293,12 @@ class CommitRecord:
     committed_by: str
     nonce: str
     created_at: float
+    prev_sha256: str = ""
+    """sha256 of the previous commit record's bytes (round 1: of ``run.json``): the hash chain."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "prev_sha256": self.prev_sha256,
             "round": self.round,
             "fragment": self.fragment,
             "updated": self.updated,
@@ -334,6 +344,7 @@ class CommitRecord:
             committed_by=by,
             nonce=nonce,
             created_at=_float(body, "created_at"),
+            prev_sha256=_sha_or_empty(body.get("prev_sha256", "")),
         )
 
 

@@ -14,6 +14,11 @@ the final name (fails if the name exists; readers never see a half-written file)
 in-process memory filesystem is made atomic with a lock. :meth:`ObjectStore.probe_create_once`
 proves at start-up that the store really refuses a second create.
 
+Local folders are a trust boundary too: a read (``get`` / ``get_or_none``) refuses anything that
+is not a regular file inside the run root before opening it (:class:`NotRegularFileError`): a
+symlink that leads outside the root, a FIFO (opening it would block forever), a device, a socket,
+a directory.
+
 Transient failures (connection reset, timeouts, HTTP 5xx, 429 / throttling) are retried with
 bounded exponential backoff and jitter, then raised as :class:`TransientStorageError` naming the
 operation and URL. Storage options are never logged: :func:`redact` masks anything secret.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -39,7 +45,7 @@ from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
 
-__all__ = ["RetryPolicy", "ObjectStore", "is_transient", "redact"]
+__all__ = ["RetryPolicy", "ObjectStore", "NotRegularFileError", "is_transient", "redact"]
 
 T = TypeVar("T")
 
@@ -123,6 +129,24 @@ def _http_status_transient(e: BaseException) -> bool:
 
 
 _MEMORY_LOCK = threading.Lock()
+
+
+class NotRegularFileError(StorageError):
+    """A local object that is not a regular file inside the run root (a FIFO, a device, a socket,
+    a directory, or a symlink leading outside the root). Never opened, never retried."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url, self.what = url, what
+        super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to read it")
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -231,11 +255,20 @@ class ObjectStore:
 
     # -- operations --------------------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """The object's bytes (FileNotFoundError if absent); at most ``max_bytes + 1`` if capped."""
+        """The object's bytes (FileNotFoundError if absent); at most ``max_bytes + 1`` if capped.
+
+        Local: :class:`NotRegularFileError` for anything but a regular file inside the root.
+        """
         path = self.path(key)
-        if max_bytes is None:
-            return bytes(self._call("get", key, lambda: self.fs.cat_file(path)))
-        return bytes(self._call("get", key, lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)))
+
+        def cat() -> bytes:
+            if self.is_local:
+                self._check_local_file(key, path)
+            if max_bytes is None:
+                return bytes(self.fs.cat_file(path))
+            return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+
+        return self._call("get", key, cat)
 
     def get_or_none(self, key: str, **kwargs: Any) -> bytes | None:
         try:
@@ -343,6 +376,25 @@ class ObjectStore:
             )
 
     # -- helpers -----------------------------------------------------------------------------
+    def _check_local_file(self, key: str, path: str) -> None:
+        """Refuse to open a local object that is not a regular file inside the root (checked
+        before opening: opening a FIFO blocks until a writer comes, i.e. forever). A missing
+        object is left to the read itself (FileNotFoundError)."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if os.path.commonpath([real, root]) != root:  # the object or a folder above it is a link out
+            raise NotRegularFileError(self.key_url(key), f"a symlink to {real}, outside the run folder {root}")
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                st = os.stat(real)
+            except FileNotFoundError:
+                return  # a dangling link reads as a missing object
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(self.key_url(key), _file_kind(st.st_mode))
+
     def _local_tmp(self, path: str) -> str:
         parent, _, name = path.rpartition("/")
         os.makedirs(parent or "/", exist_ok=True)

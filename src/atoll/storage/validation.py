@@ -24,6 +24,8 @@ __all__ = [
     "RunNotFoundError",
     "RunExistsError",
     "RoundOrderError",
+    "ReadOnlyError",
+    "LayoutError",
     "validate_id",
     "check_shapes",
     "check_tensor_layout",
@@ -77,6 +79,14 @@ class RunNotFoundError(StorageError, FileNotFoundError):
 
 class RunExistsError(StorageError, FileExistsError):
     """A run was already initialised at this root."""
+
+
+class ReadOnlyError(StorageError):
+    """A write through a run handle opened read-only (``RunStore.open(..., read_only=True)``)."""
+
+
+class LayoutError(StorageError):
+    """The run was written with a bucket layout this atoll does not read."""
 
 
 class RoundOrderError(StorageError):

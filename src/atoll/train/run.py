@@ -19,7 +19,7 @@ from atoll.storage.bucket import RunStore
 from atoll.train import data as data_mod
 from atoll.train.recipe import Recipe
 
-__all__ = ["RoundSchedule", "create_run", "load_recipe", "make_evaluator"]
+__all__ = ["RoundSchedule", "create_run", "load_recipe", "make_evaluator", "recipe_context_tokens", "TokenBounds"]
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
@@ -30,6 +30,44 @@ def load_recipe(store: RunStore) -> Recipe:
     if "recipe" not in extra:
         raise ValueError(f"run {store.url} has no recipe (run.json extra.recipe); it was not created by atoll.train")
     return Recipe.from_dict(extra["recipe"])
+
+
+def recipe_context_tokens(recipe: Recipe) -> int:
+    """The training-window length every learner of ``recipe`` uses (what ``Learner`` passes to its
+    batch stream): the recipe's own, else the GPT config's, without building the model when the
+    model is a preset or a config (only a custom model is built, once)."""
+    if recipe.context_tokens:
+        return int(recipe.context_tokens)
+    from atoll.train.model import MODEL_PRESETS, GPTConfig
+
+    spec = recipe.model
+    if isinstance(spec, str) and spec in MODEL_PRESETS:
+        return int(MODEL_PRESETS[spec]().context_tokens)
+    if isinstance(spec, Mapping):
+        return int(GPTConfig.from_dict(dict(spec)).context_tokens)
+    return recipe.context_for(recipe.model_factory()())
+
+
+@dataclass(frozen=True)
+class TokenBounds:
+    """Tokens one inner step can consume, per learner: batch x context from the recipe (a learner
+    trains on exactly ``batch_size`` windows of ``context`` tokens per step)."""
+
+    per_learner: Mapping[str, int]
+    largest: int
+    """For a learner id the recipe does not list: the largest batch in the recipe x context."""
+
+    def of(self, learner_id: str) -> int:
+        return self.per_learner.get(learner_id, self.largest)
+
+    @classmethod
+    def of_recipe(cls, recipe: Recipe) -> TokenBounds | None:
+        """None if the recipe lists no learners (no batch to bound by)."""
+        if not recipe.learners:
+            return None
+        context = recipe_context_tokens(recipe)
+        per = {s.learner_id: int(s.batch_size) * context for s in recipe.learners}
+        return cls(per_learner=per, largest=max(per.values()))
 
 
 def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,

@@ -10,6 +10,11 @@ current version or the one before it (a learner may have published just before i
 version; its delta is re-anchored, never applied as if fresh), not already merged or rejected by
 an earlier round, and the newest one per learner. Anything older is stale: the learner has
 since overwritten that work with a newer global version.
+
+Counters are checked before anything else looks at a contribution (they decide its weight, and
+they are the learner's own numbers): more tokens than steps x batch x context from the recipe, or
+more steps than are possible since its base version (:func:`atoll.core.weights.max_steps_since`),
+is an ``impossible_counters`` rejection, and the record does not count as a sign of life.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import ROUND_RETRY
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
+from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
+from atoll.storage.integrity import IntegrityError
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
-from atoll.train.run import RoundSchedule
+from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
@@ -108,6 +115,9 @@ class Synchronizer:
         self.plan = store.plan
         self.schedule = RoundSchedule.of(store)
         self.policy = self.config.quorum_policy(poll_interval_s=self.options.poll_interval_s)
+        self.token_bounds = _token_bounds(store)
+        self._started_at = clock()
+        self._seen_at: dict[int, float] = {}  # round -> when this synchronizer saw it committed
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
@@ -130,8 +140,13 @@ class Synchronizer:
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
-        for rec in self.store.history(max(1, round_ - 2 * self.plan.num_fragments + 1), round_) if round_ else []:
-            self._consume(rec)
+        for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
+            try:
+                rec = self.store.read_commit(r)
+            except IntegrityError:
+                continue  # a void slot consumed nothing we can know of
+            if rec is not None:
+                self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
         self.consumed.update(a.key for a in rec.accepted)
@@ -143,7 +158,10 @@ class Synchronizer:
         c = self.versions[p]
         if c == 0:
             return None
-        before = self.store.read_commit(c - 1) if c > 1 else None
+        try:
+            before = self.store.read_commit(c - 1) if c > 1 else None
+        except IntegrityError:
+            return None  # cannot tell what came before: only the current version is a valid base
         return before.versions[p] if before is not None else 0
 
     @property
@@ -176,7 +194,12 @@ class Synchronizer:
         opened_at = self._opened[1]
 
         # Someone else (a racing or previous incarnation) may have committed this round already.
-        existing = self.store.read_commit(r)
+        # A slot holding something that does not verify is void: we close the round ourselves and
+        # commit_round writes the repair record (the forged or corrupt object is never used).
+        try:
+            existing = self.store.read_commit(r)
+        except IntegrityError:
+            existing = None
         if existing is not None:
             return self._adopt(existing)
 
@@ -189,6 +212,10 @@ class Synchronizer:
         rejected: dict[str, Rejection] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
         for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
             if rec.key in self.consumed:
+                continue
+            why = self.check_counters(rec, r, now)
+            if why is not None:
+                rejected[rec.key] = why
                 continue
             self._first_seen.setdefault(rec.key, now)
             self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
@@ -211,6 +238,21 @@ class Synchronizer:
             accepted={a.key: candidates[a.learner_id] for a in decision.accepted},
             rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
         )
+
+    def check_counters(self, rec: ContributionRecord, round_: int, now: float) -> Rejection | None:
+        """IMPOSSIBLE_COUNTERS if ``rec`` claims more steps or tokens than a learner can have done."""
+        elapsed = now - self._seen_at.get(rec.base_version, self._started_at)
+        max_steps = max_steps_since(rec.base_version, round_, self.config.inner_steps, elapsed_s=elapsed)
+        per_step = self.token_bounds.of(rec.learner_id) if self.token_bounds is not None else None
+        return impossible_counters(rec.c_steps, rec.c_tokens, max_steps=max_steps, max_tokens_per_step=per_step)
+
+    def _saw(self, round_: int) -> None:
+        """Remember when this synchronizer saw ``round_`` committed (bounded: older rounds fall back
+        to the synchronizer's start, which only makes the step bound more generous)."""
+        self._seen_at[round_] = self.clock()
+        horizon = round_ - 2 * self.plan.num_fragments - 2
+        for old in [k for k in self._seen_at if k < horizon]:
+            del self._seen_at[old]
 
     def close(self, poll: RoundPoll) -> RoundSummary:
         """Merge the accepted contributions of a closing poll, take the outer step and commit.
@@ -305,6 +347,7 @@ class Synchronizer:
         """Our commit won: make its state ours."""
         self.round = record.round
         self._rounds_closed += 1
+        self._saw(record.round)
         if result is not None:
             self.versions[record.fragment] = record.round
             self.fragments[record.fragment] = {n: t.float() for n, t in result.new_params.items()}
@@ -316,8 +359,19 @@ class Synchronizer:
         """Another synchronizer committed this round first: take its state, not ours."""
         self._load(record.round)
         self._consume(record)
+        self._saw(record.round)
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def _token_bounds(store: RunStore) -> TokenBounds | None:
+    """Tokens per step from the run's recipe; None for a run without one (built by hand)."""
+    if "recipe" not in store.manifest.extra:
+        return None
+    try:
+        return TokenBounds.of_recipe(load_recipe(store))
+    except (ImportError, ValueError, TypeError, KeyError):  # ConfigError is a ValueError
+        return None  # a model this process cannot build: the step bound still holds
 
 
 def accepted_contributions(accepted: Mapping[str, ContributionRecord],
