@@ -233,7 +233,7 @@ def test_calibration_reproduces_the_paper_within_one_point() -> None:
 
 
 def test_calibrate_rejects_impossible_targets() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="0 < elastic < decoupled < 1"):
         calibrate(PaperTargets(goodput_elastic=0.9, goodput_decoupled=0.8))
 
 

@@ -41,10 +41,11 @@ import torch
 
 from atoll.core import DilocoConfig, plan_fragments
 from atoll.core.rejection import Rejection, RejectionKind
+from atoll.runs.report import GoodputTracker
 from atoll.storage import RunStore, paths
 from atoll.storage.codec import dump_record
+from atoll.storage.integrity import seal
 from atoll.storage.records import KIND_CONTRIBUTION, AcceptedContribution, BlobRef, ContributionRecord
-from atoll.tasks.report import GoodputTracker  # moves to atoll.runs.report with the orchestration work
 
 SHAPES = {"w": (3,), "v": (2,)}
 
@@ -80,7 +81,7 @@ def write_run(contributions: dict = CONTRIBUTIONS) -> tuple[RunStore, dict[str, 
                                  c_tokens=64 * c_steps, payload=BlobRef(sha, 100),
                                  tensors={n: {"codec": "fp32", "shape": list(SHAPES[n])} for n in plan.fragments[fragment]},
                                  created_at=created, info={"step": step, "step_time_s": step_time, "pool": "p"})
-        assert store.store.create(key, dump_record(KIND_CONTRIBUTION, rec.to_dict()))
+        assert store.store.create(key, dump_record(KIND_CONTRIBUTION, seal(KIND_CONTRIBUTION, rec.to_dict())))
         keys[name] = key
     return store, keys
 
