@@ -223,7 +223,7 @@ def plant_garbage(store: RunStore, fragment: int, kind: str) -> str:
     store.store.put(paths.blob_key(sha, f"rogue-{kind}"), payload)
     key = paths.contribution_key(fragment, version, f"rogue-{kind}", 5, sha)
     body = {"learner_id": f"rogue-{kind}", "fragment": fragment, "base_version": version, "c_steps": 5,
-            "c_tokens": 10_000, "payload": {"sha256": sha, "nbytes": len(payload)}, "tensors": meta,
+            "c_tokens": 200, "payload": {"sha256": sha, "nbytes": len(payload)}, "tensors": meta,
             "created_at": time.time(), "info": {}}
     store.store.create(key, dump_record(KIND_CONTRIBUTION, seal(KIND_CONTRIBUTION, body)))  # a rogue can seal
     return key

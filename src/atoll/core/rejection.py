@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["RejectionKind", "Rejection", "STORAGE_KINDS"]
+__all__ = ["RejectionKind", "Rejection", "STORAGE_KINDS", "MAX_DETAIL_CHARS"]
+
+MAX_DETAIL_CHARS = 500
+"""Longest detail a rejection keeps (longer text is cut, with its length noted)."""
 
 
 class RejectionKind(StrEnum):
@@ -93,6 +96,9 @@ class Rejection:
         object.__setattr__(self, "kind", RejectionKind(self.kind))  # a str value from JSON is fine
         if not isinstance(self.detail, str):
             raise TypeError(f"rejection detail must be a string, got {type(self.detail).__name__}")
+        if len(self.detail) > MAX_DETAIL_CHARS:  # details echo ids and errors: keep records small
+            cut = self.detail[:MAX_DETAIL_CHARS]
+            object.__setattr__(self, "detail", f"{cut}... ({len(self.detail)} characters in all)")
 
     @property
     def final(self) -> bool:

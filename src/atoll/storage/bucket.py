@@ -93,6 +93,17 @@ __all__ = [
 
 Tensors = Mapping[str, torch.Tensor]
 
+# Every GET of a record is capped by the kind of object (a hostile object cannot make a reader
+# download gigabytes); payloads are capped by the size a verified record declares.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_COMMIT_BYTES = 16 << 20
+MAX_HEAD_BYTES = 4 << 10
+MAX_CONTRIBUTION_RECORD_BYTES = 1 << 20
+MAX_LEARNER_STATE_RECORD_BYTES = 1 << 20
+MAX_CHECKPOINT_CONFIG_BYTES = 64 << 20
+CACHE_ENTRIES = 65536
+"""Bound on each per-handle cache (contribution records, commit records, chain links)."""
+
 
 class _HasCounters(Protocol):
     c_steps: int
@@ -183,11 +194,11 @@ class RunStore:
         self.read_only = read_only
         self.integrity_problems: list[IntegrityError] = []
         """Committed objects this handle found that do not verify (never used; newest last)."""
-        self._commit_sha: dict[int, str] = {}
+        self._commit_sha: OrderedDict[int, str] = OrderedDict()
         self._manifest_sha: str | None = None
         self._manifest: RunManifest | None = None
         self._commits: OrderedDict[int, CommitRecord] = OrderedDict()
-        self._contrib_cache: dict[str, ContributionRecord | Rejection] = {}
+        self._contrib_cache: OrderedDict[str, ContributionRecord | Rejection] = OrderedDict()
         self._latest: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
@@ -295,7 +306,7 @@ class RunStore:
     @property
     def manifest(self) -> RunManifest:
         if self._manifest is None:
-            data = self.store.get_or_none(paths.RUN_MANIFEST)
+            data = self._get_capped(paths.RUN_MANIFEST, MAX_MANIFEST_BYTES)
             if data is None:
                 raise RunNotFoundError(f"no run at {self.url} ({paths.RUN_MANIFEST} missing); call init_run first")
             url = self.store.key_url(paths.RUN_MANIFEST)
@@ -335,7 +346,8 @@ class RunStore:
         url = self.store.key_url(key)
         if max_bytes is not None and ref.nbytes > max_bytes:
             raise InvalidInput("oversize", f"payload declares {ref.nbytes} bytes, cap is {max_bytes}", url=url)
-        data = self.store.get_or_none(key, max_bytes=max_bytes)
+        # Never read more than the (verified) record declares, plus one byte to detect "longer".
+        data = self.store.get_or_none(key, max_bytes=ref.nbytes if max_bytes is None else max_bytes)
         if data is None:
             raise InvalidInput("missing_payload", f"payload {ref.sha256} does not exist", url=url)
         if max_bytes is not None and len(data) > max_bytes:
@@ -435,7 +447,7 @@ class RunStore:
             return cached
         url = self.store.key_url(key)
         try:
-            data = self.store.get_or_none(key, max_bytes=1 << 20)
+            data = self._get_capped(key, MAX_CONTRIBUTION_RECORD_BYTES)
         except TransientStorageError:
             raise  # the store is unwell, not this record: the caller's retry policy decides
         except Exception as e:  # noqa: BLE001 - e.g. a directory or a FIFO where a record belongs
@@ -465,6 +477,8 @@ class RunStore:
         except InvalidInput as e:
             result = e.rejection
         self._contrib_cache[key] = result
+        while len(self._contrib_cache) > CACHE_ENTRIES:
+            self._contrib_cache.popitem(last=False)
         return result
 
     def learner_ids(self) -> list[str]:
@@ -502,7 +516,10 @@ class RunStore:
                     listing.rejected[key] = rec
                 else:
                     listing.records.append(rec)
-        listing.records.sort(key=lambda r: (r.created_at, r.key))
+        # Ordered by what the protocol itself says, never by a writer's clock: for one learner and
+        # fragment, a higher base version is newer, and at one base version the counters only grow
+        # between two publishes (they accumulate since the learner's last alignment).
+        listing.records.sort(key=lambda r: (r.base_version, r.c_steps, r.key))
         return listing
 
     def load_contribution(self, record: ContributionRecord) -> FragmentContribution:
@@ -542,6 +559,10 @@ class RunStore:
                 ok.append(self.load_contribution(r))
             except InvalidInput as e:
                 rejected[r.key] = e.rejection
+            except TransientStorageError:
+                raise  # the store is unwell, not this payload
+            except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
+                rejected[r.key] = Rejection(RejectionKind.CORRUPT, f"payload cannot be read: {type(e).__name__}: {e}")
         return ok, rejected
 
     # -- commits -----------------------------------------------------------------------------
@@ -559,7 +580,12 @@ class RunStore:
         if cached is not None:
             return cached
         key = paths.commit_key(round_)
-        data = self.store.get_or_none(key)
+        try:
+            data = self._get_capped(key, MAX_COMMIT_BYTES)
+        except InvalidInput as e:  # oversize: the slot is void
+            problem = IntegrityError(str(e), self.store.key_url(key))
+            self.integrity_problems = [*self.integrity_problems[-99:], problem]
+            raise problem from None
         if data is None:
             return None
         try:
@@ -568,7 +594,10 @@ class RunStore:
             problem = e if isinstance(e, IntegrityError) else IntegrityError(str(e), self.store.key_url(key))
         for name in self.store.list(paths.repairs_prefix(round_)):  # rare: only after a void slot
             rkey = paths.repairs_prefix(round_) + name
-            rdata = self.store.get_or_none(rkey)
+            try:
+                rdata = self._get_capped(rkey, MAX_COMMIT_BYTES)
+            except InvalidInput:
+                continue
             if rdata is None:
                 continue
             try:
@@ -607,8 +636,17 @@ class RunStore:
 
     def _remember(self, record: CommitRecord) -> None:
         self._commits[record.round] = record
-        while len(self._commits) > 4096:
-            self._commits.popitem(last=False)
+        for cache in (self._commits, self._commit_sha):
+            while len(cache) > 4096:
+                cache.popitem(last=False)
+
+    def _get_capped(self, key: str, cap: int) -> bytes | None:
+        """GET at most ``cap`` bytes of a record; InvalidInput('oversize') if it is larger."""
+        data = self.store.get_or_none(key, max_bytes=cap)
+        if data is not None and len(data) > cap:
+            raise InvalidInput("oversize", f"object is larger than the {cap}-byte cap for its kind",
+                               url=self.store.key_url(key))
+        return data
 
     def verify(self, *, on_round: Callable[[int], None] | None = None) -> VerifyReport:
         """Walk the whole chain from ``run.json`` to the latest round with a fresh handle: every
@@ -663,7 +701,10 @@ class RunStore:
         """
         if self._latest is None:
             start = 0
-            hint = self.store.get_or_none(paths.HEAD)
+            try:
+                hint = self._get_capped(paths.HEAD, MAX_HEAD_BYTES)
+            except InvalidInput:
+                hint = None  # a hint only
             if hint is not None:
                 try:
                     r = int(load_record(hint, KIND_HEAD).get("round", 0))
@@ -858,7 +899,7 @@ class RunStore:
     def load_learner_state(self, learner_id: str) -> LearnerState | None:
         """The learner's last saved state, or None if it never saved one."""
         key = paths.learner_state_key(learner_id)
-        data = self.store.get_or_none(key)
+        data = self._get_capped(key, MAX_LEARNER_STATE_RECORD_BYTES)
         if data is None:
             return None
         rec = LearnerStateRecord.from_body(load_record(data, KIND_LEARNER_STATE, url=self.store.key_url(key)))
@@ -895,7 +936,7 @@ class RunStore:
     def load_checkpoint(self, round_: int) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors, verified against the sha256 in its config.json."""
         ckey = paths.checkpoint_config_key(round_)
-        cdata = self.store.get_or_none(ckey)
+        cdata = self._get_capped(ckey, MAX_CHECKPOINT_CONFIG_BYTES)
         if cdata is None:
             raise FileNotFoundError(f"no checkpoint config at {self.store.key_url(ckey)}")
         body = load_record(cdata, KIND_CHECKPOINT, url=self.store.key_url(ckey))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +141,7 @@ class Synchronizer:
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
+        self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
         for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
             try:
                 rec = self.store.read_commit(r)
@@ -149,10 +151,17 @@ class Synchronizer:
                 self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
-        self.consumed.update(a.key for a in rec.accepted)
+        keys = {a.key for a in rec.accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
-        self.consumed.update(k for k, why in rec.rejected.items() if why.final)
+        keys.update(k for k, why in rec.rejected.items() if why.final)
+        self.consumed.update(keys)
+        # Bounded: a round lists only the current and previous version of its fragment, so keys
+        # consumed more than 2P rounds ago can never be listed again (100,000 rounds stay small).
+        self._consumed_by_round.append((rec.round, keys))
+        horizon = rec.round - 2 * self.plan.num_fragments - 1
+        while self._consumed_by_round and self._consumed_by_round[0][0] < horizon:
+            self.consumed.difference_update(self._consumed_by_round.popleft()[1])
 
     def _previous_version(self, p: int) -> int | None:
         c = self.versions[p]
