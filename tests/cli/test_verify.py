@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from atoll.cli import main
-from atoll.storage.integrity import IntegrityError
 from atoll.storage import RunStore, paths
+from atoll.storage.integrity import IntegrityError
 from atoll.storage.paths import to_url
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run

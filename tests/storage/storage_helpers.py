@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from atoll.core import DilocoConfig, FragmentPlan, plan_fragments
+from atoll.core.compress import encode
 from atoll.core.weights import Counters
 from atoll.storage import RunStore, paths
+from atoll.storage.codec import SCHEMA_VERSION, dump_record, encoded_to_bytes, sha256_hex
 from atoll.storage.integrity import seal
-from atoll.storage.codec import SCHEMA_VERSION, dump_record, encoded_to_bytes, sha256_hex, tensors_to_bytes
-from atoll.core.compress import encode
 
 SHAPES = {"blk.0.w": (4, 3), "blk.0.b": (3,), "blk.1.w": (3, 3), "emb.weight": (5, 2)}
 

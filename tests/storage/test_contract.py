@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 from storage_helpers import (
-    FsProxy,
     SHAPES,
+    FsProxy,
     counters,
     fragment_delta,
     init_run,
@@ -21,6 +21,8 @@ from storage_helpers import (
 )
 
 from atoll.core import NesterovOuterOptimizer, synchronize_fragment
+from atoll.core.compress import encode
+from atoll.core.rejection import RejectionKind
 from atoll.storage import (
     AcceptedContribution,
     InvalidInput,
@@ -33,8 +35,6 @@ from atoll.storage import (
 from atoll.storage.codec import dump_record, encoded_to_bytes, load_record
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.records import KIND_COMMIT, CommitRecord
-from atoll.core.compress import encode
-from atoll.core.rejection import RejectionKind
 
 GCS_NO_CREATE_ONCE = (
     "gcp-storage-emulator ignores ifGenerationMatch=0 (a second create overwrites), so GCS "

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from storage_helpers import counters, fragment_delta, init_run
 
 from atoll.core.rejection import RejectionKind
 from atoll.storage import paths
@@ -18,7 +19,6 @@ from atoll.storage.codec import dump_record, load_record
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, seal
 from atoll.storage.records import KIND_COMMIT, KIND_CONTRIBUTION
 from atoll.storage.validation import LayoutError, ReadOnlyError
-from storage_helpers import counters, fragment_delta, init_run
 
 KEYS = Keyring({SYNCHRONIZER_KEY_ID: b"s" * 32, "l0": b"0" * 32, "l1": b"1" * 32})
 

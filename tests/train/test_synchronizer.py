@@ -12,8 +12,8 @@ from atoll.core.synchronize import FragmentRoundResult
 from atoll.storage import RunStore
 from atoll.storage.records import AcceptedContribution, BlobRef, ContributionRecord
 from atoll.train.learner import FetchError, Learner, LearnerOptions, run_learner
-from atoll.train.run import create_run
 from atoll.train.recipe import smoke_recipe
+from atoll.train.run import create_run
 from atoll.train.synchronizer import (
     RoundPoll,
     RoundSummary,

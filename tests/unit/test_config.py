@@ -35,7 +35,7 @@ def test_every_field_has_a_docstring() -> None:
     body = ast.parse(src).body[0].body  # type: ignore[attr-defined]
     documented = {
         stmt.target.id
-        for stmt, nxt in zip(body, body[1:])
+        for stmt, nxt in zip(body, body[1:], strict=False)
         if isinstance(stmt, ast.AnnAssign)
         and isinstance(nxt, ast.Expr)
         and isinstance(nxt.value, ast.Constant)

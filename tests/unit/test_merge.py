@@ -22,8 +22,8 @@ def reference_rda(vs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
     """RDA as docs/training.md and the paper define it, written out literally, in float64."""
     vs64 = [v.double() for v in vs]
     sw = sum(ws)
-    radius = sum(w * v.norm() for w, v in zip(ws, vs64)) / sw
-    d = sum(w * (v / v.norm()) for w, v in zip(ws, vs64)) / sw
+    radius = sum(w * v.norm() for w, v in zip(ws, vs64, strict=True)) / sw
+    d = sum(w * (v / v.norm()) for w, v in zip(ws, vs64, strict=True)) / sw
     return (radius * d / d.norm()).float()
 
 
@@ -45,7 +45,7 @@ def test_weighted_mean_matches_reference() -> None:
     g = torch.Generator().manual_seed(1)
     vs = [torch.randn(5, 3, generator=g) for _ in range(4)]
     ws = [1.0, 2.0, 0.5, 0.5]
-    ref = sum(w * v for w, v in zip(ws, vs)) / sum(ws)
+    ref = sum(w * v for w, v in zip(ws, vs, strict=True)) / sum(ws)
     torch.testing.assert_close(weighted_mean(vs, ws), ref)
 
 

@@ -34,21 +34,23 @@ from atoll.core.compress import CompressionError, EncodedTensor, encode
 from atoll.core.config import DilocoConfig
 from atoll.core.fragments import FragmentPlan
 from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
 from atoll.storage import paths
 from atoll.storage.codec import (
+    LAYOUT_SCHEMA_VERSION,
     bytes_to_encoded,
     bytes_to_tensors,
     dump_record,
     encoded_to_bytes,
-    LAYOUT_SCHEMA_VERSION,
     finite_json,
     load_record,
     record_version,
     sha256_hex,
     tensors_to_bytes,
 )
+from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
@@ -64,8 +66,6 @@ from atoll.storage.records import (
     LearnerStateRecord,
     RunManifest,
 )
-from atoll.core.retry import RetryPolicy
-from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
 from atoll.storage.store import ObjectStore
 from atoll.storage.validation import (
     InvalidInput,
