@@ -12,9 +12,9 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from fsspec.implementations.memory import MemoryFileSystem
 
 from atoll.train.data import (
     CURSOR_FORMAT,
@@ -167,8 +167,8 @@ def test_remote_reads_fetch_only_the_needed_ranges(mem, monkeypatch) -> None:
     assert sum(read_bytes) == 8 * 129 * 4  # exactly the 8 windows, nothing else
     # x/y are the tokens at those offsets (arange: the token is its own index).
     assert torch.equal(y[:, :-1], x[:, 1:])
-    lo = 2 * n // 4
-    assert int(x.min()) >= lo and int(y.max()) < 3 * n // 4
+    # Learner 2 of 4 owns windows 2, 6, 10, ... (interleaved shards).
+    assert all(int(v) % 128 == 0 and (int(v) // 128) % 4 == 2 for v in x[:, 0])
     assert torch.equal(x[:, 1] - x[:, 0], torch.ones(8, dtype=torch.int64))
 
 
@@ -249,12 +249,39 @@ def counting(mem):
     return open_tokens("memory://c/train.bin")
 
 
-def test_learner_shards_are_disjoint_and_deterministic(counting) -> None:
-    spans = []
+def test_interleaved_learner_shards_are_disjoint_and_cover_the_corpus(counting) -> None:
+    # The default: learner i owns windows i, i + M, i + 2M, ... of the whole corpus, so every
+    # shard samples the whole corpus even when it is ordered (files sorted by path).
+    total = (len(counting) - 1) // 10  # 69 windows of 10 (+1) tokens
+    owned = []
     for i in range(3):
         s = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5)
+        assert s.num_windows == 23
+        seen = windows_seen(s, s.num_windows, 1)  # one full epoch
+        assert seen == windows_seen(BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3,
+                                                seed=5), s.num_windows, 1)
+        assert sorted(seen) == [(i + 3 * k) * 10 for k in range(23)]
+        owned += seen
+    assert sorted(owned) == [w * 10 for w in range(total)]
+    # Uneven split: 7 windows over 3 learners -> 3, 2, 2.
+    write_tokens("memory://c/seven.bin", np.arange(71), dtype="uint32")
+    seven = open_tokens("memory://c/seven.bin")
+    assert [BatchStream(seven, context_tokens=10, learner_index=i, num_learners=3).num_windows
+            for i in range(3)] == [3, 2, 2]
+    # A cursor saved by a contiguous-shard stream (or by atoll before interleaving) is refused.
+    old = BatchStream(counting, context_tokens=10, learner_index=1, num_learners=3, interleave=False).state_dict()
+    del old["interleave"]
+    with pytest.raises(DataError, match="interleave"):
+        BatchStream(counting, context_tokens=10, learner_index=1, num_learners=3).load_state_dict(old)
+    BatchStream(counting, context_tokens=10, learner_index=1, num_learners=3, interleave=False).load_state_dict(old)
+
+
+def test_contiguous_learner_shards_are_disjoint_and_deterministic(counting) -> None:
+    spans = []
+    for i in range(3):
+        s = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5, interleave=False)
         seen = windows_seen(s, 23, 1)  # one full epoch
-        twin = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5)
+        twin = BatchStream(counting, context_tokens=10, learner_index=i, num_learners=3, seed=5, interleave=False)
         again = windows_seen(twin, 23, 1)
         assert seen == again
         lo, hi = s.shard.start, s.shard.stop
@@ -331,7 +358,9 @@ def test_cursor_mismatch_and_small_shards_are_refused(counting) -> None:
     with pytest.raises(DataError, match="batch_size"):
         s.next_batch(24)  # the shard has 23 windows
     with pytest.raises(DataError, match="context_tokens"):
-        BatchStream(counting, context_tokens=500, learner_index=0, num_learners=3)
+        BatchStream(counting, context_tokens=500, learner_index=1, num_learners=3)  # 1 window, learner 0's
+    with pytest.raises(DataError, match="context_tokens"):
+        BatchStream(counting, context_tokens=500, learner_index=0, num_learners=3, interleave=False)
     with pytest.raises(DataError, match="learner_index"):
         BatchStream(counting, context_tokens=10, learner_index=3, num_learners=3)
 

@@ -17,17 +17,17 @@ import torch
 
 from atoll.core.compress import EncodedTensor
 from atoll.core.config import synchronous_diloco
+from atoll.core.rejection import RejectionKind
 from atoll.storage import RunStore, paths
 from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex
+from atoll.storage.integrity import seal
+from atoll.storage.paths import to_url
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.train.data import BatchStream
-from atoll.storage.paths import to_url
-from atoll.storage.integrity import seal
 from atoll.train.local import LocalRun
-from atoll.train.run import create_run
 from atoll.train.model import loss_fn
 from atoll.train.recipe import Recipe, lr_at_step, smoke_recipe
-from atoll.core.rejection import RejectionKind
+from atoll.train.run import create_run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -80,7 +80,9 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
 
 
 def reference_synchronous_diloco(recipe: Recipe, config, rounds: int) -> dict[str, torch.Tensor]:
-    """Synchronous DiLoCo written out in one process: M models, H AdamW steps each, mean, Nesterov."""
+    """Synchronous DiLoCo written out in one process: M models, H AdamW steps each, mean, Nesterov.
+
+    Learner i's data is every M-th window from window i (the default interleaved shards)."""
     M, H = config.num_learners, config.inner_steps
     make = recipe.model_factory()
     glob = {n: p.detach().clone() for n, p in make().named_parameters()}
@@ -91,12 +93,14 @@ def reference_synchronous_diloco(recipe: Recipe, config, rounds: int) -> dict[st
                            seed=recipe.data.seed) for i, m in enumerate(models)]
     buf: dict[str, torch.Tensor] = {}
     step = 0
-    for _ in range(rounds):
+    for r in range(rounds):
+        # The inner lr's cosine follows the run's progress: rounds committed so far / max_rounds.
+        progress = r / recipe.max_rounds if recipe.inner.schedule == "run" else None
         for _ in range(H):
             step += 1
-            for m, opt, stream, spec in zip(models, opts, streams, recipe.learners):
+            for m, opt, stream, spec in zip(models, opts, streams, recipe.learners, strict=True):
                 for g in opt.param_groups:
-                    g["lr"] = lr_at_step(recipe.inner, step)
+                    g["lr"] = lr_at_step(recipe.inner, step, progress)
                 x, y = stream.next_batch(spec.batch_size)
                 loss = loss_fn(m, x, y)
                 opt.zero_grad(set_to_none=True)

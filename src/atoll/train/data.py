@@ -517,10 +517,15 @@ def _mix(*parts: int) -> int:
 class BatchStream:
     """Learner ``learner_index`` of ``num_learners``: its shard of ``data``, in batches, resumable.
 
-    The shard is the learner's contiguous ``1/num_learners`` of the tokens, cut into
-    ``num_windows`` non-overlapping windows of ``context_tokens + 1`` tokens sharing their edge
-    token (x is the first T tokens, y the last T). An epoch visits every window once, in an order
-    that is a seeded permutation of the window indices, different each epoch.
+    The tokens are cut into non-overlapping windows of ``context_tokens + 1`` tokens sharing
+    their edge token (x is the first T tokens, y the last T). Learner ``i``'s shard is every
+    ``num_learners``-th window starting at window ``i`` (``interleave=True``, the default), so each
+    learner's shard is a uniform sample of the whole corpus even when the corpus is ordered
+    (files in path order, topics in blocks): DiLoCo's learners then see the same distribution
+    as one data-parallel batch. ``interleave=False`` gives each learner a contiguous
+    ``1/num_learners`` of the tokens instead (the layout of atoll <= 0.1, kept for comparison).
+    An epoch visits every window of the shard once, in an order that is a seeded permutation of
+    the shard's window indices, different each epoch.
 
     The permutation is affine, ``w = (a_e * k + b_e) mod num_windows`` with ``a_e`` coprime to
     ``num_windows`` and ``(a_e, b_e)`` hashed from (seed, learner, epoch): O(1) memory for any
@@ -541,17 +546,25 @@ class BatchStream:
         num_learners: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        interleave: bool = True,
     ) -> None:
         if not (isinstance(context_tokens, int) and context_tokens >= 1):
             raise DataError(f"context_tokens={context_tokens!r} must be an integer >= 1")
-        self.shard = data.shard(learner_index, num_learners)
+        self.interleave = bool(interleave)
+        # Interleaved: the shard is all of the data and the learner owns windows i, i + M, ...
+        self.shard = data if self.interleave else data.shard(learner_index, num_learners)
+        if self.interleave:
+            data.shard(learner_index, num_learners)  # same argument checks as the contiguous layout
         self.context_tokens = context_tokens
         self.learner_index = learner_index
         self.num_learners = num_learners
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         # Windows of T+1 tokens with stride T: window w is tokens [w*T, w*T + T + 1).
-        self.num_windows = max(0, (len(self.shard) - 1) // context_tokens)
+        total_windows = max(0, (len(self.shard) - 1) // context_tokens)
+        self._stride, self._phase = (num_learners, learner_index) if self.interleave else (1, 0)
+        # This learner's windows: global windows phase, phase + stride, ... below total_windows.
+        self.num_windows = max(0, (total_windows - self._phase + self._stride - 1) // self._stride)
         if self.num_windows < 1:
             raise DataError(
                 f"learner {learner_index}'s shard has {len(self.shard)} tokens, fewer than "
@@ -607,7 +620,8 @@ class BatchStream:
             )
         picks = self.window_indices(cursor, batch_size)
         T = self.context_tokens
-        windows = torch.from_numpy(self.shard.read_windows([w * T for _, w in picks], T + 1))
+        starts = [(w * self._stride + self._phase) * T for _, w in picks]
+        windows = torch.from_numpy(self.shard.read_windows(starts, T + 1))
         # y is x shifted by one: position t of x is trained to predict token t + 1.
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         total = int(cursor["epoch"]) * self.num_windows + int(cursor["position"]) + batch_size
@@ -635,6 +649,7 @@ class BatchStream:
             "position": self.position,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "interleave": self.interleave,
             "learner_index": self.learner_index,
             "num_learners": self.num_learners,
             "context_tokens": self.context_tokens,
@@ -650,7 +665,9 @@ class BatchStream:
         if not isinstance(cursor, dict) or cursor.get("format") != CURSOR_FORMAT:
             raise DataError(f"not a data cursor of format {CURSOR_FORMAT!r}: {cursor!r}")
         mine = self.state_dict()
-        for knob in ("seed", "shuffle", "learner_index", "num_learners", "context_tokens", "num_windows"):
+        cursor = {"interleave": False, **cursor}  # cursors saved before interleaving existed
+        for knob in ("seed", "shuffle", "interleave", "learner_index", "num_learners", "context_tokens",
+                     "num_windows"):
             if cursor.get(knob) != mine[knob]:
                 raise DataError(
                     f"data cursor was saved with {knob}={cursor.get(knob)!r} but this stream has "

@@ -5,8 +5,8 @@ Read top to bottom, this is the whole of what a learner does:
 1. Rebuild the model and its data shard from the run's recipe in the bucket; start from the
    latest committed global state, and from its own last saved inner state if it has one (AdamW
    moments, step counter, data cursor): that is rejoin.
-2. Each inner step: AdamW with warmup + cosine on the learner's own step counter; count steps and
-   tokens for every fragment.
+2. Each inner step: AdamW, warmup on the learner's own steps then cosine over the run's progress
+   (rounds adopted / max_rounds); count steps and tokens for every fragment.
 3. After step t, if the schedule says fragment p is due (t mod H == t_p), publish
    ``delta = Theta_p(base) - theta_p`` with the counters since the last alignment.
 4. A background thread watches the bucket for new commits and prefetches new global fragment
@@ -36,7 +36,7 @@ from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.train.data import BatchStream
 from atoll.train.model import loss_fn
-from atoll.train.recipe import Recipe, lr_at_step
+from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
 
 __all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "run_learner"]
@@ -187,7 +187,7 @@ class Learner:
         context = self.recipe.context_for(self.model)
         self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
                                   learner_index=self.index, num_learners=self.config.num_learners,
-                                  seed=self.recipe.data.seed)
+                                  seed=self.recipe.data.seed, interleave=self.recipe.data.shard == "interleaved")
         self.start_round = store.latest_round()
         state = store.read_global_state(self.start_round)
         with torch.no_grad():
@@ -225,9 +225,9 @@ class Learner:
         t0 = time.perf_counter()
         self.step_count += 1
         step = self.step_count
-        # 2. One inner step on this learner's own lr schedule.
+        # 2. One inner step: warmup on this learner's steps, cosine over the run's progress.
         for group in self.opt.param_groups:
-            group["lr"] = lr_at_step(self.recipe.inner, step)
+            group["lr"] = lr_at_step(self.recipe.inner, step, self.run_progress())
         x, y = self.stream.next_batch(self.spec.batch_size)
         loss = loss_fn(self.model, x, y)
         self.opt.zero_grad(set_to_none=True)
@@ -261,6 +261,14 @@ class Learner:
             self.summary.published += 1
             if self.lockstep:
                 self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
+
+    def run_progress(self) -> float | None:
+        """The run's progress in [0, 1] for the lr schedule: newest round adopted / max_rounds.
+
+        None under ``schedule="steps"`` (the learner's own step counter drives the cosine)."""
+        if self.recipe.inner.schedule != "run":
+            return None
+        return min(1.0, max(self.versions) / self.recipe.max_rounds)
 
     def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor]) -> bool:
         """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
