@@ -171,3 +171,24 @@ def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_p
     keyed = RunStore.open(url, keyring=Keyring(keys))
     assert keyed.latest_round() == sync.round and keyed.read_commit(r).committed_by == "synchronizer"
     assert any(a.learner_id.startswith("learner-") for s in done for a in s.record.accepted)
+
+
+def test_a_destroyed_state_object_does_not_stop_the_run(tmp_path: Path) -> None:
+    """Bytes written over a committed global-state object (possible only where no bucket policy
+    confines writers): fresh synchronizers and learners fall back to the fragment's newest
+    verifying version, rounds go on, and `verify` names the object."""
+    store, learners, sync, clock = _run(tmp_path)
+    done = _rounds(learners, sync, clock, 6)
+    latest = store.read_global_state()
+    p = done[-1].record.fragment
+    ref = latest.record.state[p].params
+    store.store.put(paths.blob_key(ref.sha256), b"\0" * ref.nbytes)
+    fresh = RunStore.open(store.url)
+    state = fresh.read_global_state()
+    assert p in state.restored and "checksum" in state.restored[p]
+    restarted = Synchronizer(RunStore.open(store.url), clock=clock)
+    rejoined = [Learner(RunStore.open(store.url), lr.learner_id, log=lambda _: None) for lr in learners]
+    assert len(_rounds(rejoined, restarted, clock, 2 * store.plan.num_fragments)) >= 2 * store.plan.num_fragments
+    assert not RunStore.open(store.url).read_global_state().restored  # republished by its next round
+    report = RunStore.open(store.url, read_only=True).verify()
+    assert any(ref.sha256 in line or "checksum" in line for line in report.problems)

@@ -139,6 +139,9 @@ class GlobalState:
     timings: dict[str, Any]
     record: CommitRecord | None
     """The commit record of ``round`` (None for round 0, the initial state)."""
+    restored: dict[int, str] = field(default_factory=dict)
+    """Fragments whose published state object did not verify, and what was used instead (an
+    older version of the fragment, or its version 0); empty when everything verified."""
 
 
 @dataclass
@@ -869,20 +872,50 @@ class RunStore:
         table = self._state_table(round_)
         params: dict[str, torch.Tensor] = {}
         momentum: dict[int, dict[str, torch.Tensor]] = {}
+        restored: dict[int, str] = {}
         for p, st in enumerate(table):
             shapes = self.manifest.fragment_shapes(p)
-            params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
-            if st.momentum is not None:
-                mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
-                got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
-                check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
-                                    allow_missing=True)
-                momentum[p] = got
-            else:
-                momentum[p] = {}
+            try:
+                params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
+            except InvalidInput as e:
+                # A destroyed state object must not stop every reader for good: fall back to the
+                # newest older version of this fragment that verifies (the same walk in every
+                # process, so they all agree), at worst version 0 from run.json. The fragment's
+                # next round publishes a fresh object. With the bucket policy no learner can
+                # write under sync/, so this is for storage faults and unconfined writers.
+                values, used = self._older_fragment(p, st.version, shapes)
+                params.update(values)
+                restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
+            momentum[p] = {}
+            if st.momentum is not None and p not in restored:
+                try:
+                    mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
+                    got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
+                    check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
+                                        allow_missing=True)
+                    momentum[p] = got
+                except InvalidInput as e:
+                    restored[p] = f"momentum of v{st.version} unreadable ({e.kind.value}); reset to zero"
         rec = self.read_commit(round_) if round_ else None
         return GlobalState(round=round_, versions=tuple(s.version for s in table), params=params,
-                           momentum=momentum, timings=dict(rec.timings) if rec else {}, record=rec)
+                           momentum=momentum, timings=dict(rec.timings) if rec else {}, record=rec,
+                           restored=restored)
+
+    def _older_fragment(self, p: int, version: int,
+                        shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
+        """Fragment ``p`` at the newest version before ``version`` whose object verifies."""
+        r = version - self.plan.num_fragments
+        for _ in range(64):  # bounded walk; then version 0
+            if r < 1:
+                break
+            rec = self._readable(r)
+            if rec is not None and rec.fragment == p and rec.updated:
+                try:
+                    return self._read_fp32_blob(rec.state[p].params, shapes, f"fragment {p} v{r}"), r
+                except InvalidInput:
+                    pass
+            r -= self.plan.num_fragments
+        return self._read_fp32_blob(self.manifest.initial[p], shapes, f"fragment {p} v0"), 0
 
     # -- learner state -----------------------------------------------------------------------
     def save_learner_state(self, learner_id: str, tensors: Tensors, meta: Mapping[str, Any] | None = None) -> None:

@@ -34,6 +34,7 @@ from atoll.core.align import LearnerCounters, align_fragment
 from atoll.core.pseudograd import learner_delta
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
+from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
@@ -115,7 +116,13 @@ class _Fetcher(threading.Thread):
             try:
                 for rec in self.store.poll_commits(self.after):
                     if rec.updated:
-                        self.ready.put((rec.round, rec.fragment, self.store.read_global_fragment(rec.fragment, rec.round)))
+                        try:
+                            values = self.store.read_global_fragment(rec.fragment, rec.round)
+                        except InvalidInput as e:  # that version's object is unreadable: skip it
+                            self.log(f"fetcher: round {rec.round}'s fragment {rec.fragment} is unreadable "
+                                     f"({e}); keeping the current version")
+                        else:
+                            self.ready.put((rec.round, rec.fragment, values))
                     self.after = self.latest_round = rec.round
                 failures = 0
             except Exception as e:  # noqa: BLE001 - counted, logged and bounded below

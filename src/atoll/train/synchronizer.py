@@ -334,12 +334,17 @@ class Synchronizer:
     def _bases(self, p: int, contributions: list[FragmentContribution]) -> dict[int, dict[str, torch.Tensor]]:
         """Fragment ``p`` at every base version the contributions name (the current one is in memory)."""
         bases: dict[int, dict[str, torch.Tensor]] = {}
+        missing: set[int] = set()
         for c in contributions:
-            if c.base_version not in bases:
-                bases[c.base_version] = (
-                    self.fragments[p] if c.base_version == self.versions[p]
-                    else self.store.read_global_fragment(p, c.base_version)
-                )
+            if c.base_version in bases or c.base_version in missing:
+                continue
+            if c.base_version == self.versions[p]:
+                bases[c.base_version] = self.fragments[p]
+                continue
+            try:
+                bases[c.base_version] = self.store.read_global_fragment(p, c.base_version)
+            except InvalidInput:  # that version's object is gone: its contributions get UNKNOWN_BASE
+                missing.add(c.base_version)
         return bases
 
     def _evaluate(self, r: int, p: int, result: FragmentRoundResult | None) -> float | None:
