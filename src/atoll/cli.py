@@ -224,6 +224,8 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.command == "resume" and args.fork_round is not None and not args.to:
+        raise ValueError("--fork-round forks the run into a new one: give its URL with --to")
     common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
     if args.command == "resume":
         # Read the source run (only read) before anything starts: a missing or broken run is a

@@ -27,13 +27,17 @@ def _client():
     return get_client(sync_client=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def deployed(prefect_harness: None) -> dict[str, str]:
+    """Deployed afresh for each test (deploying is idempotent): another test, e.g.
+    test_prefect_deploy_accepts_prefect_yaml, may have moved ``atoll-training-run/default``."""
     from atoll.ops.deploy import deploy_all, ensure_pools
 
     pools = ("pool-a", "pool-b")
-    assert set(ensure_pools(pools)) == set(pools)
+    ensure_pools(pools)  # creates them on first use
     assert ensure_pools(pools) == []  # idempotent
+    with _client() as client:
+        assert {client.read_work_pool(p).type for p in pools} == {"process"}
     return deploy_all(pools, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
 
 
