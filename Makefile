@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # pytest parallelism is off by default: CI has 2 cores and the servers share them.
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv clean
+.PHONY: test check demo venv clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,13 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-test: venv
+# Lint (pyflakes, bugbear, import order) and types: the whole package, and core + storage strictly.
+check: venv
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/mypy --strict src/atoll/core src/atoll/storage
+
+test: check
 	PREFECT_HOME=$$(mktemp -d) PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=90 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -35,11 +35,13 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+from atoll.runs.manage import prepare_run  # noqa: E402
+from atoll.runs.report import GoodputTracker  # noqa: E402
 from atoll.storage.bucket import RunStore  # noqa: E402
-from atoll.tasks.report import GoodputTracker  # noqa: E402
-from atoll.tasks.runs import prepare_run  # noqa: E402
-from atoll.train.local import LocalRun, make_evaluator, synchronizer_options, to_url  # noqa: E402
-from atoll.train.synchronizer import RoundSummary, Synchronizer  # noqa: E402
+from atoll.storage.paths import to_url  # noqa: E402
+from atoll.train.local import LocalRun  # noqa: E402
+from atoll.train.run import make_evaluator  # noqa: E402
+from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions  # noqa: E402
 
 WARMUP_ROUNDS = 5
 
@@ -101,7 +103,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         store = RunStore.open(url)
-        sync = Synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store))
+        sync = Synchronizer(store, options=SynchronizerOptions(), evaluate=make_evaluator(store))
         while not sync.finished:
             polled = sync.poll()
             if isinstance(polled, RoundSummary):
@@ -124,9 +126,10 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterName
 
-    from atoll.flows.client import follow
-    from atoll.flows.deploy import deploy_all, start_training
-    from atoll.flows.stack import LocalStack
+    from atoll.ops.client import follow
+    from atoll.ops.deploy import deploy_all, start_training
+    from atoll.ops.stack import LocalStack
+    from atoll.runs.options import TrainingRunOptions
     from atoll.tasks.learners import run_tag
 
     url = to_url(str(bucket / "prefect"))
@@ -137,7 +140,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
         with stack.settings():
             deploy_all(stack.pools)
             t0 = time.monotonic()
-            fr = start_training({"run_url": url})
+            fr = start_training(TrainingRunOptions(run_url=url))
             state, _ = follow(fr.id, url, every_s=30.0)
             wall = time.monotonic() - t0
             if state != "Completed":
@@ -166,12 +169,14 @@ def table(results: list[Result]) -> str:
     base = results[0].tokens_per_s
     lines = [f"{'runner':<22}{'rounds':>7}{'wall s':>8}{'learner tok/s':>15}{'vs plain':>10}{'round s':>9}"
              f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}"]
+
+    def share(x: float, total: float) -> str:
+        return f"{x:6.2f}s {100 * x / total:3.0f}%" if total else "-"
+
     for r in results:
-        def share(x: float) -> str:
-            return f"{x:6.2f}s {100 * x / r.round_s:3.0f}%" if r.round_s else "-"
         lines.append(f"{r.name:<22}{r.rounds:>7}{r.wall_s:>8.0f}{r.tokens_per_s:>15.0f}"
-                     f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s):>14}{share(r.close_s):>15}"
-                     f"{share(r.orchestration_s):>15}")
+                     f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s, r.round_s):>14}"
+                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}")
     return "\n".join(lines)
 
 

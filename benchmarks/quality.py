@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -52,14 +51,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpora import corpus_spec  # noqa: E402
-
 from atoll.core.config import DilocoConfig, synchronous_diloco  # noqa: E402
+from atoll.storage.paths import to_url  # noqa: E402
 from atoll.train import data as data_mod  # noqa: E402
-from atoll.train.local import create_run, make_evaluator, to_url  # noqa: E402
 from atoll.train.model import GPTConfig, build_model, count_parameters, loss_fn  # noqa: E402
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step  # noqa: E402
+from atoll.train.run import create_run, make_evaluator  # noqa: E402
 from atoll.train.virtual import run_virtual  # noqa: E402
+from corpora import corpus_spec  # noqa: E402
 
 M = 4
 SLOW = 1.5
@@ -431,7 +430,7 @@ def plot(report: dict, path: Path) -> None:
 
     names = list(report["corpora"])
     fig, axes = plt.subplots(1, len(names), figsize=(8 * len(names), 5.5), squeeze=False)
-    for ax, cname in zip(axes[0], names):
+    for ax, cname in zip(axes[0], names, strict=False):
         c = report["corpora"][cname]
         shown = [c["best_dp"]] + [k for k in c["runs"] if not k.startswith("dp ")]
         for key in shown:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'commit ms':>11}{'max ms':>9}{'full commit s':>15}")
     print(f"Storage benchmark: {args.mb} MB fp32 delta (publish = encode + sha256 + PUT payload + create record;")
     print("get = LIST + GET record + GET payload + verify + decode), median of", args.repeats, "runs;")
-    print(f"raw = ObjectStore put/get of the same number of bytes (transport only, MB/s);")
+    print("raw = ObjectStore put/get of the same number of bytes (transport only, MB/s);")
     print(f"commit = create-once record write (median of {args.commits}); full commit also writes {args.mb} MB params.")
     print(head)
     print("-" * len(head))

@@ -2,15 +2,24 @@
 
 Each subcommand is a small function that parses its flags and calls library code; the library
 does the work so a notebook can do the same without the CLI.
+
+Errors: atoll's own (a bad run folder, a missing run, bad input, a bad config or argument) print
+one line, ``atoll: error: <what>``, and exit with status 2. A traceback means a bug in atoll; add
+``--debug`` (or set ``ATOLL_DEBUG=1``) to see one for the errors above too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from atoll import __version__
+
+if TYPE_CHECKING:
+    from atoll.storage.bucket import RunStore
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo across compute islands, on Prefect 3 and object storage.",
     )
     parser.add_argument("--version", action="version", version=f"atoll {__version__}")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for every error (or ATOLL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_simulate(sub)
     _add_plan(sub)
@@ -122,7 +132,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 # -- orchestration (Prefect): up, deploy, train, resume, status, learner, demo ----------------------
-# Each handler parses flags and calls atoll.flows / atoll.tasks; `status` never imports Prefect.
+# Each handler parses flags and calls atoll.ops / atoll.flows / atoll.runs; `status` never imports Prefect.
 
 
 def _add_orchestration(sub: argparse._SubParsersAction) -> None:
@@ -166,6 +176,11 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(handler=_status)
 
+    p = sub.add_parser("verify", help="walk a run's commit chain and check every published object (reads only)")
+    p.add_argument("run_url")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_verify)
+
     p = sub.add_parser("learner", help="run one learner flow here, by hand (it joins the run from the bucket)")
     p.add_argument("run_url")
     p.add_argument("--learner-id", required=True)
@@ -187,19 +202,19 @@ def _kv(pairs: Sequence[str]) -> dict[str, str]:
     for item in pairs:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"--storage-option/--env: expected KEY=VALUE, got {item!r}")
         out[key] = value
     return out
 
 
 def _up(args: argparse.Namespace) -> int:
-    from atoll.flows.stack import run_stack_forever
+    from atoll.ops.stack import run_stack_forever
 
     return run_stack_forever(port=args.port, pools=args.pools, home=args.home, deploy=not args.no_deploy)
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from atoll.flows.deploy import deploy_all, ensure_pools
+    from atoll.ops.deploy import deploy_all, ensure_pools
 
     if args.create_pools:
         ensure_pools(args.pools)
@@ -209,28 +224,63 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from atoll.flows.client import launch_training
+    if args.command == "resume" and args.fork_round is not None and not args.to:
+        raise ValueError("--fork-round forks the run into a new one: give its URL with --to")
+    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+    if args.command == "resume":
+        # Read the source run (only read) before anything starts: a missing or broken run is a
+        # one-line error here, not a failed flow run later.
+        from atoll.runs.report import check_run
 
-    params = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+        check_run(_open_existing(args.run_url, common["storage_options"]))
+
+    from atoll.ops.client import launch_training
+    from atoll.runs.options import TrainingRunOptions
+
     if args.command == "train":
-        from atoll.tasks.runs import new_run_url
+        from atoll.runs.manage import new_run_url
 
-        params.update(run_url=new_run_url(args.bucket, args.name), preset=args.preset, learners=args.learners,
-                      config_path=args.config)
+        options = TrainingRunOptions(run_url=new_run_url(args.bucket, args.name), preset=args.preset,
+                                     learners=args.learners, config_path=args.config, **common)
     else:
-        params.update(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to)
-    return launch_training({k: v for k, v in params.items() if v not in (None, 0, "")},
-                           in_process=args.in_process, wait=not args.no_wait)
+        options = TrainingRunOptions(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to, **common)
+    return launch_training(options, in_process=args.in_process, wait=not args.no_wait)
+
+
+def _open_existing(run_url: str, storage_options: dict[str, str] | None) -> RunStore:
+    """The run at ``run_url``, opened read-only (no write, not even the create-once probe)."""
+    from atoll.runs.manage import open_run
+    from atoll.storage.validation import RunNotFoundError
+
+    store = open_run(run_url, storage_options, read_only=True)
+    if not store.exists():
+        raise RunNotFoundError(f"no run at {run_url} (no run.json)")
+    return store
+
+
+def _verify(args: argparse.Namespace) -> int:
+    store = _open_existing(args.run_url, _kv(args.storage_option) or None)
+    signed = "with the synchronizer's key" if store.keyring.key("synchronizer") else "digests and links only"
+    print(f"verifying {store.url} ({signed}) ...", flush=True)
+
+    def progress(r: int) -> None:
+        if r % 1000 == 0:
+            print(f"  round {r} verified", flush=True)
+
+    report = store.verify(on_round=progress)
+    for line in report.problems:
+        print(f"  PROBLEM {line}")
+    print(f"{report.verified} of {report.latest} round(s) verified; void slots: {report.void or 'none'}; "
+          + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))
+    return 0 if report.ok else 1
 
 
 def _status(args: argparse.Namespace) -> int:
-    from atoll.tasks.report import run_status
-    from atoll.tasks.runs import open_run
+    from atoll.runs.report import run_status
 
-    store = open_run(args.run_url, _kv(args.storage_option) or None)
-    if not store.exists():
-        print(f"no run at {args.run_url}", file=sys.stderr)
-        return 1
+    if args.last < 0:
+        raise ValueError(f"--last must be >= 0, got {args.last}")
+    store = _open_existing(args.run_url, _kv(args.storage_option) or None)
     print("\n".join(run_status(store, last=args.last or None)))
     return 0
 
@@ -244,9 +294,34 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from atoll.flows.client import run_demo
+    from atoll.ops.client import run_demo
 
     return run_demo(args.dir, learners=args.learners, rounds=args.rounds, port=args.port, keep_up=args.keep_up)
+
+
+MAX_ERROR_CHARS = 500
+"""An error line is cut here (a hostile object's name or id could be megabytes long)."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What atoll raises on purpose for bad runs, input, config or arguments (no traceback)."""
+    from atoll.core.config import ConfigError
+    from atoll.storage.validation import InvalidInput, StorageError
+
+    # OSError: a missing file, no permission, a broken mount: the machine's state, not a bug.
+    return (StorageError, InvalidInput, ConfigError, ValueError, OSError)
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one printable line of at most MAX_ERROR_CHARS characters."""
+    from atoll.storage.validation import StorageError
+
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, StorageError):  # "[Errno 13] ..." says too little
+        text = f"{type(exc).__name__}: {text}"
+    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,7 +331,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return int(handler(args) or 0)
+    debug = args.debug or os.environ.get("ATOLL_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("atoll: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if debug:
+            raise
+        print(f"atoll: error: {error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

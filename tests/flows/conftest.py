@@ -19,8 +19,10 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from atoll.tasks.runs import RunInfo, prepare_run  # noqa: E402
-from atoll.train.local import LocalRun, to_url  # noqa: E402
+from atoll.runs.manage import RunInfo, prepare_run  # noqa: E402
+from atoll.runs.options import FleetOptions, TrainingRunOptions  # noqa: E402
+from atoll.storage.paths import to_url  # noqa: E402
+from atoll.train.local import LocalRun  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,5 +51,5 @@ def smoke_run(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory) -
     with LocalRun(url, log_dir=root / "logs") as run:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
-        result = training_run(run_url=url, manage_learners=False, watch_every_s=5.0)
+        result = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False, watch_every_s=5.0)))
     return SmokeRun(info=info, result=result, url=url)

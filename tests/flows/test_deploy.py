@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from atoll.runs.healing import HealingPolicy
 from atoll.tasks.learners import LearnerFleet, learner_tag, pool_tag, run_tag
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,13 +27,17 @@ def _client():
     return get_client(sync_client=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def deployed(prefect_harness: None) -> dict[str, str]:
-    from atoll.flows.deploy import deploy_all, ensure_pools
+    """Deployed afresh for each test (deploying is idempotent): another test, e.g.
+    test_prefect_deploy_accepts_prefect_yaml, may have moved ``atoll-training-run/default``."""
+    from atoll.ops.deploy import deploy_all, ensure_pools
 
     pools = ("pool-a", "pool-b")
-    assert set(ensure_pools(pools)) == set(pools)
+    ensure_pools(pools)  # creates them on first use
     assert ensure_pools(pools) == []  # idempotent
+    with _client() as client:
+        assert {client.read_work_pool(p).type for p in pools} == {"process"}
     return deploy_all(pools, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
 
 
@@ -48,7 +54,14 @@ def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str
             assert {"run_url", "learner_id"} <= set(dep.parameter_openapi_schema["required"])
         train = client.read_deployment_by_name("atoll-training-run/default")
         assert train.work_pool_name == "pool-a" and train.entrypoint == "atoll.flows.training.training_run"
-        assert {"resume_from", "fork_round", "preset"} <= set(train.parameter_openapi_schema["properties"])
+        # One typed options model, rendered by the UI as a form: every field says what it does.
+        schema = train.parameter_openapi_schema
+        assert schema["required"] == ["options"] and set(schema["properties"]) == {"options"}
+        opts = schema["definitions"]["TrainingRunOptions"]["properties"]
+        assert {"run_url", "resume_from", "fork_round", "preset", "fleet"} <= set(opts)
+        for model in ("TrainingRunOptions", "FleetOptions"):
+            fields = schema["definitions"][model]["properties"]
+            assert all(f.get("description") for f in fields.values()), model
 
 
 def test_entrypoints_load() -> None:
@@ -59,11 +72,12 @@ def test_entrypoints_load() -> None:
 
 
 def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str]) -> None:
-    from prefect.states import Cancelled, Crashed
+    from prefect.states import Cancelled, Crashed, Running
 
     learners = [{"learner_id": "l0", "pool": "pool-a"}, {"learner_id": "l1", "pool": "pool-b"},
                 {"learner_id": "l2", "pool": "pool-b"}]
-    fleet = LearnerFleet(run_url="file:///nowhere/run-f", run_id="run-f", learners=learners, relaunch_backoff_s=0.0)
+    fleet = LearnerFleet(run_url="file:///nowhere/run-f", run_id="run-f", learners=learners,
+                         policy=HealingPolicy(relaunch_backoff_s=0.0))
     first = {a.learner_id: a for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
     assert first["l0"].action == "launched" and first["l1"].action == "launched"
     assert first["l2"].action == "external"  # contributing from outside Prefect: adopted, not duplicated
@@ -84,10 +98,12 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str]) -> None:
         runs = fleet.flow_runs(client)
         assert len(runs["l0"]) == 2 and runs["l0"][0].work_pool_name == "pool-a"
         assert runs["l0"][0].state.is_scheduled()
-        # A learner that stopped contributing is stale: cancelled and replaced.
-        client.set_flow_run_state(runs["l0"][0].id, __import__("prefect.states", fromlist=["Running"]).Running(),
-                                  force=True)
-        stale = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l0": 1e6, "l2": 1.0})}
+        # A learner that stopped contributing (and has been running longer than stale_after_s) is
+        # stale: cancelled and replaced.
+        client.set_flow_run_state(runs["l0"][0].id, Running(), force=True)
+        fleet.policy = HealingPolicy(relaunch_backoff_s=0.0, stale_after_s=0.5)
+        time.sleep(0.6)
+        stale = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l0": 1e6, "l2": 0.1})}
         assert stale["l0"] == "stale-relaunched"
         assert len(fleet.flow_runs(client)["l0"]) == 3
         # Once the run is finished nothing is launched.
@@ -130,7 +146,7 @@ def test_prefect_yaml_declares_the_deployments() -> None:
 def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
     from prefect.settings import PREFECT_API_URL
 
-    from atoll.flows.deploy import ensure_pools
+    from atoll.ops.deploy import ensure_pools
 
     ensure_pools(("cpu-fast", "cpu-slow"))
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "ATOLL_PROJECT_DIR": str(ROOT)}
@@ -142,6 +158,9 @@ def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
         dep = client.read_deployment_by_name("atoll-learner/cpu-slow")
         assert dep.work_pool_name == "cpu-slow"
         assert dep.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+        train = client.read_deployment_by_name("atoll-training-run/default")
+        assert train.parameter_openapi_schema["required"] == ["options"]
+        assert "fleet" in train.parameter_openapi_schema["definitions"]["TrainingRunOptions"]["properties"]
 
 
 def test_status_needs_no_prefect(smoke_run) -> None:

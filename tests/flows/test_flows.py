@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from atoll.runs.manage import open_run, prepare_run
+from atoll.runs.options import FleetOptions, TrainingRunOptions
+from atoll.runs.report import GoodputTracker, round_flow_name, run_status
+from atoll.storage.paths import to_url
 from atoll.tasks.learners import run_tag
-from atoll.tasks.report import GoodputTracker, round_flow_name, run_status
-from atoll.tasks.runs import open_run, prepare_run
-from atoll.train.local import to_url
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,6 +39,12 @@ def test_one_completed_round_flow_run_per_round_named_and_tagged(smoke_run) -> N
         assert sorted(r.name for r in runs) == [round_flow_name(r) for r in range(1, 7)]
         assert all(r.state is not None and r.state.is_completed() for r in runs)
         assert all({run_tag(smoke_run.info.run_id), "atoll-round"} <= set(r.tags) for r in runs)
+        # The UI shows the run and the round; the run's context (tensors) is never serialized.
+        assert all(r.parameters == {"ctx": "<RunContext>", "round_number": int(r.name.split("-")[1]),
+                                    "run_id": smoke_run.info.run_id} for r in runs)
+        parent = client.read_flow_run(client.read_task_run(runs[0].parent_task_run_id).flow_run_id)
+        assert parent.parameters["options"]["run_url"] == smoke_run.url
+        assert parent.parameters["options"]["fleet"]["manage"] is False
         # Each round ran its three tasks.
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -87,7 +94,7 @@ def test_goodput_and_status_come_from_the_bucket(smoke_run) -> None:
 def test_training_run_on_a_finished_run_continues_and_commits_nothing(smoke_run) -> None:
     from atoll.flows.training import training_run
 
-    out = training_run(resume_from=smoke_run.url, manage_learners=False)
+    out = training_run(TrainingRunOptions(resume_from=smoke_run.url, fleet=FleetOptions(manage=False)))
     assert out["rounds"] == 6 and out["action"] == "continued"
 
 

@@ -1,4 +1,4 @@
-"""Task logic through ``.fn()``: no Prefect server, no flow run."""
+"""Task logic through ``.fn()``: no Prefect server, no flow run; the run's context built by hand."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from atoll.storage.validation import RoundOrderError
-from atoll.tasks.rounds import await_quorum, forget_run, merge_and_commit
-from atoll.tasks.runs import open_run, prepare_run
+from atoll.runs.manage import open_run, prepare_run
+from atoll.runs.options import FleetOptions, TrainingRunOptions
+from atoll.storage.paths import to_url
+from atoll.storage.validation import RoundOrderError, TransientStorageError
+from atoll.tasks.context import RunContext
+from atoll.tasks.rounds import await_quorum, merge_and_commit
 from atoll.train.learner import LearnerOptions, run_learner
-from atoll.train.local import to_url
 from atoll.train.synchronizer import RoundPoll
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def _context(url: str, *, evaluate: bool = True) -> RunContext:
+    options = TrainingRunOptions(run_url=url, poll_interval_s=0.05, fleet=FleetOptions(manage=False))
+    return RunContext(prepare_run(url), options, evaluate=evaluate)
 
 
 def test_await_quorum_then_merge_and_commit(tmp_path: Path) -> None:
@@ -23,26 +30,74 @@ def test_await_quorum_then_merge_and_commit(tmp_path: Path) -> None:
     store = open_run(url)
     for lid in ("learner-0", "learner-1"):
         run_learner(store, lid, options=LearnerOptions(max_steps=2), log=lambda s: None)
-    forget_run(url)
-    poll = await_quorum.fn(url, 1, budget_s=30.0, poll_interval_s=0.05)
+    ctx = _context(url)
+    assert ctx.fleet is None and ctx.next_round == 1
+    poll = await_quorum.fn(ctx, 1, budget_s=30.0)
     assert isinstance(poll, RoundPoll) and poll.decision.close and poll.round == 1
     assert {r.learner_id for r in poll.accepted.values()} <= {"learner-0", "learner-1"}
-    out = merge_and_commit.fn(url, poll)
+    out = merge_and_commit.fn(ctx, poll)
     assert out["round"] == 1 and out["won"] and out["accepted"]
-    assert open_run(url).latest_round() == 1
+    assert open_run(url).latest_round() == 1 and ctx.next_round == 2
     with pytest.raises(RoundOrderError):
-        await_quorum.fn(url, 1, budget_s=1.0)
+        await_quorum.fn(ctx, 1, budget_s=1.0)
     # Nothing new for round 2's fragment beyond what was published: a budget returns the open poll.
-    forget_run(url)
-    polled = await_quorum.fn(url, 2, budget_s=0.3, poll_interval_s=0.05)
+    polled = await_quorum.fn(ctx, 2, budget_s=0.3)
     assert polled.round == 2
+
+
+def test_context_reloads_a_synchronizer_that_is_behind(tmp_path: Path) -> None:
+    url = to_url(str(tmp_path / "run"))
+    prepare_run(url, preset="smoke", rounds=4)
+    store = open_run(url)
+    for lid in ("learner-0", "learner-1"):
+        run_learner(store, lid, options=LearnerOptions(max_steps=2), log=lambda s: None)
+    behind = _context(url, evaluate=False)
+    stale = behind.synchronizer()
+    # Another synchronizer (another context: another process) commits round 1.
+    ahead = _context(url, evaluate=False)
+    merge_and_commit.fn(ahead, await_quorum.fn(ahead, 1, budget_s=30.0))
+    assert stale.round == 0
+    assert behind.synchronizer() is stale  # no round asked for: the held one
+    fresh = behind.synchronizer(next_round=2)  # about to work on round 2: reloaded from the bucket
+    assert fresh is not stale and fresh.round == 1 and behind.next_round == 2
+
+
+def test_context_is_never_json_encoded() -> None:
+    from prefect.flows import Flow
+
+    from atoll.flows.round import outer_round
+
+    ctx = object.__new__(RunContext)  # no run needed: only its type matters here
+    with pytest.raises(TypeError):
+        vars(ctx)
+    assert isinstance(outer_round, Flow)
+    params = outer_round.serialize_parameters({"ctx": ctx, "round_number": 7, "run_id": "run-x"})
+    assert params == {"ctx": "<RunContext>", "round_number": 7, "run_id": "run-x"}
+
+
+def test_await_quorum_gives_up_after_the_round_retry_policy(tmp_path: Path, monkeypatch) -> None:
+    from atoll.core.retry import ROUND_RETRY
+
+    url = to_url(str(tmp_path / "run"))
+    prepare_run(url, preset="smoke", rounds=4)
+    ctx = _context(url, evaluate=False)
+    calls = []
+
+    def failing_poll():
+        calls.append(1)
+        raise TransientStorageError("list", url, 5, OSError("503"))
+
+    monkeypatch.setattr(ctx.synchronizer(), "poll", failing_poll)
+    monkeypatch.setattr("atoll.tasks.rounds.time.sleep", lambda s: None)
+    with pytest.raises(TransientStorageError):
+        await_quorum.fn(ctx, 1, budget_s=60.0)
+    assert len(calls) == ROUND_RETRY.attempts
 
 
 def test_budget_returns_an_open_round(tmp_path: Path) -> None:
     url = to_url(str(tmp_path / "run"))
     prepare_run(url, preset="smoke", rounds=4)
-    forget_run(url)
-    polled = await_quorum.fn(url, 1, budget_s=0.3, poll_interval_s=0.05)
+    polled = await_quorum.fn(_context(url, evaluate=False), 1, budget_s=0.3)
     assert isinstance(polled, RoundPoll) and not polled.decision.close and polled.accepted == {}
 
 

@@ -19,14 +19,15 @@ from typing import Any
 
 import pytest
 
-from atoll.flows.stack import LocalStack
+from atoll.ops.stack import LocalStack
+from atoll.runs.manage import open_run
+from atoll.runs.options import FleetOptions, TrainingRunOptions
+from atoll.runs.report import round_flow_name
 from atoll.storage.codec import load_record
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.tasks.learners import learner_tag, run_tag
-from atoll.tasks.report import round_flow_name
-from atoll.tasks.runs import open_run
-from atoll.train.local import create_run
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
+from atoll.train.run import create_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -90,7 +91,7 @@ def test_training_run_on_real_prefect_and_s3_heals_a_killed_learner(s3: Any, tmp
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.states import Cancelling
 
-    from atoll.flows.deploy import deploy_all, start_training
+    from atoll.ops.deploy import deploy_all, start_training
 
     marker = uuid.uuid4().hex
     run_id = f"it-{marker[:8]}"
@@ -110,7 +111,8 @@ def test_training_run_on_real_prefect_and_s3_heals_a_killed_learner(s3: Any, tmp
         stack.start()
         with stack.settings(), get_client(sync_client=True) as client:
             deploy_all(POOLS, env=s3.env)
-            training = start_training({"run_url": url, "watch_every_s": 5.0}, tags=[run_tag(run_id)])
+            training = start_training(TrainingRunOptions(run_url=url, fleet=FleetOptions(watch_every_s=5.0)),
+                                      tags=[run_tag(run_id)])
 
             # -- three rounds, as flow runs ------------------------------------------------------
             def three_rounds_done() -> bool:

@@ -173,3 +173,9 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Backend:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> Backend:
     return make_backend(request.param, request)
+
+
+@pytest.fixture(params=["local", "s3"])
+def hostile_backend(request: pytest.FixtureRequest) -> Backend:
+    """A local folder and moto's S3 server: where the integrity and hostile-bucket suites run."""
+    return make_backend(request.param, request)

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from atoll.core import DilocoConfig, FragmentPlan, plan_fragments
+from atoll.core.compress import encode
 from atoll.core.weights import Counters
 from atoll.storage import RunStore, paths
-from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex, tensors_to_bytes
-from atoll.core.compress import encode
+from atoll.storage.codec import SCHEMA_VERSION, dump_record, encoded_to_bytes, sha256_hex
+from atoll.storage.integrity import seal
 
 SHAPES = {"blk.0.w": (4, 3), "blk.0.b": (3,), "blk.1.w": (3, 3), "emb.weight": (5, 2)}
 
@@ -70,16 +71,18 @@ def plant_contribution(
         meta = meta or auto_meta
     sha = sha or sha256_hex(payload)
     if write_payload:
-        backend.raw_put(url, paths.blob_key(sha), payload)
+        backend.raw_put(url, paths.blob_key(sha, learner_id), payload)
     key = paths.contribution_key(fragment, base_version, learner_id, 2, sha)
     body = {
         "learner_id": learner_id, "fragment": fragment, "base_version": base_version, "c_steps": 2,
         "c_tokens": 64, "payload": {"sha256": sha, "nbytes": len(payload) if nbytes is None else nbytes},
         "tensors": meta, "created_at": time.time(), "info": {},
     }
-    data = dump_record("atoll/contribution", body)
+    # A rogue writer can compute a record's digest: planted records are sealed like real ones, so
+    # that the checks behind the digest (payload, layout, ids ...) are what the tests exercise.
+    data = dump_record("atoll/contribution", seal("atoll/contribution", body))
     if schema_version is not None:
-        data = data.replace(b'"schema_version":1', f'"schema_version":{schema_version}'.encode())
+        data = data.replace(f'"schema_version":{SCHEMA_VERSION}'.encode(), f'"schema_version":{schema_version}'.encode())
     backend.raw_put(url, key, data)
     return key
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 from storage_helpers import (
-    FsProxy,
     SHAPES,
+    FsProxy,
     counters,
     fragment_delta,
     init_run,
@@ -21,6 +21,8 @@ from storage_helpers import (
 )
 
 from atoll.core import NesterovOuterOptimizer, synchronize_fragment
+from atoll.core.compress import encode
+from atoll.core.rejection import RejectionKind
 from atoll.storage import (
     AcceptedContribution,
     InvalidInput,
@@ -30,8 +32,9 @@ from atoll.storage import (
     UnsafeStoreError,
     paths,
 )
-from atoll.storage.codec import encoded_to_bytes
-from atoll.core.compress import encode
+from atoll.storage.codec import dump_record, encoded_to_bytes, load_record
+from atoll.storage.integrity import IntegrityError
+from atoll.storage.records import KIND_COMMIT, CommitRecord
 
 GCS_NO_CREATE_ONCE = (
     "gcp-storage-emulator ignores ifGenerationMatch=0 (a second create overwrites), so GCS "
@@ -68,7 +71,7 @@ def test_init_twice_is_refused_and_missing_run_is_clear(backend):
     with pytest.raises(RunNotFoundError, match="run.json"):
         _ = rs.manifest
     init_run(rs)
-    with pytest.raises(RunExistsError):
+    with pytest.raises(RunExistsError, match="a run already exists at "):
         init_run(backend.open(url))
 
 
@@ -169,7 +172,7 @@ def test_create_once_race_exactly_one_wins(backend, request):
         torch.testing.assert_close(state.params[name], t)
 
 
-def test_second_commit_of_a_round_loses(backend, request):
+def test_second_commit_of_a_round_loses(backend, request, monkeypatch):
     if backend.name == "gcs":
         request.applymarker(pytest.mark.xfail(reason=GCS_NO_CREATE_ONCE, strict=True))
     url = backend.new_url()
@@ -177,12 +180,21 @@ def test_second_commit_of_a_round_loses(backend, request):
     a, b = backend.open(url), backend.open(url)
     args_a, args_b = _commit_args(a, 0, 1), _commit_args(b, 0, 2)
     assert a.commit_round(1, 0, committed_by="a", **args_a).won
-    # b has not seen round 1 yet (a fresh reader) and writes its payloads; the record is refused.
-    b._commits.clear()
-    res = b.store.create(paths.commit_key(1), b"{}")
-    assert res is False
+    assert b.store.create(paths.commit_key(1), b"{}") is False
+    # b looks for round 1 just before a's record lands (it sees nothing), writes its payloads, and
+    # its create-once of the record is refused: it must lose and report a's record, not its own.
+    real_get, looked = b.store.get_or_none, []
+
+    def racing_get(key, **kwargs):
+        if key == paths.commit_key(1) and not looked:
+            looked.append(key)
+            return None
+        return real_get(key, **kwargs)
+
+    monkeypatch.setattr(b.store, "get_or_none", racing_get)
     lost = b.commit_round(1, 0, committed_by="b", **args_b)
-    assert not lost.won and lost.record.committed_by == "a"
+    assert looked and not lost.won and lost.record.committed_by == "a"
+    assert backend.open(url, fresh=True).read_commit(1).committed_by == "a"
 
 
 def test_capability_probe(backend):
@@ -201,7 +213,7 @@ def test_rounds_commit_in_order(backend):
     url = backend.new_url()
     rs = backend.open(url)
     init_run(rs)
-    with pytest.raises(RoundOrderError):
+    with pytest.raises(RoundOrderError, match="round 1 is not committed in "):
         rs.commit_round(2, 1, **_commit_args(rs, 1, 1))
     assert rs.latest_round() == 0
 
@@ -242,11 +254,15 @@ def test_list_calls_per_poll_are_bounded(backend):
     for i in range(3):
         writer.publish_contribution(f"l{i}", 0, 0, counters(), fragment_delta(writer, 0, seed=i))
         before = px.lists
-        listing = reader.list_contributions(0, 0)  # one poll of one base version: one LIST
-        assert px.lists - before == 1 and len(listing.records) == i + 1
+        # One poll of one base version: one LIST of learners/, then one per learner's prefix.
+        listing = reader.list_contributions(0, 0)
+        assert px.lists - before == 1 + (i + 1) and len(listing.records) == i + 1
+        before = px.lists
+        listing = reader.list_contributions(0, 0, learner_ids=[f"l{j}" for j in range(i + 1)])  # ids known
+        assert px.lists - before == i + 1 and len(listing.records) == i + 1
     before = px.lists
-    reader.list_contributions(0, [0, 1])  # two base versions: two LISTs
-    assert px.lists - before == 2
+    reader.list_contributions(0, [0, 1], learner_ids=["l0", "l1", "l2"])  # two base versions x 3 learners
+    assert px.lists - before == 6
     assert writer.commit_round(1, 0, **_commit_args(writer, 0, 1)).won
     before = px.lists
     for _ in range(3):
@@ -340,9 +356,9 @@ def test_learner_state_round_trip(backend):
 def test_checkpoint_loads_with_plain_safetensors(backend, tmp_path):
     url = backend.new_url()
     rs, _, current, _ = _run_rounds(backend, url, rounds=2)
-    assert rs.maybe_write_checkpoint(1, every=2) is None
-    info = rs.maybe_write_checkpoint(2, every=2)
-    assert info is not None and info.round == 2
+    assert rs.list_checkpoints() == []
+    info = rs.write_checkpoint(2)
+    assert info.round == 2
     assert rs.list_checkpoints() == [2]
     expected = {**current[0], **current[1]}
     torch.testing.assert_close(rs.load_checkpoint(2), expected, rtol=0, atol=0)
@@ -390,7 +406,7 @@ def committed(backend):
 def _reject(rs, key: str, kind: str, match: str | None = None) -> InvalidInput:
     listing = rs.list_contributions(0, 0)
     (rec,) = [r for r in listing.records if r.key == key]
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=rf"^\[{kind}\] ") as ei:
         rs.load_contribution(rec)
     assert ei.value.kind == kind, str(ei.value)
     if match:
@@ -403,7 +419,7 @@ def _reject(rs, key: str, kind: str, match: str | None = None) -> InvalidInput:
 def test_bad_truncated_payload(committed):
     backend, url, rs = committed
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
-    blob = paths.blob_key(rec.payload.sha256)
+    blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:-7])
     err = _reject(backend.open(url), rec.key, "truncated")
     assert url.rstrip("/").split("://")[-1] in err.url
@@ -412,7 +428,7 @@ def test_bad_truncated_payload(committed):
 def test_bad_checksum(committed):
     backend, url, rs = committed
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
-    blob = paths.blob_key(rec.payload.sha256)
+    blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     data = bytearray(backend.raw_get(url, blob))
     data[-1] ^= 0xFF
     backend.raw_put(url, blob, bytes(data))
@@ -458,7 +474,7 @@ def test_bad_non_finite(committed):
     delta = fragment_delta(rs, 0)
     n0 = next(iter(delta))
     bad = {**delta, n0: delta[n0].clone().index_fill_(0, torch.tensor([0]), float("nan"))}
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=rf"^\[non_finite\] delta '{n0}': ") as ei:
         rs.publish_contribution("l1", 0, 0, counters(), bad)
     assert ei.value.kind == "non_finite"
     from atoll.storage.codec import tensors_to_bytes
@@ -466,7 +482,7 @@ def test_bad_non_finite(committed):
     _, meta = encoded_to_bytes({n: encode(t) for n, t in delta.items()})
     key = plant_contribution(backend, url, fragment=0, payload=payload, meta=meta)
     _reject(backend.open(url), key, "non_finite")
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[non_finite\] round 2 params") as ei:
         rs.commit_round(2, 1, params={n: torch.full(SHAPES[n], float("nan")) for n in rs.plan.fragments[1]})
     assert ei.value.kind == "non_finite"
 
@@ -475,15 +491,32 @@ def test_bad_unknown_schema_version(committed):
     backend, url, rs = committed
     key = plant_contribution(backend, url, fragment=0, tensors=fragment_delta(rs, 0), schema_version=99)
     listing = backend.open(url).list_contributions(0, 0)
-    assert key in listing.rejected and "schema_version 99" in listing.rejected[key]
+    assert key in listing.rejected and listing.rejected[key].kind is RejectionKind.SCHEMA
+    assert "schema_version 99" in listing.rejected[key].detail
     assert key not in {r.key for r in listing.records}
-    # A commit record of an unknown version is refused too, with the reason.
-    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":1', b'"schema_version":2')
-    backend.raw_put(url, "commits/00000099.json", data)
-    with pytest.raises(InvalidInput, match="unknown schema_version 2"):
+    # A commit record of an unknown version is refused too, with the reason: its slot is void.
+    data = backend.raw_get(url, paths.commit_key(1)).replace(b'"schema_version":3', b'"schema_version":4')
+    backend.raw_put(url, "sync/commits/00000099.json", data)
+    with pytest.raises(IntegrityError, match="unknown schema_version 4"):
         backend.open(url).read_commit(99)
     fs, root = backend.fs_and_root(url)
-    fs.rm_file(f"{root}/commits/00000099.json")
+    fs.rm_file(f"{root}/sync/commits/00000099.json")
+
+
+def test_schema_1_commit_records_stay_readable(committed):
+    """Schema 1 stored rejections as bare text; they parse back typed ('late:' text stays LATE).
+    (A layout-1 run cannot be continued, but its records still parse, e.g. for inspection.)"""
+    backend, url, rs = committed
+    record = rs.read_commit(1)
+    body = record.to_dict()
+    body["rejected"] = {"contributions/f0000/b00000000/x.json": "late: arrived 0.50s after the grace window closed",
+                        "contributions/f0000/b00000000/y.json": "outlier: norm 9 > 5 x median 1"}
+    data = dump_record(KIND_COMMIT, body).replace(b'"schema_version":3', b'"schema_version":1')
+    old = CommitRecord.from_body(load_record(data, KIND_COMMIT), rs.plan.num_fragments)
+    late = old.rejected["contributions/f0000/b00000000/x.json"]
+    assert late.kind is RejectionKind.LATE and not late.final and late.detail.startswith("arrived 0.50s")
+    other = old.rejected["contributions/f0000/b00000000/y.json"]
+    assert other.kind is RejectionKind.UNSPECIFIED and other.final and other.detail.startswith("outlier")
 
 
 def test_bad_missing_payload(committed):
@@ -498,19 +531,19 @@ BAD_IDS = ["../escape", "a/b", "a\\b", "..", "x..y", "", "white space", "ünïco
 def test_bad_ids(committed):
     backend, url, rs = committed
     for bad_id in BAD_IDS:
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.publish_contribution(bad_id, 0, 0, counters(), fragment_delta(rs, 0))
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.save_learner_state(bad_id, {"x": torch.zeros(1)})
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id ") as ei:
             paths.run_url(backend.base_url, bad_id)
         assert ei.value.kind == "bad_id", bad_id
-        with pytest.raises(InvalidInput) as ei:
+        with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
             rs.load_learner_state(bad_id)
         assert ei.value.kind == "bad_id", bad_id
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id '\.\./up' contains a path separator") as ei:
         backend.open(backend.new_url()).init_run(tiny_config(), tiny_plan(), tiny_params(), run_id="../up")
     assert ei.value.kind == "bad_id"
     assert rs.list_contributions(0, 0).records == []
@@ -522,13 +555,13 @@ def test_bad_planted_learner_id_in_record(committed):
     data = backend.raw_get(url, key).replace(b'"learner_id":"ok-id"', b'"learner_id":"../../commits"')
     backend.raw_put(url, key, data)
     listing = backend.open(url).list_contributions(0, 0)
-    assert "bad_id" in listing.rejected[key]
+    assert listing.rejected[key].kind is RejectionKind.BAD_ID
 
 
 def test_bad_oversize(committed):
     backend, url, rs = committed
     small = backend.open(url, max_payload_bytes=200)
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[oversize\] delta payload is \d+ bytes, cap is 200$") as ei:
         small.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert ei.value.kind == "oversize"
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
@@ -541,6 +574,6 @@ def test_bad_oversize(committed):
                              learner_id="liar")
     listing = small.list_contributions(0, 0)
     (r,) = [x for x in listing.records if x.key == key]
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[oversize\] payload is larger than the cap of 200 bytes") as ei:
         small.load_contribution(r)
     assert ei.value.kind == "oversize"

@@ -43,10 +43,20 @@ def _open(backend, url, faults, sleeps=None, attempts=4):
     return rs, proxies[0]
 
 
+def s3_slowdown() -> OSError:
+    """What s3fs raises for a 503 SlowDown: botocore's ClientError translated, kept as the cause."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(ClientError(
+        {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+         "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject"))
+
+
 TRANSIENTS = [
     ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
     TimeoutError("read timed out"),
-    OSError(errno.EIO, "An error occurred (SlowDown) when calling the PutObject operation: Please reduce your request rate. 503"),
+    s3_slowdown(),
 ]
 
 
@@ -72,7 +82,7 @@ def test_persistent_transient_error_names_operation_and_url(backend):
     init_run(backend.open(url))
     faults = Faults(("cat_file",), n=10**6, exc=ConnectionResetError(errno.ECONNRESET, "reset"))
     rs, _ = _open(backend, url, faults, attempts=3)
-    with pytest.raises(TransientStorageError) as ei:
+    with pytest.raises(TransientStorageError, match=r"^get .* failed after 3 attempt\(s\): ConnectionResetError") as ei:
         rs.read_global_fragment(0, 0)
     msg = str(ei.value)
     assert msg.startswith("get ") and "after 3 attempt(s)" in msg
@@ -86,7 +96,7 @@ def test_non_transient_errors_are_not_retried(backend):
     init_run(backend.open(url))
     faults = Faults(("cat_file",), n=10**6, exc=PermissionError("AccessDenied"))
     rs, _ = _open(backend, url, faults)
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError, match="AccessDenied"):
         _ = rs.manifest
     assert faults.hits == 1
 
@@ -97,22 +107,22 @@ def test_half_failed_contribution_leaves_nothing_trusted(backend):
     # The record write fails for good after the payload landed: no record, nothing listed.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="contributions/")
     rs, _ = _open(backend, url, faults, attempts=2)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^create .*/contributions/f0000/b00000000/l1\.s.* failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert backend.open(url).list_contributions(0, 0).records == []
     # A payload write that stored half the bytes and then failed for good: no record points at it.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="blobs/",
                     write_first=True, truncate=True)
     rs, _ = _open(backend, url, faults, attempts=2)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^put .*/blobs/sha256/[0-9a-f]{64}\.safetensors failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0, seed=5))
     reader = backend.open(url)
     assert reader.list_contributions(0, 0).records == []
     # ... and if a record did point at such a blob, the reader would refuse it (size/sha checks).
     good = reader.publish_contribution("l2", 0, 0, counters(), fragment_delta(rs, 0, seed=6))
-    blob = paths.blob_key(good.payload.sha256)
+    blob = paths.blob_key(good.payload.sha256, good.learner_id)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:20])
-    with pytest.raises(InvalidInput) as ei:
+    with pytest.raises(InvalidInput, match=r"^\[truncated\] payload has 20 bytes, record says \d+") as ei:
         backend.open(url).load_contribution(backend.open(url).list_contributions(0, 0).records[0])
     assert ei.value.kind == "truncated"
 
@@ -123,7 +133,7 @@ def test_half_failed_commit_leaves_the_round_open(backend):
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="commits/")
     rs, _ = _open(backend, url, faults, attempts=2)
     cur = rs.read_global_fragment(0, 0)
-    with pytest.raises(TransientStorageError):
+    with pytest.raises(TransientStorageError, match=r"^create .*/commits/00000001\.json failed after 2"):
         rs.commit_round(1, 0, params={n: t + 1 for n, t in cur.items()})
     reader = backend.open(url)
     assert reader.latest_round() == 0
@@ -157,13 +167,17 @@ def test_secrets_are_never_printed(backend):
     store = ObjectStore(FsProxy(fs, Faults(("cat_file",), 99, ConnectionResetError("reset"))), root,
                         url=backend.new_url(), storage_options=options,
                         retry=RetryPolicy(attempts=2, base_delay_s=0), sleep=lambda s: None)
-    with pytest.raises(TransientStorageError) as ei:
+    with pytest.raises(TransientStorageError, match=r"^get .*/x failed after 2 attempt") as ei:
         store.get("x")
     for s in ("hunter2-secret", "tok-123", "AKIAEXAMPLE", "sess-999"):
         assert s not in repr(store) and s not in str(ei.value)
 
 
 def test_is_transient_classification():
+    """The exception classes themselves (test_real_errors.py has them raised by the real clients)."""
+    from botocore.exceptions import ClientError
+    from gcsfs.retry import HttpError
+
     assert is_transient(ConnectionResetError())
     assert is_transient(TimeoutError())
     assert is_transient(OSError(errno.ECONNRESET, "x"))
@@ -171,18 +185,25 @@ def test_is_transient_classification():
     assert not is_transient(FileExistsError("x"))
     assert not is_transient(PermissionError("x"))
 
-    class HttpError(Exception):
-        def __init__(self, code):
-            self.code = code
+    def http_error(code):  # as gcsfs.retry.validate_response builds it
+        return HttpError({"code": code, "message": "backend error"})
 
-    assert is_transient(HttpError(503)) and is_transient(HttpError(429)) and not is_transient(HttpError(404))
+    assert is_transient(http_error(503)) and is_transient(http_error(429)) and is_transient(http_error(408))
+    assert not is_transient(http_error(404)) and not is_transient(http_error(412))
 
-    class ClientError(Exception):
-        def __init__(self, code, status):
-            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
 
-    assert is_transient(ClientError("SlowDown", 503)) and is_transient(ClientError("InternalError", 500))
-    assert not is_transient(ClientError("NoSuchKey", 404))
+    assert is_transient(client_error("SlowDown", 503)) and is_transient(client_error("InternalError", 500))
+    assert is_transient(client_error("Throttling", 400))  # the code alone says throttled
+    assert not is_transient(client_error("NoSuchKey", 404))
+    assert is_transient(s3_slowdown()) and s3_slowdown().errno == errno.EBUSY
     wrapped = OSError("translated")
     wrapped.__cause__ = ConnectionResetError()
     assert is_transient(wrapped)
+
+    class LookAlike(Exception):  # a class that merely shares a name or an attribute decides nothing
+        code = 503
+
+    assert not is_transient(LookAlike())

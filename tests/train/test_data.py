@@ -12,9 +12,9 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from fsspec.implementations.memory import MemoryFileSystem
 
 from atoll.train.data import (
     CURSOR_FORMAT,
@@ -148,7 +148,7 @@ def test_remote_reads_fetch_only_the_needed_ranges(mem, monkeypatch) -> None:
     write_tokens("memory://big/train.bin", arr, dtype="uint32")
     read_bytes = []
     real_cat_file = MemoryFileSystem.cat_file
-    real_open = MemoryFileSystem._open
+    real_open = MemoryFileSystem.open
 
     def counting_cat_file(self, path, start=None, end=None, **kw):
         out = real_cat_file(self, path, start, end, **kw)
@@ -160,7 +160,7 @@ def test_remote_reads_fetch_only_the_needed_ranges(mem, monkeypatch) -> None:
         return real_open(self, path, mode, **kw)
 
     monkeypatch.setattr(MemoryFileSystem, "cat_file", counting_cat_file)
-    monkeypatch.setattr(MemoryFileSystem, "_open", guarded_open)
+    monkeypatch.setattr(MemoryFileSystem, "open", guarded_open)
     data = open_tokens("memory://big/train.bin")
     stream = BatchStream(data, context_tokens=128, learner_index=2, num_learners=4)
     x, y = stream.next_batch(8)

@@ -103,7 +103,7 @@ def test_seeded_build_is_deterministic_and_leaves_global_rng_alone() -> None:
     assert torch.equal(torch.rand(1), expected_next)
     b = build_model(micro(), seed=7)
     c = build_model(micro(), seed=8)
-    for (na, pa), (nb, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb)
     assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
 
@@ -176,7 +176,7 @@ def test_factory_specs_and_pickling() -> None:
         assert isinstance(g, ModelFactory)
         m1, m2 = f(), g()
         assert isinstance(m1, GPT) and m1.config == micro()
-        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
     assert isinstance(pickle.loads(pickle.dumps(model_factory(make_bigram)))(), Bigram)
 
 

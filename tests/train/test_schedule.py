@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+import atoll.train.virtual as virtual
 from atoll.core.config import ConfigError
 from atoll.train.learner import Learner
 from atoll.train.local import create_run, to_url
 from atoll.train.recipe import InnerOptimConfig, LearnerSpec, Recipe, lr_at_step, smoke_recipe
-from atoll.train import virtual
 from atoll.train.virtual import run_virtual
 
 

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
+from atoll.core.quorum import Arrival, QuorumDecision, TimingEma
+from atoll.core.retry import RetryPolicy
+from atoll.core.synchronize import FragmentRoundResult
 from atoll.storage import RunStore
-from atoll.train.learner import Learner
-from atoll.train.local import create_run
+from atoll.storage.records import AcceptedContribution, BlobRef, ContributionRecord
+from atoll.train.learner import FetchError, Learner, LearnerOptions, run_learner
 from atoll.train.recipe import smoke_recipe
-from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
+from atoll.train.run import create_run
+from atoll.train.synchronizer import (
+    RoundPoll,
+    RoundSummary,
+    Synchronizer,
+    SynchronizerOptions,
+    next_timings,
+    round_stats,
+)
 
 
 class Clock:
@@ -63,7 +76,7 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
     assert again.round == committed and again.versions == sync.versions
     assert again.ema.to_dict() == sync.ema.to_dict()
     assert again.consumed >= sync.consumed - {k for r in RunStore.open(url).history() for k, why in r.rejected.items()
-                                              if why.startswith("late")}
+                                              if not why.final}
 
 
 def test_late_contribution_is_reconsidered_by_the_next_round_of_its_fragment() -> None:
@@ -93,3 +106,72 @@ def test_late_contribution_is_reconsidered_by_the_next_round_of_its_fragment() -
     assert isinstance(r3, RoundSummary) and r3.record.fragment == 0
     merged = {a.learner_id: a.base_version for a in r3.record.accepted}
     assert merged.get(slow.learner_id) == 0  # its base was version 0; current is 1: re-anchored
+
+
+# --- the pure pieces of a round's close ------------------------------------------------------
+
+def _poll_with(records: dict, *, quorum_at: float | None, opened: float = 0.0, polled: float = 5.0,
+               arrivals: tuple[float, ...] = ()) -> RoundPoll:
+    accepted = tuple(Arrival(learner_id=r.learner_id, arrived_at_s=t, c_steps=r.c_steps, c_tokens=r.c_tokens, key=k)
+                     for (k, r), t in zip(records.items(), arrivals, strict=True))
+    decision = QuorumDecision(close=True, accepted=accepted, rejected=(), reason="test", grace_s=0.25,
+                              quorum_at_s=quorum_at, close_at_s=polled, waiting_for=("l9",))
+    return RoundPoll(round=3, fragment=1, decision=decision, opened_at_s=opened, polled_at_s=polled,
+                     accepted=records, rejected={})
+
+
+def _record(lid: str, steps: int, tokens: int, nbytes: int, **info) -> ContributionRecord:
+    return ContributionRecord(key=f"k-{lid}", learner_id=lid, fragment=1, base_version=0, c_steps=steps,
+                              c_tokens=tokens, payload=BlobRef(sha256="0" * 64, nbytes=nbytes), tensors={},
+                              created_at=0.0, info=info)
+
+
+def test_round_stats_by_hand() -> None:
+    recs = {"k-a": _record("a", 4, 400, 100, pool="fast", loss=2.5, step_time_s=0.1),
+            "k-b": _record("b", 2, 200, 50, pool="slow", loss=float("nan"), step_time_s=0.3)}
+    poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.5, 2.0))
+    accepted = [AcceptedContribution(key="k-a", learner_id="a", weight=1.0, base_version=0, c_steps=4, c_tokens=400)]
+    result = FragmentRoundResult(new_params={}, update={}, weights={"k-a": 1.0}, update_norm=0.5)
+    stats = round_stats(poll, accepted, result, val_loss=3.0, fragment_numel=10)
+    assert stats == {
+        "quorum_s": 0.5,  # from the first arrival (1.5), not from the round's opening
+        "grace_s": 0.25, "wait_s": 5.0, "reason": "test", "waiting_for": ["l9"],
+        "tokens": 400, "steps": 4,  # only what was merged
+        "bytes_in": 100, "bytes_out_per_learner": 40, "update_norm": 0.5,
+        "pools": {"a": "fast", "b": "slow"}, "learner_loss": {"a": 2.5},  # NaN loss is not reported
+        "val_loss": 3.0,
+    }
+    nothing = round_stats(poll, [], None, val_loss=None, fragment_numel=10)
+    assert nothing["bytes_out_per_learner"] == 0 and nothing["update_norm"] == 0.0 and "val_loss" not in nothing
+
+
+def test_next_timings_by_hand() -> None:
+    recs = {"k-a": _record("a", 4, 400, 1, step_time_s=0.1), "k-b": _record("b", 4, 400, 1, step_time_s=0.3),
+            "k-c": _record("c", 4, 400, 1, step_time_s=1e999), "k-d": _record("d", 4, 400, 1, step_time_s=True)}
+    poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.0, 2.0, 2.0, 2.0))
+    ema = TimingEma(decay=0.5, values={"step_s": 1.0, "quorum_s": 4.0, "sync_s": 2.0})
+    out = next_timings(ema, poll, sync_s=0.5, steady=True)
+    # step: median of the finite reports (0.1, 0.3) = 0.2; quorum: 2.0 - 1.0 = 1.0
+    assert out.to_dict() == {"decay": 0.5, "step_s": 0.6, "quorum_s": 2.5, "sync_s": 1.25}
+    assert ema.get("step_s") == 1.0  # pure: the input is untouched
+    cold = next_timings(ema, poll, sync_s=0.5, steady=False)  # first round after a restart
+    assert cold.get("quorum_s") == 4.0
+
+
+def test_learner_fetch_failures_are_bounded_and_loud(monkeypatch) -> None:
+    url, learners = fresh_run()
+    store = RunStore.open(url)
+    calls = []
+
+    def broken(self, after_round):
+        calls.append(after_round)
+        raise OSError("bucket unreachable")
+
+    monkeypatch.setattr(RunStore, "poll_commits", broken)
+    logs: list[str] = []
+    with pytest.raises(FetchError, match="after 3 attempts.*bucket unreachable"):
+        run_learner(store, "learner-0", log=logs.append,
+                    options=LearnerOptions(fetch_retry=RetryPolicy(attempts=3, base_delay_s=0.0, max_delay_s=0.0),
+                                           poll_interval_s=0.01))
+    assert len(calls) == 3
+    assert sum("retrying" in line for line in logs) == 2 and any("giving up" in line for line in logs)

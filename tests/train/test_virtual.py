@@ -9,9 +9,10 @@ import torch
 
 from atoll.core.config import ConfigError, synchronous_diloco
 from atoll.storage import RunStore
+from atoll.storage.paths import to_url
 from atoll.train.learner import Learner
-from atoll.train.local import create_run, make_evaluator, to_url
 from atoll.train.recipe import LearnerSpec, smoke_recipe
+from atoll.train.run import create_run, make_evaluator
 from atoll.train.virtual import run_virtual
 
 from .test_loops import reference_synchronous_diloco

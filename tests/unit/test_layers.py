@@ -1,4 +1,4 @@
-"""Dependency direction is machine-checked: core <- storage <- train <- tasks <- flows <- cli.
+"""Dependency direction is machine-checked: core <- storage <- train <- runs <- tasks <- flows <- ops <- cli.
 
 We parse every module's imports (static AST, including imports inside functions) instead of
 importing the package, so a violation is caught even on a code path no test executes.
@@ -16,8 +16,11 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "atoll"
 
 # Lower index = lower layer. A module may import its own layer and any lower one.
 # `sim` (the fleet simulator) sits beside storage: it may use core, and nothing below cli uses it.
-LAYERS = ["core", "storage", "sim", "train", "tasks", "flows", "cli"]
-RANK = {"core": 0, "storage": 1, "sim": 1, "train": 2, "tasks": 3, "flows": 4, "cli": 5}
+# `runs` (run management, reporting, the healing policy) is Prefect-free; `tasks` is where Prefect starts;
+# `ops` (local stack, deployments, launching runs) operates the flows.
+LAYERS = ["core", "storage", "sim", "train", "runs", "tasks", "flows", "ops", "cli"]
+RANK = {"core": 0, "storage": 1, "sim": 1, "train": 2, "runs": 3, "tasks": 4, "flows": 5, "ops": 6, "cli": 7}
+PREFECT_FREE = ("core", "storage", "sim", "train", "runs")
 
 
 def _layer_of(module: str) -> str | None:
@@ -76,8 +79,15 @@ def test_core_imports_only_torch_and_stdlib() -> None:
                 assert module.startswith("atoll.core"), f"core/{path.name}:{lineno} imports {module}"
 
 
-def test_checker_catches_a_violation(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.py"
-    bad.write_text("import atoll.flows\nfrom atoll.storage import x\n")
-    mods = [m for _, m in _imports(bad)]
-    assert [_layer_of(m) for m in mods] == ["flows", "storage"]
+@pytest.mark.parametrize("layer", PREFECT_FREE)
+def test_layers_below_tasks_import_no_prefect(layer: str) -> None:
+    for path in sorted((SRC / layer).rglob("*.py")):
+        for lineno, module in _imports(path):
+            assert module.split(".")[0] != "prefect", (
+                f"{layer}/{path.relative_to(SRC / layer)}:{lineno} imports {module}; {layer} must run without Prefect")
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(RANK) - {"cli"}, f"packages without a layer: {packages - set(RANK)}"
+

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.core import Counters, contribution_weights, merge_fragment, rda, weighted_mean
+from atoll.core.merge import RDA_CANCEL_TOL
+from atoll.core.rejection import RejectionKind
 
 
 def norm(t: torch.Tensor) -> float:
@@ -17,11 +19,11 @@ def norm(t: torch.Tensor) -> float:
 
 
 def reference_rda(vs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
-    """SPEC §1 written out literally, in float64."""
+    """RDA as docs/training.md and the paper define it, written out literally, in float64."""
     vs64 = [v.double() for v in vs]
     sw = sum(ws)
-    radius = sum(w * v.norm() for w, v in zip(ws, vs64)) / sw
-    d = sum(w * (v / v.norm()) for w, v in zip(ws, vs64)) / sw
+    radius = sum(w * v.norm() for w, v in zip(ws, vs64, strict=True)) / sw
+    d = sum(w * (v / v.norm()) for w, v in zip(ws, vs64, strict=True)) / sw
     return (radius * d / d.norm()).float()
 
 
@@ -31,8 +33,8 @@ def test_token_weights() -> None:
     )
     # raw: a = 400^2/4 = 40000, b = 400^2/2 = 80000
     assert res.weights == pytest.approx({"a": 1 / 3, "b": 2 / 3})
-    assert "c_steps=0" in res.rejected["c"]
-    assert contribution_weights({"a": Counters(c_steps=3, c_tokens=0)}).rejected["a"].startswith("zero weight")
+    assert res.rejected["c"].kind is RejectionKind.NO_STEPS and "c_steps=0" in res.rejected["c"].detail
+    assert contribution_weights({"a": Counters(c_steps=3, c_tokens=0)}).rejected["a"].kind is RejectionKind.NO_TOKENS
     uni = contribution_weights({"a": Counters(c_steps=4, c_tokens=400), "b": Counters(c_steps=1, c_tokens=9)}, rule="uniform")
     assert uni.weights == {"a": 0.5, "b": 0.5}
     with pytest.raises(ValueError, match="weighting rule"):
@@ -43,7 +45,7 @@ def test_weighted_mean_matches_reference() -> None:
     g = torch.Generator().manual_seed(1)
     vs = [torch.randn(5, 3, generator=g) for _ in range(4)]
     ws = [1.0, 2.0, 0.5, 0.5]
-    ref = sum(w * v for w, v in zip(ws, vs)) / sum(ws)
+    ref = sum(w * v for w, v in zip(ws, vs, strict=True)) / sum(ws)
     torch.testing.assert_close(weighted_mean(vs, ws), ref)
 
 
@@ -119,3 +121,17 @@ def test_merge_errors() -> None:
         rda([torch.tensor([float("nan"), 1.0])], [1.0])
     with pytest.raises(ValueError, match="same tensor names"):
         merge_fragment([{"a": torch.ones(1)}, {"b": torch.ones(1)}], [1.0, 1.0])
+
+
+def test_rda_near_cancellation_returns_zero_not_amplified_noise() -> None:
+    """v and -v one ulp apart: the mean direction is ~1e-8, far below RDA_CANCEL_TOL."""
+    torch.manual_seed(0)
+    v = torch.randn(1000)
+    w = -torch.nextafter(v, v + torch.sign(v))  # -v, one ulp larger in magnitude
+    out = rda([v, w], [1.0, 1.0])
+    assert torch.equal(out, torch.zeros(1000))
+    # Just above the tolerance the direction is kept and scaled to the mean radius.
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1e-5])
+    kept = rda([a, b], [1.0, 1.0])
+    assert float(torch.linalg.vector_norm(kept)) == pytest.approx(float((a.norm() + b.norm()) / 2), rel=1e-5)
+    assert RDA_CANCEL_TOL == 1e-6

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.core import Arrival, QuorumPolicy, TimingEma, TimingEstimates, decide_round, grace_window_s
+from atoll.core.rejection import RejectionKind
 
 
 def arr(lid: str, t: float, steps: int = 4, tokens: int = 100) -> Arrival:
@@ -64,7 +65,8 @@ def test_closes_after_grace_and_rejects_late() -> None:
     # Polled late at 3.0: c arrived after the window closed at 2.0 -> rejected as late.
     d = decide_round(now_s=3.0, opened_at_s=0.0, arrivals=arrivals, live_learners=live, policy=pol, timings=TIMINGS)
     assert d.close and [a.learner_id for a in d.accepted] == ["a", "b"]
-    assert [(a.learner_id, r.split(":")[0]) for a, r in d.rejected] == [("c", "late")]
+    assert [(a.learner_id, r.kind) for a, r in d.rejected] == [("c", RejectionKind.LATE)]
+    assert not d.rejected[0][1].final  # the next round of this fragment reconsiders it
     assert d.quorum_at_s == 1.0 and d.waiting_for == ("c", "d")
 
 
@@ -100,7 +102,8 @@ def test_rejects_zero_steps_and_duplicates() -> None:
     d = decide_round(now_s=5.0, opened_at_s=0.0, arrivals=arrivals, live_learners={"a", "b", "c"}, policy=pol, timings=TIMINGS)
     assert d.close and [a.learner_id for a in d.accepted] == ["b"]
     reasons = {a.learner_id + str(a.arrived_at_s): r for a, r in d.rejected}
-    assert "c_steps=0" in reasons["a0.5"] and reasons["b1.1"].startswith("duplicate")
+    assert reasons["a0.5"].kind is RejectionKind.NO_STEPS and "c_steps=0" in reasons["a0.5"].detail
+    assert reasons["b1.1"].kind is RejectionKind.DUPLICATE and reasons["b1.1"].final
 
 
 def test_deadline_closes_below_quorum_only_with_something() -> None:
@@ -134,9 +137,9 @@ def test_timing_ema() -> None:
     ema.update("sync_s", 1.0)
     restored = TimingEma.from_dict(ema.to_dict())
     assert restored.estimates() == ema.estimates() == TimingEstimates(step_s=3.0, sync_s=1.0)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="unknown timing 'lunch_s'"):
         ema.update("lunch_s", 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="timing sample for step_s must be finite and >= 0, got nan"):
         ema.update("step_s", float("nan"))
     with pytest.raises(ValueError, match="ema_decay"):
         TimingEma(decay=1.0)

@@ -1,4 +1,4 @@
-"""The special cases that keep the math honest (SPEC §1), end to end through atoll.core.
+"""The special cases that keep the math honest (docs/training.md; paper arXiv 2604.21428), end to end through atoll.core.
 
 (a) K = M, P = 1, tau = 0, uniform weights, plain mean  =>  synchronous DiLoCo.
 (b) ... and H = 1, eta = 1, mu = 0, plain SGD inside  =>  data-parallel SGD on the union of batches.

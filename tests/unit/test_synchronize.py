@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from atoll.core import Counters, FragmentContribution, NesterovOuterOptimizer, synchronize_fragment
+from atoll.core.rejection import RejectionKind
 
 
 def contrib(key: str, delta: torch.Tensor, base: int = 0, steps: int = 2, tokens: int = 10) -> FragmentContribution:
@@ -27,11 +28,12 @@ def test_each_bad_contribution_gets_a_reason_and_the_rest_merge() -> None:
     res = synchronize_fragment(current=cur, bases={0: cur}, contributions=contributions, optimizer=opt, outlier_norm_ratio=10.0)
     assert res is not None
     assert set(res.weights) == {"good1", "good2", "good3"}
-    assert "NaN" in res.rejected["nan"]
-    assert "shape" in res.rejected["shape"]
-    assert "base version 9" in res.rejected["nobase"]
-    assert "c_steps=0" in res.rejected["nosteps"]
-    assert res.rejected["huge"].startswith("outlier")
+    kinds = {k: r.kind for k, r in res.rejected.items()}
+    assert kinds == {"nan": RejectionKind.NON_FINITE, "shape": RejectionKind.LAYOUT,
+                     "nobase": RejectionKind.UNKNOWN_BASE, "nosteps": RejectionKind.NO_STEPS,
+                     "huge": RejectionKind.OUTLIER}
+    assert "NaN" in res.rejected["nan"].detail and "shape" in res.rejected["shape"].detail
+    assert "base version 9" in res.rejected["nobase"].detail and "c_steps=0" in res.rejected["nosteps"].detail
     assert torch.isfinite(res.new_params["w"]).all()
     assert res.update_norm > 0
 

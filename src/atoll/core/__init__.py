@@ -25,8 +25,10 @@ from atoll.core.quorum import (
     decide_round,
     grace_window_s,
 )
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.retry import FETCH_RETRY, ROUND_RETRY, STORAGE_RETRY, RetryPolicy
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
-from atoll.core.weights import Counters, WeightResult, contribution_weights
+from atoll.core.weights import Counters, WeightResult, contribution_weights, unweighable
 
 __all__ = [
     "Arrival",
@@ -44,6 +46,12 @@ __all__ = [
     "NesterovOuterOptimizer",
     "QuorumDecision",
     "QuorumPolicy",
+    "Rejection",
+    "RejectionKind",
+    "RetryPolicy",
+    "FETCH_RETRY",
+    "ROUND_RETRY",
+    "STORAGE_RETRY",
     "TimingEma",
     "TimingEstimates",
     "WeightResult",
@@ -66,5 +74,6 @@ __all__ = [
     "rda",
     "synchronize_fragment",
     "synchronous_diloco",
+    "unweighable",
     "weighted_mean",
 ]

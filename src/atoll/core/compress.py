@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll.core.rejection import RejectionKind
+
 __all__ = ["CODECS", "CompressionError", "EncodedTensor", "encode", "decode", "encoded_nbytes"]
 
 CODECS = ("fp32", "bf16", "int4")
@@ -24,7 +26,12 @@ _INT4_MAX = 7
 
 
 class CompressionError(ValueError):
-    """The tensor cannot be encoded/decoded as asked; the message says why."""
+    """The tensor cannot be encoded/decoded as asked; the message says why, ``kind`` says what
+    class of bad input it is (``NON_FINITE`` for NaN/Inf, ``LAYOUT`` for everything else)."""
+
+    def __init__(self, message: str, kind: RejectionKind = RejectionKind.LAYOUT) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ def encode(x: torch.Tensor, codec: str = "fp32", *, block_size: int = 32) -> Enc
         raise CompressionError(f"cannot encode an empty tensor (shape {tuple(x.shape)})")
     x32 = x.detach().float().contiguous()
     if not bool(torch.isfinite(x32).all()):
-        raise CompressionError("cannot encode a tensor with NaN or Inf values")
+        raise CompressionError("cannot encode a tensor with NaN or Inf values", RejectionKind.NON_FINITE)
     shape = tuple(x32.shape)
     if codec == "fp32":
         return EncodedTensor(codec, shape, {"data": x32.clone()})

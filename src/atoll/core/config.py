@@ -82,6 +82,14 @@ class DilocoConfig:
     compression_block_size: int = 32
     """Elements per scale block for 'int4' (even, >= 2)."""
 
+    max_wait_s: float | None = None
+    """Close a round below quorum (with >= 1 valid contribution) once it has been open this long;
+    None waits for the quorum K indefinitely (the paper's rule)."""
+
+    outlier_norm_ratio: float | None = 100.0
+    """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median
+    (needs >= 3 contributions); None disables the guard."""
+
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -128,13 +136,23 @@ class DilocoConfig:
             "compression_block_size",
             "must be an even integer >= 2 (two 4-bit codes share a byte)",
         )
+        need(
+            self.max_wait_s is None or (math.isfinite(self.max_wait_s) and self.max_wait_s > 0),
+            "max_wait_s",
+            "must be None or a finite number of seconds > 0",
+        )
+        need(
+            self.outlier_norm_ratio is None or (math.isfinite(self.outlier_norm_ratio) and self.outlier_norm_ratio > 1),
+            "outlier_norm_ratio",
+            "must be None or a finite ratio > 1",
+        )
 
     @property
     def steps_between_rounds(self) -> float:
         """Inner steps between two consecutive outer rounds: H / P."""
         return self.inner_steps / self.num_fragments
 
-    def quorum_policy(self, *, poll_interval_s: float = 1.0, max_wait_s: float | None = None) -> QuorumPolicy:
+    def quorum_policy(self, *, poll_interval_s: float = 1.0) -> QuorumPolicy:
         """The quorum/grace policy this config implies."""
         return QuorumPolicy(
             min_quorum=self.min_quorum,
@@ -143,7 +161,7 @@ class DilocoConfig:
             steps_between_rounds=self.steps_between_rounds,
             initial_grace_s=self.initial_grace_s,
             poll_interval_s=poll_interval_s,
-            max_wait_s=max_wait_s,
+            max_wait_s=self.max_wait_s,
         )
 
     def replace(self, **changes: Any) -> DilocoConfig:

@@ -13,7 +13,8 @@ offsets evenly over H keeps one round every ``H / P`` steps.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -77,6 +78,11 @@ class FragmentPlan:
     embedding_names: frozenset[str] = frozenset()
     """Parameters that are embeddings (merged by the plain weighted mean)."""
 
+    # Derived in __post_init__ (not constructor arguments, not part of equality).
+    _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _by_offset: dict[int, int] = field(init=False, repr=False, compare=False)
+    _owner: dict[str, int] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         names = [n for frag in self.fragments for n in frag]
         if len(names) != len(set(names)):
@@ -85,9 +91,7 @@ class FragmentPlan:
             raise ValueError("fragments must cover exactly the parameters in sizes")
         # Validates H >= P.
         object.__setattr__(self, "_offsets", fragment_offsets(len(self.fragments), self.inner_steps))
-        object.__setattr__(
-            self, "_by_offset", {t: p for p, t in enumerate(self._offsets)}  # type: ignore[attr-defined]
-        )
+        object.__setattr__(self, "_by_offset", {t: p for p, t in enumerate(self._offsets)})
         object.__setattr__(self, "_owner", {n: p for p, frag in enumerate(self.fragments) for n in frag})
 
     @property
@@ -97,17 +101,17 @@ class FragmentPlan:
     @property
     def offsets(self) -> tuple[int, ...]:
         """t_p for every fragment."""
-        return self._offsets  # type: ignore[attr-defined,no-any-return]
+        return self._offsets
 
     def fragment_at(self, step: int) -> int | None:
         """Fragment to publish after finishing local step ``step`` (>= 1), or None."""
         if step < 1:
             return None
-        return self._by_offset.get(step % self.inner_steps)  # type: ignore[attr-defined,no-any-return]
+        return self._by_offset.get(step % self.inner_steps)
 
     def fragment_of(self, name: str) -> int:
         """Index of the fragment that owns parameter ``name``."""
-        return self._owner[name]  # type: ignore[attr-defined,no-any-return]
+        return self._owner[name]
 
     def fragment_numel(self, p: int) -> int:
         return sum(self.sizes[n] for n in self.fragments[p])
@@ -126,12 +130,14 @@ class FragmentPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> FragmentPlan:
+    def from_dict(cls, data: Mapping[str, Any]) -> FragmentPlan:
+        """Inverse of :meth:`to_dict`; a malformed plan raises KeyError, TypeError or ValueError
+        (the storage layer turns those into a schema rejection)."""
         return cls(
-            fragments=tuple(tuple(f) for f in data["fragments"]),  # type: ignore[union-attr]
-            sizes={str(k): int(v) for k, v in dict(data["sizes"]).items()},  # type: ignore[call-overload]
-            inner_steps=int(data["inner_steps"]),  # type: ignore[call-overload]
-            embedding_names=frozenset(data.get("embedding_names", ())),  # type: ignore[arg-type]
+            fragments=tuple(tuple(str(n) for n in f) for f in data["fragments"]),
+            sizes={str(k): int(v) for k, v in dict(data["sizes"]).items()},
+            inner_steps=int(data["inner_steps"]),
+            embedding_names=frozenset(str(n) for n in data.get("embedding_names", ())),
         )
 
 

@@ -1,13 +1,17 @@
 """Merging outer gradients: weighted mean and radial-directional averaging (RDA).
 
-RDA, per tensor (SPEC §1)::
+RDA, per tensor (paper arXiv 2604.21428, radial-directional averaging)::
 
     Delta = (sum w ||v|| / sum w) * phi(sum w phi(v) / sum w),   phi(x) = x / ||x||, phi(0) = 0
 
 The radius is the weighted mean of the norms and the direction is the normalised weighted mean
 of directions, so the merged update does not shrink as M grows the way a plain mean of
-near-orthogonal vectors does. If every direction cancels, phi(0) = 0 gives a zero update (finite,
-no NaN). Embeddings use the plain weighted mean (their rows are sparse and mostly disjoint across
+near-orthogonal vectors does.
+
+Cancellation: the mean of unit directions has a norm in [0, 1] that measures agreement. When it
+falls below ``RDA_CANCEL_TOL`` (1e-6) the learners' directions have (numerically) cancelled and
+the update is **zero**. Normalising such a residue would blow rounding noise up to the full
+radius and concentrate it on a few entries (e.g. v and -v one ulp apart), so it is not done. Embeddings use the plain weighted mean (their rows are sparse and mostly disjoint across
 learners, so norms are not comparable). Everything is accumulated in fp32.
 """
 
@@ -18,10 +22,13 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
-__all__ = ["weighted_mean", "rda", "merge_fragment"]
+__all__ = ["RDA_CANCEL_TOL", "weighted_mean", "rda", "merge_fragment"]
 
 # Norms below this are treated as zero (phi(0) = 0) so a numerically-cancelled sum stays finite.
 _EPS = 1e-30
+
+RDA_CANCEL_TOL = 1e-6
+"""Below this norm of the weighted mean of unit directions (1 = full agreement) RDA returns zero."""
 
 
 def _check(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
@@ -69,8 +76,10 @@ def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
         unit, norm = _phi(t.float())
         direction.add_(unit, alpha=w / total)
         radius += w / total * norm
-    unit, _ = _phi(direction)
-    return unit * radius
+    agreement = float(torch.linalg.vector_norm(direction))
+    if agreement < RDA_CANCEL_TOL:
+        return torch.zeros_like(direction)
+    return direction / agreement * radius
 
 
 def merge_fragment(

@@ -1,6 +1,6 @@
 """Pseudo-gradients (outer gradients) of one fragment.
 
-Sign convention (SPEC §1): a learner publishes ``delta = Theta_p(b) - theta_{m,p}``: the global
+Sign convention (paper arXiv 2604.21428, Sec. 3: outer gradients): a learner publishes ``delta = Theta_p(b) - theta_{m,p}``: the global
 fragment at the base version b it last aligned to, minus its own current fragment. The
 synchronizer re-anchors it at the *current* global value:
 

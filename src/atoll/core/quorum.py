@@ -22,8 +22,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.weights import unweighable
+
 __all__ = [
-    "LATE",
     "Arrival",
     "QuorumDecision",
     "QuorumPolicy",
@@ -32,11 +34,6 @@ __all__ = [
     "decide_round",
     "grace_window_s",
 ]
-
-
-LATE = "late:"
-"""Prefix of the rejection reason for a contribution that missed the grace window. Unlike every
-other rejection it is not final: the next round of the same fragment may still merge it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +191,9 @@ class QuorumDecision:
     accepted: tuple[Arrival, ...]
     """Contributions to merge (only meaningful when ``close``), in arrival order."""
 
-    rejected: tuple[tuple[Arrival, str], ...]
-    """Contributions that will not be merged, each with the reason."""
+    rejected: tuple[tuple[Arrival, Rejection], ...]
+    """Contributions that will not be merged in this round, each with its typed reason (only
+    ``RejectionKind.LATE`` is not final)."""
 
     reason: str
     """One line for logs and the Prefect UI."""
@@ -216,18 +214,18 @@ class QuorumDecision:
     """Live learners that have not contributed yet."""
 
 
-def _validate(arrivals: Iterable[Arrival]) -> tuple[list[Arrival], list[tuple[Arrival, str]]]:
+def _validate(arrivals: Iterable[Arrival]) -> tuple[list[Arrival], list[tuple[Arrival, Rejection]]]:
     """Drop zero-step and duplicate contributions, with reasons; keep arrival order."""
     valid: list[Arrival] = []
-    rejected: list[tuple[Arrival, str]] = []
+    rejected: list[tuple[Arrival, Rejection]] = []
     seen: set[str] = set()
     for a in sorted(arrivals, key=lambda a: (a.arrived_at_s, a.learner_id, a.key)):
-        if a.c_steps <= 0:
-            rejected.append((a, f"no inner steps since last alignment (c_steps={a.c_steps})"))
-        elif a.c_tokens <= 0:
-            rejected.append((a, f"no tokens since last alignment (c_tokens={a.c_tokens})"))
+        why = unweighable(a.c_steps, a.c_tokens)
+        if why is not None:
+            rejected.append((a, why))
         elif a.learner_id in seen:
-            rejected.append((a, "duplicate: an earlier contribution from this learner is in the round"))
+            rejected.append((a, Rejection(RejectionKind.DUPLICATE,
+                                          "an earlier contribution from this learner is in the round")))
         else:
             seen.add(a.learner_id)
             valid.append(a)
@@ -345,5 +343,5 @@ def decide_round(
     )
 
 
-def _late_reason(a: Arrival, close_at_s: float) -> str:
-    return f"{LATE} arrived {a.arrived_at_s - close_at_s:.2f}s after the grace window closed"
+def _late_reason(a: Arrival, close_at_s: float) -> Rejection:
+    return Rejection(RejectionKind.LATE, f"arrived {a.arrived_at_s - close_at_s:.2f}s after the grace window closed")

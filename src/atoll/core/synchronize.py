@@ -17,7 +17,8 @@ import torch
 from atoll.core.merge import merge_fragment
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.pseudograd import check_same_layout, outer_gradient
-from atoll.core.weights import Counters, contribution_weights
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.weights import Counters, contribution_weights, unweighable
 
 __all__ = ["FragmentContribution", "FragmentRoundResult", "synchronize_fragment"]
 
@@ -57,8 +58,8 @@ class FragmentRoundResult:
     weights: dict[str, float]
     """Normalised weight per accepted contribution key."""
 
-    rejected: dict[str, str] = field(default_factory=dict)
-    """Contribution key -> reason it got weight 0."""
+    rejected: dict[str, Rejection] = field(default_factory=dict)
+    """Contribution key -> why it got weight 0."""
 
     norms: dict[str, float] = field(default_factory=dict)
     """L2 norm of each contribution's outer gradient v (for the round's table)."""
@@ -91,30 +92,31 @@ def synchronize_fragment(
     ``outlier_norm_ratio`` times the median of the round get weight 0 with a reason. Returns
     None (and leaves the optimizer untouched) if nothing is left to merge.
     """
-    rejected: dict[str, str] = {}
+    rejected: dict[str, Rejection] = {}
     grads: dict[str, dict[str, torch.Tensor]] = {}
     counters: dict[str, Counters] = {}
     norms: dict[str, float] = {}
     for c in contributions:
         if c.key in grads or c.key in rejected:
             raise ValueError(f"duplicate contribution key {c.key!r}")
-        unweighable = contribution_weights({c.key: c.counters}, rule=weighting).rejected
-        if unweighable:
-            rejected.update(unweighable)
+        why = unweighable(c.counters.c_steps, c.counters.c_tokens)
+        if why is not None:
+            rejected[c.key] = why
             continue
         base = bases.get(c.base_version)
         if base is None:
-            rejected[c.key] = f"base version {c.base_version} of this fragment is not available"
+            rejected[c.key] = Rejection(RejectionKind.UNKNOWN_BASE,
+                                        f"base version {c.base_version} of this fragment is not available")
             continue
         try:
             check_same_layout(current, c.delta, what=f"delta from {c.learner_id}")
         except ValueError as e:
-            rejected[c.key] = str(e)
+            rejected[c.key] = Rejection(RejectionKind.LAYOUT, str(e))
             continue
         v = outer_gradient(current, base, c.delta)
         n = _norm(v)
         if not math.isfinite(n):
-            rejected[c.key] = "outer gradient has NaN/Inf values"
+            rejected[c.key] = Rejection(RejectionKind.NON_FINITE, "outer gradient has NaN/Inf values")
             continue
         grads[c.key], counters[c.key], norms[c.key] = v, c.counters, n
 
@@ -122,7 +124,8 @@ def synchronize_fragment(
         median = statistics.median(norms.values())
         for key, n in list(norms.items()):
             if median > 0 and n > outlier_norm_ratio * median:
-                rejected[key] = f"outlier: norm {n:.3g} > {outlier_norm_ratio:g} x median {median:.3g}"
+                rejected[key] = Rejection(RejectionKind.OUTLIER,
+                                          f"norm {n:.3g} > {outlier_norm_ratio:g} x median {median:.3g}")
                 del grads[key], counters[key]
 
     w = contribution_weights(counters, rule=weighting)

@@ -11,7 +11,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Counters", "WeightResult", "contribution_weights"]
+from atoll.core.rejection import Rejection, RejectionKind
+
+__all__ = [
+    "Counters",
+    "WeightResult",
+    "contribution_weights",
+    "unweighable",
+    "impossible_counters",
+    "max_steps_since",
+    "MIN_STEP_S",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +40,69 @@ class WeightResult:
     """Normalised weights (summing to 1 over accepted keys) and the reasons for zero weights."""
 
     weights: dict[str, float]
-    rejected: dict[str, str]
+    rejected: dict[str, Rejection]
+
+
+def unweighable(c_steps: int, c_tokens: int) -> Rejection | None:
+    """The one check for a contribution that cannot be weighed (no steps or no tokens since its
+    learner aligned the fragment), used by the quorum decision, the weights and the merge alike."""
+    if c_steps <= 0:
+        return Rejection(RejectionKind.NO_STEPS, f"no inner steps since last alignment (c_steps={c_steps})")
+    if c_tokens <= 0:
+        return Rejection(RejectionKind.NO_TOKENS, f"no tokens since last alignment (c_tokens={c_tokens})")
+    return None
+
+
+MIN_STEP_S = 1e-3
+"""The shortest inner step :func:`max_steps_since` allows for in the time since a base version
+was committed: learners never wait for the synchronizer, so while rounds are slow (no quorum, a
+slow merge) they keep stepping, and those steps are honest."""
+
+
+def max_steps_since(base_version: int, round_: int, inner_steps: int, *, elapsed_s: float = 0.0) -> int:
+    """The most inner steps an honest learner can have run on a fragment since it aligned to
+    ``base_version``, as seen when round ``round_`` is being decided.
+
+    Bound: ``H * (round_ - base_version + 2) + elapsed_s / MIN_STEP_S``, where ``elapsed_s`` is
+    the time on the synchronizer's own clock since it saw ``base_version`` committed (or since it
+    started, if that was earlier). Why it holds for an honest learner: it aligns to version ``b``
+    only after round ``b`` committed, and its counters grow by one per inner step. The time term
+    alone already bounds them for any learner stepping no faster than a millisecond; the round
+    term is the steady state with no time at all: fragment p comes up once every P rounds and
+    the learner publishes it every H steps, so ``c_steps`` is about H while the bound is at least
+    ``H * (P + 2)`` against the current version (``H * (2P + 2)`` against the one before); the
+    ``+ 2`` covers the tau < H steps between publishing and seeing the next version.
+
+    What it does not see: steps run while no synchronizer was running (its clock starts when it
+    does). A contribution that trained through a long synchronizer outage can be refused; the
+    learner is not stuck: a refusal carries no update, so the fragment stays at ``b`` while the
+    bound grows by H * P per P rounds (and by the elapsed time), far faster than the learner's
+    ~H steps, and a later contribution passes.
+    """
+    rounds = max(0, int(round_) - int(base_version))
+    extra = int(elapsed_s / MIN_STEP_S) if math.isfinite(elapsed_s) and elapsed_s > 0 else 0
+    return int(inner_steps) * (rounds + 2) + extra
+
+
+def impossible_counters(c_steps: int, c_tokens: int, *, max_steps: int | None = None,
+                        max_tokens_per_step: int | None = None) -> Rejection | None:
+    """IMPOSSIBLE_COUNTERS if the counters claim more than a learner can have done, else None.
+
+    ``max_tokens_per_step`` is batch x context (a learner consumes exactly that many tokens per
+    inner step); ``max_steps`` comes from :func:`max_steps_since`. None skips that check (a run
+    with no recipe has no known batch). Counters that are not positive are left to
+    :func:`unweighable`. Integers only: no float conversion, so no overflow.
+    """
+    if c_steps <= 0 or c_tokens <= 0:
+        return None
+    if max_steps is not None and c_steps > max_steps:
+        return Rejection(RejectionKind.IMPOSSIBLE_COUNTERS,
+                         f"c_steps={c_steps} is more than the {max_steps} steps possible since its base version")
+    if max_tokens_per_step is not None and c_tokens > c_steps * max_tokens_per_step:
+        return Rejection(RejectionKind.IMPOSSIBLE_COUNTERS,
+                         f"c_tokens={c_tokens} is more than c_steps={c_steps} x {max_tokens_per_step} "
+                         "tokens per step (batch x context)")
+    return None
 
 
 def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "tokens") -> WeightResult:
@@ -38,12 +110,11 @@ def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "token
     if rule not in ("tokens", "uniform"):
         raise ValueError(f"weighting rule must be 'tokens' or 'uniform', got {rule!r}")
     raw: dict[str, float] = {}
-    rejected: dict[str, str] = {}
+    rejected: dict[str, Rejection] = {}
     for key, c in counters.items():
-        if c.c_steps <= 0:
-            rejected[key] = f"zero weight: no inner steps (c_steps={c.c_steps})"
-        elif c.c_tokens <= 0:
-            rejected[key] = f"zero weight: no tokens (c_tokens={c.c_tokens})"
+        why = unweighable(c.c_steps, c.c_tokens)
+        if why is not None:
+            rejected[key] = why
         else:
             raw[key] = 1.0 if rule == "uniform" else float(c.c_tokens) ** 2 / float(c.c_steps)
     total = math.fsum(raw.values())

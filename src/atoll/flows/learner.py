@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from atoll.tasks.report import slug
-from atoll.tasks.runs import open_run
-from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+from atoll.runs.manage import open_run
+from atoll.runs.report import slug
+from atoll.train.learner import LearnerOptions, run_learner
+from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]
 
@@ -41,10 +43,10 @@ def learner_flow(
     recipe = load_recipe(store)
     _, spec = recipe.learner(learner_id)
     logger.info(f"{learner_id}: pid {os.getpid()} on {socket.gethostname()}, pool {spec.pool}, run {store.url}")
-    progress_id = create_progress_artifact(
+    progress_id = cast(UUID | None, create_progress_artifact(  # sync call in a sync flow: a UUID, not a coroutine
         progress=100.0 * min(1.0, store.latest_round() / recipe.max_rounds),
         description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
-    )
+    ))
 
     def log(line: str) -> None:
         logger.info(line)

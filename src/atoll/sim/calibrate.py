@@ -2,31 +2,38 @@
 
 The paper (arXiv 2604.21428) reports, at N = 1.2 M chips and one failure per chip-year:
 goodput 27% for data-parallel, 58% for elastic data-parallel, 88% for Decoupled DiLoCo with
-M = 8. In this simulator, to first order (failure rate of the fleet λ = N r / year):
+M = 8. With λ = N r (failures per second of the fleet, r = 1 / year per chip):
 
-* DP is down ``restart_s`` after every failure, outages merging when they overlap. The fraction of
-  time with no outage in progress is exactly ``exp(-λ c)`` (Poisson): **c = -ln(G_DP) / λ**.
-* Elastic DP stalls ``reconfig_s`` = e at every change (a slice leaves, a slice comes back: 2λ
-  changes per second) and trains on the slices in service, missing a fraction ``y = r R S`` of the
-  chips (R the recovery delay, S chips per slice): ``G_E ≈ exp(-2 λ e) (1 - y)``.
-* Decoupled DiLoCo with M islands pays the same stalls, each on 1/M of the fleet:
-  ``G_M ≈ exp(-2 λ e / M) (1 - y)``.
+* **DP** is an alternating renewal process (stall and restart): ``G_DP = 1 / (1 + λ R)`` exactly
+  in expectation, R the mean outage. So **R = (1 / G_DP - 1) / λ** (71.0 s).
+* A DP outage is "wait for the failed slice, then re-form the job": R = E[recovery] + restart.
+  A restart is the same operation as an elastic reconfiguration (re-form the mesh on the slices in
+  service and load the state), so **restart_s = reconfig_s = e** and **E[recovery] = R - e**.
+  DP and elastic DP then differ in one thing only: DP waits for the failed slice, elastic does not.
+* **Elastic DP** stalls e per reconfiguration and re-admits returned slices within a window W
+  (:func:`atoll.sim.fleet.elastic_schedule`). **Decoupled DiLoCo** runs the same mechanics on each
+  of its M islands, so M learners on N chips have the goodput of elastic DP on N / M chips (the
+  paper's rule of thumb). The two remaining numbers are therefore two points of one curve:
+  ``G_E(1.2 M) = 58%`` and ``G_E(1.2 M / 8) = 88%``. They fix **e** and **W**, solved numerically
+  on long traces of the elastic mechanics itself (common random numbers, fixed seed).
 
-The last two give ``ln(G_8 / G_E) = 2 λ e (1 - 1/8)`` -> **e**, then **y**, then with S fixed
-(256 chips per slice, a structural choice, not fitted) **R = y / (r S)**. So: restart cost from
-DP alone; reconfiguration cost from the ratio elastic : M=8; recovery delay from what is left.
-Everything else the simulator prints (other N, other M, uptime, rounds per hour, heterogeneity)
-is a prediction. tests/sim/test_calibration.py checks the simulated values land within 2 points.
+Structural choices (not fitted): slice = 256 chips; the recovery delay is exponentiated Weibull
+with shape k = 2 and exponent a = 2 (concentrated around its mean: few slices come back before
+their own reconfiguration is over). Everything the simulator prints beyond the three numbers --
+other N, other M, uptime, rounds per hour, the heterogeneous table -- is a prediction.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from atoll.sim.fleet import SECONDS_PER_YEAR, CostModel, RecoveryDelay
+import numpy as np
 
-__all__ = ["PaperTargets", "calibrate"]
+from atoll.sim.fleet import SECONDS_PER_YEAR, CostModel, RecoveryDelay, elastic_schedule
+
+__all__ = ["PaperTargets", "calibrate", "first_order"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,30 +48,126 @@ class PaperTargets:
     decoupled_m: int = 8
 
 
+def _root(fn: Callable[[float], float], lo: float, hi: float, tol: float, iters: int = 60) -> float:
+    """Illinois regula falsi for a sign change of fn on [lo, hi]."""
+    flo, fhi = fn(lo), fn(hi)
+    if flo == 0:
+        return lo
+    if fhi == 0:
+        return hi
+    if (flo > 0) == (fhi > 0):
+        raise ValueError("no sign change")
+    side = 0
+    x = lo
+    for _ in range(iters):
+        x = (lo * fhi - hi * flo) / (fhi - flo)
+        fx = fn(x)
+        if abs(fx) < tol or hi - lo < 1e-9 * max(1.0, abs(x)):
+            return x
+        if (fx > 0) == (fhi > 0):
+            hi, fhi = x, fx
+            if side == -1:
+                flo /= 2
+            side = -1
+        else:
+            lo, flo = x, fx
+            if side == 1:
+                fhi /= 2
+            side = 1
+    return x
+
+
 def calibrate(
     targets: PaperTargets = PaperTargets(),
     *,
     slice_chips: int = 256,
-    recovery_kind: str = "fixed",
-    recovery_shape: float = 1.0,
+    recovery_kind: str = "exponentiated_weibull",
+    recovery_shape: float = 2.0,
+    recovery_exponent: float = 2.0,
+    days: float = 10.0,
+    seed: int = 20260423,
 ) -> CostModel:
-    """Solve the three first-order equations above for (restart_s, reconfig_s, recovery mean)."""
+    """Solve for (e = reconfig_s = restart_s, readmit_window_s, recovery mean) as described above.
+
+    ``days`` sets the length of the calibration traces (of the N-chip fleet; the N/M one runs
+    M times longer so both see about the same number of failures). Takes a few seconds.
+    """
     t = targets
     if not (0 < t.goodput_dp < 1 and 0 < t.goodput_elastic < t.goodput_decoupled < 1 and t.decoupled_m > 1):
         raise ValueError("need 0 < DP < 1 and 0 < elastic < decoupled < 1, with M > 1")
     r = t.failures_per_chip_year / SECONDS_PER_YEAR  # per chip per second
     lam = t.chips * r
-    restart = -math.log(t.goodput_dp) / lam
-    two_lam_e = math.log(t.goodput_decoupled / t.goodput_elastic) / (1.0 - 1.0 / t.decoupled_m)
-    reconfig = two_lam_e / (2.0 * lam)
-    y = 1.0 - t.goodput_elastic * math.exp(two_lam_e)
-    if not (0 <= y < 1):
-        raise ValueError(f"targets imply an impossible capacity loss y={y:.3f}")
-    recovery = y / (r * slice_chips)
-    return CostModel(
-        failures_per_chip_year=t.failures_per_chip_year,
-        recovery=RecoveryDelay(kind=recovery_kind, mean_s=recovery, shape=recovery_shape),  # type: ignore[arg-type]
-        restart_s=restart,
-        reconfig_s=reconfig,
-        slice_chips=slice_chips,
+    outage = (1.0 / t.goodput_dp - 1.0) / lam  # R = E[recovery] + restart
+    unit = RecoveryDelay(kind=recovery_kind, mean_s=1.0, shape=recovery_shape, exponent=recovery_exponent)  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+
+    def draw(chips: float, horizon: float) -> tuple[np.ndarray, np.ndarray, float]:
+        n = int(rng.poisson(chips * r * horizon))
+        return np.sort(rng.uniform(0.0, horizon, n)), unit.sample(rng, n), horizon
+
+    big = draw(t.chips, days * 86400.0)
+    small_chips = t.chips / t.decoupled_m
+    small = draw(small_chips, days * 86400.0 * t.decoupled_m)
+
+    def costs(e: float, w: float) -> CostModel:
+        return CostModel(
+            failures_per_chip_year=t.failures_per_chip_year,
+            recovery=RecoveryDelay(
+                kind=recovery_kind,  # type: ignore[arg-type]
+                mean_s=max(0.0, outage - e),
+                shape=recovery_shape,
+                exponent=recovery_exponent,
+            ),
+            restart_s=e,
+            dp_waits_for_repair=True,
+            reconfig_s=e,
+            readmit_window_s=w,
+            slice_chips=slice_chips,
+        )
+
+    def goodput(trace: tuple[np.ndarray, np.ndarray, float], chips: float, e: float, w: float) -> float:
+        times, unit_rec, horizon = trace
+        c = costs(e, w)
+        sch = elastic_schedule(times, unit_rec * c.recovery.mean_s, horizon, chips, c)
+        return sch.useful_chip_s / (chips * horizon)
+
+    def e_for(w: float) -> float:  # reconfiguration time that puts elastic DP at its target
+        return _root(lambda e: goodput(big, t.chips, e, w) - t.goodput_elastic, 0.0, outage, 2e-5)
+
+    def gap(w: float) -> float:  # decoupled (= elastic on N/M) minus its target, along that curve
+        return goodput(small, small_chips, e_for(w), w) - t.goodput_decoupled
+
+    # Along the curve G_E(N) = target, the N/M point first falls with W (re-admissions ride on
+    # failure reconfigurations at N but not at N/M), then rises again (slices wait too long):
+    # take the first crossing, the shortest window that fits.
+    grid = [outage * x for x in (0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0, 4.0)]
+    prev_w, prev_gap = grid[0], gap(grid[0])
+    for w in grid[1:]:
+        g = gap(w)
+        if (g > 0) != (prev_gap > 0):
+            return costs(e_for(w_star := _root(gap, prev_w, w, 2e-5)), w_star)
+        prev_w, prev_gap = w, g
+    raise ValueError(
+        f"cannot place elastic DP at {t.goodput_elastic:.0%} and decoupled M={t.decoupled_m} at "
+        f"{t.goodput_decoupled:.0%} with any re-admission window in [0, {grid[-1]:.0f}] s: the "
+        "targets are outside what stall-per-reconfiguration mechanics can produce"
     )
+
+
+def first_order(costs: CostModel, chips: float) -> dict[str, float]:
+    """Closed-form approximations used in docs/simulator.md (not used by the simulator).
+
+    DP: exactly ``1 / (1 + λR)``. Elastic: ``1 / (1 + λ e (1 + q))``, where q is the share of
+    returning slices that need a reconfiguration of their own, estimated as
+    ``P(recovery > e) * exp(-λ W)`` (no failure reconfiguration within the window).
+    """
+    lam = chips * costs.failures_per_chip_year / SECONDS_PER_YEAR
+    rec = costs.recovery
+    e, w = costs.reconfig_s, costs.readmit_window_s
+    rng = np.random.default_rng(0)
+    p_late = float(np.mean(rec.sample(rng, 200_000) > e)) if rec.mean_s > 0 else 0.0
+    q = p_late * math.exp(-lam * w)
+    return {
+        "dp": 1.0 / (1.0 + lam * costs.dp_outage_s),
+        "elastic": 1.0 / (1.0 + lam * e * (1.0 + q)),
+    }

@@ -1,12 +1,12 @@
 """Decoupled DiLoCo on a simulated fleet: islands, learners, and the real quorum/grace policy.
 
-**Islands.** The fleet is split into M islands, one learner each. Inside its island a learner is
-elastic data-parallel: when one of its chips fails, the island pauses for ``reconfig_s`` to re-form
-its mesh on the remaining slices, trains on ``chips - slice_chips x (slices out)`` until the failed
-slice is back (the trace's recovery delay), and pauses ``reconfig_s`` again to take it back. An
-island with no slice left waits for one. A pause stops only that island; the step in flight
-resumes after it. So M = 1 has exactly elastic DP's failure mechanics, and a fleet split into M
-islands pays each reconfiguration on 1/M of the chips.
+**Islands.** The fleet is split into M islands, one learner each. Each island runs the elastic
+mechanics of :func:`atoll.sim.fleet.elastic_schedule` on its own share of the failure trace: a
+failure pauses only that island for ``reconfig_s`` while it re-forms its mesh without the failed
+slice, it trains on the slices in service meanwhile, and a slice that is back is re-admitted by
+the island's next reconfiguration (or one of its own after ``readmit_window_s``). The step in flight
+resumes after a pause. So M = 1 is elastic DP, and M learners on N chips pay what elastic DP pays
+on N / M chips.
 
 **Learners.** Inner steps take ``step_s * speed * max(0.1, 1 + spread * z)`` seconds (z ~ N(0,1)).
 After its step t a learner publishes fragment p when ``t mod H = t_p`` (t_p = floor(p H / P)). It
@@ -18,15 +18,18 @@ barrier, and that wait is lost chip-time.
 **Synchronizer.** One stream of rounds per fragment. A contribution joins the open round of its
 fragment, or opens one (contributions with an older base are re-anchored by the real protocol,
 never dropped, so none is lost; a learner that missed a round simply lands in the next one). A round
-closes exactly when :func:`atoll.core.quorum.decide_round` says so -- the function the real
-synchronizer calls. The simulator asks it whenever its answer can change: at quorum, when every
-live learner is in, when a learner pauses, and at the grace deadline it returned. The grace window
-comes from :class:`atoll.core.quorum.TimingEma` fed with simulated step, quorum and sync times, as
-the real synchronizer feeds it with measured ones.
+closes exactly when :func:`atoll.core.quorum.decide_round` would say so. By default the simulator
+asks :func:`atoll.sim.quorum_fast.decide_fast`, which returns core's decision without its log
+strings (``quorum="core"`` calls ``decide_round`` itself; tests check both give identical runs).
+It asks whenever the answer can change: at quorum, when every live learner is in, when a learner
+pauses, and at the grace deadline it returned. The grace window comes from
+:class:`atoll.core.quorum.TimingEma` fed with simulated step, quorum and sync times, as the real
+synchronizer feeds it with measured ones.
 
-**Outputs.** Goodput = chip-time spent in completed inner steps / (N x horizon) (the step in flight
-at the horizon counts for its elapsed part, so a fleet with no failures has goodput 1); uptime = the
-fraction of time at least one island computes; rounds per hour; merged contributions per round.
+**Outputs.** Goodput = chip-seconds spent computing inner steps / (N x horizon), at the island's
+size at each moment (waiting at the τ barrier is not computing), so a fleet with no failures has
+goodput 1 and M = 1 with K = 1 equals elastic DP; uptime = the fraction of time at least one island
+computes; rounds per hour; merged contributions per round.
 """
 
 from __future__ import annotations
@@ -34,13 +37,30 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from atoll.core.quorum import Arrival, QuorumDecision, QuorumPolicy, TimingEma, decide_round, grace_window_s
-from atoll.sim.fleet import TIMELINE_BINS, CostModel, FailureTrace, SystemResult
+from atoll.core.quorum import (
+    Arrival,
+    QuorumPolicy,
+    TimingEma,
+    decide_round,
+    grace_window_s,
+)
+from atoll.sim.fleet import (
+    TIMELINE_BINS,
+    CostModel,
+    FailureTrace,
+    Schedule,
+    SystemResult,
+    elastic_schedule,
+)
+from atoll.sim.quorum_fast import FastArrival, FastDecision, as_tuple, decide_fast
 
-__all__ = ["Island", "DecoupledSetup", "equal_islands", "two_speed_islands", "simulate_decoupled"]
+__all__ = ["DecoupledSetup", "Island", "equal_islands", "simulate_decoupled", "two_speed_islands"]
+
+QuorumPath = Literal["fast", "core"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,23 +143,28 @@ class DecoupledSetup:
         return self.label or f"decoupled M={len(self.islands)}"
 
 
-# Event kinds. At equal times slice changes come first, so a step that would end at the very
+# Event kinds. At equal times island pauses come first, so a step that would end at the very
 # instant its island pauses is paused instead.
-_SLICE, _STALL_END, _STEP, _RECHECK, _START = 0, 1, 2, 3, 4
+_PAUSE, _RESUME, _STEP, _RECHECK, _START = 0, 1, 2, 3, 4
 
 
 @dataclass
 class _Round:
     serial: int
     opened_at: float = 0.0
-    arrivals: list[Arrival] = field(default_factory=list)
-    members: set[int] = field(default_factory=set)
+    arrivals: list[FastArrival] = field(default_factory=list)
+    members: set[str] = field(default_factory=set)
     deadline_at: float | None = None
 
 
 class _Sim:
-    def __init__(self, trace: FailureTrace, costs: CostModel, setup: DecoupledSetup, seed: int) -> None:
+    def __init__(
+        self, trace: FailureTrace, costs: CostModel, setup: DecoupledSetup, seed: int, quorum: QuorumPath
+    ) -> None:
+        if quorum not in ("fast", "core"):
+            raise ValueError(f"quorum must be 'fast' or 'core', got {quorum!r}")
         self.trace, self.costs, self.setup = trace, costs, setup
+        self.quorum = quorum
         self.T = trace.horizon_s
         M = self.M = len(setup.islands)
         self.chips = [i.share * trace.chips for i in setup.islands]
@@ -149,23 +174,36 @@ class _Sim:
         self.H, self.P = setup.inner_steps, setup.num_fragments
         self.tau = setup.policy.overlap_steps
         self.K = setup.policy.min_quorum
-        self.frag_at = {(p * self.H) // self.P: p for p in range(self.P)}
+        self.policy = setup.policy
+        frag_at: list[int | None] = [None] * self.H
+        for p in range(self.P):
+            frag_at[(p * self.H) // self.P] = p
+        self.frag_at = frag_at
         self.ids = [f"L{m}" for m in range(M)]
+        self.index = {lid: m for m, lid in enumerate(self.ids)}
         self.ema = TimingEma(decay=setup.ema_decay)
         self.ema.update("step_s", setup.step_s)  # the nominal step time is known up front
+        self.grace = grace_window_s(self.policy, self.ema.estimates())
+
+        # islands: their elastic schedules, computed up front from their share of the trace
+        bounds = np.concatenate([[0.0], np.cumsum([i.share for i in setup.islands])])
+        bounds[-1] = np.inf
+        self.schedules: list[Schedule] = []
+        for m in range(M):
+            tr = trace.in_range(bounds[m], bounds[m + 1])
+            self.schedules.append(elastic_schedule(tr.times_s, tr.recovery_s, self.T, self.chips[m], costs))
+        self.seg = [-1] * M  # index of the island's current (or last) training interval
 
         # learners
-        self.up = [True] * M  # not pausing and has chips
+        self.up = [False] * M  # island training (not reconfiguring) on > 0 chips
+        self.live: set[str] = set()  # ids of the learners that are up
         self.active = [False] * M  # computing (up, not blocked)
-        self.avail = list(self.chips)  # chips in service
-        self.slice = [min(float(costs.slice_chips), c) for c in self.chips]
-        self.n_out = [0] * M  # slices out of service
-        self.stalls_open = [0] * M
+        self.avail = [0.0] * M  # chips in service
         self.k = [0] * M  # steps completed
-        self.work = 0.0  # chip-seconds of completed steps
+        self.work = 0.0  # chip-seconds spent computing
+        self.since = [0.0] * M  # start of the current computing stretch
         self.running = [False] * M
         self.step_end = [0.0] * M
-        self.step_len = [0.0] * M
         self.remaining = [0.0] * M  # paused step: seconds left
         self.token = [0] * M
         self.last_pub_k = [[0] * self.P for _ in range(M)]
@@ -200,16 +238,12 @@ class _Sim:
 
     def set_active(self, t: float, m: int, on: bool) -> None:
         if on != self.active[m]:
+            if on:
+                self.since[m] = t
+            else:
+                self.work += (t - self.since[m]) * self.avail[m]
             self.activity.append((t, self.avail[m] if on else -self.avail[m]))
             self.active[m] = on
-
-    def set_avail(self, t: float, m: int, chips: float) -> None:
-        if self.active[m]:
-            self.activity.append((t, chips - self.avail[m]))
-        if self.blocked[m]:
-            self.blocked_chip_s += (t - self.blocked_since[m]) * self.avail[m]
-            self.blocked_since[m] = t
-        self.avail[m] = chips
 
     def block(self, t: float, m: int) -> None:
         if not self.blocked[m]:
@@ -247,20 +281,20 @@ class _Sim:
             self.remaining[m] = 0.0
         else:
             d = self.draw(m)
-            self.step_len[m] = d
         self.running[m] = True
         self.step_end[m] = t + d
         self.push(t + d, _STEP, m, self.token[m])
 
     def step_done(self, t: float, m: int) -> None:
         self.running[m] = False
-        self.work += self.step_len[m] * self.avail[m]
         step = self.k[m]
         self.k[m] += 1
-        p = self.frag_at.get(step % self.H)
+        p = self.frag_at[step % self.H]
         if p is not None:
             self.publish(t, m, p)
         self.try_start(t, m)
+        if not self.running[m]:
+            self.set_active(t, m, False)
 
     def publish(self, t: float, m: int, p: int) -> None:
         rnd = self.rounds[p]
@@ -268,52 +302,66 @@ class _Sim:
             rnd.opened_at = t  # a fragment's round opens with its first contribution
         c_steps = self.k[m] - self.last_pub_k[m][p]
         self.last_pub_k[m][p] = self.k[m]
-        rnd.arrivals.append(
-            Arrival(learner_id=self.ids[m], arrived_at_s=t, c_steps=c_steps, c_tokens=c_steps, key=f"{p}/{rnd.serial}/{m}")
-        )
-        rnd.members.add(m)
+        lid = self.ids[m]
+        rnd.arrivals.append((t, lid, f"{p}/{rnd.serial}/{m}", c_steps, c_steps))
+        rnd.members.add(lid)
         self.gates[m].append((self.k[m] + self.tau, p, rnd.serial))
         self.evaluate(t, p)
 
     # -- synchronizer --------------------------------------------------------------------
-    def evaluate(self, t: float, p: int, *, deadline: bool = False) -> None:
-        """Ask decide_round about fragment p's open round when its answer can change."""
-        rnd = self.rounds[p]
-        n = len(rnd.arrivals)
-        if n < self.K and self.setup.policy.max_wait_s is None:
-            return  # below quorum with no deadline: the answer is "wait" until the next arrival
-        everyone = all(m in rnd.members for m in range(self.M) if self.up[m])
-        if not (deadline or everyone or rnd.deadline_at is None):
-            return
-        dec = decide_round(
+    def decide(self, t: float, rnd: _Round) -> FastDecision:
+        if self.quorum == "fast":
+            return decide_fast(t, rnd.opened_at, rnd.arrivals, self.live, self.policy, self.grace)
+        d = decide_round(
             now_s=t,
             opened_at_s=rnd.opened_at,
-            arrivals=rnd.arrivals,
+            arrivals=[Arrival(learner_id=a[1], arrived_at_s=a[0], key=a[2], c_steps=a[3], c_tokens=a[4]) for a in rnd.arrivals],
             live_learners=[self.ids[m] for m in range(self.M) if self.up[m]],
-            policy=self.setup.policy,
+            policy=self.policy,
             timings=self.ema.estimates(),
         )
+        return FastDecision(
+            d.close,
+            tuple(as_tuple(a) for a in d.accepted),
+            tuple(as_tuple(a) for a, _ in d.rejected),
+            d.quorum_at_s,
+            d.close_at_s,
+            d.recheck_at_s,
+        )
+
+    def evaluate(self, t: float, p: int, *, deadline: bool = False) -> None:
+        """Ask for fragment p's open round's decision when its answer can change."""
+        rnd = self.rounds[p]
+        if len(rnd.arrivals) < self.K and self.policy.max_wait_s is None:
+            return  # below quorum with no deadline: the answer is "wait" until the next arrival
+        everyone = self.live <= rnd.members
+        if not (deadline or everyone or rnd.deadline_at is None):
+            return
+        dec = self.decide(t, rnd)
         if dec.close:
             self.close(t, p, dec)
             return
         nxt = dec.close_at_s if dec.close_at_s is not None else dec.recheck_at_s
         if nxt is not None and (deadline or rnd.deadline_at is None or nxt < rnd.deadline_at):
-            rnd.deadline_at = max(nxt, t)
+            # "look again at t" without closing happens when now - opened is a rounding hair under
+            # max_wait_s: look again one float later, so simulated time moves on
+            rnd.deadline_at = nxt if nxt > t else math.nextafter(t, math.inf)
             self.push(rnd.deadline_at, _RECHECK, p, rnd.serial)
 
-    def close(self, t: float, p: int, dec: QuorumDecision) -> None:
+    def close(self, t: float, p: int, dec: FastDecision) -> None:
         rnd = self.rounds[p]
         self.merged += len(dec.accepted)
         if dec.quorum_at_s is not None:
             self.ema.update("quorum_s", max(0.0, dec.quorum_at_s - rnd.opened_at))
         self.ema.update("sync_s", self.setup.sync_s)
+        self.grace = grace_window_s(self.policy, self.ema.estimates())
         self.rounds_closed += 1
         key = (p, rnd.serial)
         rel = t + self.setup.sync_s
         self.release[key] = rel
-        accepted = {a.learner_id for a in dec.accepted}
+        accepted = {a[1] for a in dec.accepted}
         # contributions the policy did not take stay pending: they open the next round of p
-        leftover = [a for a in rnd.arrivals if a.learner_id not in accepted]
+        leftover = [a for a in rnd.arrivals if a[1] not in accepted]
         self.rounds[p] = nxt = _Round(rnd.serial + 1, opened_at=t)
         for m in self.waiters.pop(key, []):
             if rel > t:
@@ -322,17 +370,23 @@ class _Sim:
                 self.try_start(t, m)
         if leftover:
             for a in leftover:
-                m = int(a.learner_id[1:])
+                m = self.index[a[1]]
                 nxt.arrivals.append(a)
-                nxt.members.add(m)
+                nxt.members.add(a[1])
                 self.gates[m] = [(s, q, nxt.serial if (q, sr) == key else sr) for s, q, sr in self.gates[m]]
             self.evaluate(t, p)
 
     # -- islands -------------------------------------------------------------------------
     def pause(self, t: float, m: int) -> None:
+        """Island m starts a reconfiguration."""
+        sch = self.schedules[m]
+        nxt = self.seg[m] + 1
+        if nxt < len(sch.run_start):
+            self.push(float(sch.run_start[nxt]), _RESUME, m)
         if not self.up[m]:
             return
         self.up[m] = False
+        self.live.discard(self.ids[m])
         self.set_active(t, m, False)
         self.unblock(t, m)
         if self.running[m]:
@@ -347,32 +401,26 @@ class _Sim:
                 self.evaluate(t, p)
 
     def resume(self, t: float, m: int) -> None:
-        if self.up[m] or self.avail[m] <= 0 or self.stalls_open[m] > 0:
-            return
+        """Island m trains again, on the chips its schedule says."""
+        sch = self.schedules[m]
+        i = self.seg[m] = self.seg[m] + 1
+        end = float(sch.run_end[i])
+        if end < self.T:
+            self.push(end, _PAUSE, m)
+        self.avail[m] = float(sch.run_chips[i])
+        if self.avail[m] <= 0:
+            return  # no slice in service: wait for the next reconfiguration
         self.up[m] = True
+        self.live.add(self.ids[m])
         self.try_start(t, m)
-
-    def slice_change(self, t: float, m: int, delta: int) -> None:
-        """A slice leaves (delta < 0) or comes back: the island pauses to re-form its mesh."""
-        self.n_out[m] -= delta
-        self.set_avail(t, m, max(0.0, self.chips[m] - self.n_out[m] * self.slice[m]))
-        self.stalls_open[m] += 1
-        self.push(t + self.costs.reconfig_s, _STALL_END, m)
-        self.pause(t, m)
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> SystemResult:
         T, M = self.T, self.M
-        bounds = np.concatenate([[0.0], np.cumsum([i.share for i in self.setup.islands])])
-        bounds[-1] = np.inf
         for m in range(M):
-            tr = self.trace.in_range(bounds[m], bounds[m + 1])
-            for f, r in zip(tr.times_s.tolist(), tr.recovery_s.tolist()):
-                self.push(f, _SLICE, m, -1)
-                if f + r < T:
-                    self.push(f + r, _SLICE, m, 1)
-        for m in range(M):
-            self.try_start(0.0, m)
+            sch = self.schedules[m]
+            if len(sch.run_start):
+                self.push(float(sch.run_start[0]), _RESUME, m)
         heap, pop = self.heap, heapq.heappop
         while heap and heap[0][0] < T:
             t, kind, _, a, b = pop(heap)
@@ -384,18 +432,13 @@ class _Sim:
             elif kind == _RECHECK:
                 if self.rounds[a].serial == b:
                     self.evaluate(t, a, deadline=True)
-            elif kind == _SLICE:
-                self.slice_change(t, a, b)
+            elif kind == _PAUSE:
+                self.pause(t, a)
             else:
-                self.stalls_open[a] -= 1
                 self.resume(t, a)
-        # clean stop at the horizon: the elapsed part of the step in flight counts
-        work = self.work
+        # clean stop at the horizon: the computing stretch in progress counts up to T
         for m in range(M):
-            if self.running[m]:
-                work += (self.step_len[m] - (self.step_end[m] - T)) * self.avail[m]
-            elif self.remaining[m] > 0:
-                work += (self.step_len[m] - self.remaining[m]) * self.avail[m]
+            self.set_active(T, m, False)
             self.unblock(T, m)
         allocated = self.trace.chips * T
         edges = np.linspace(0.0, T, TIMELINE_BINS + 1)
@@ -404,10 +447,12 @@ class _Sim:
         level = np.cumsum([e[1] for e in ev])
         cum = np.concatenate([[0.0], np.cumsum(level * np.diff(times))])
         active = np.diff(np.interp(edges, times, cum)) / np.diff(edges) / self.trace.chips
-        idle = float(np.sum(np.diff(times)[level <= 1e-9 * self.trace.chips]))
+        gaps = np.diff(np.concatenate([[0.0], times]))  # level 0 before the first event
+        levels = np.concatenate([[0.0], level])
+        idle = float(np.sum(gaps[levels <= 1e-9 * self.trace.chips]))
         return SystemResult(
             system=self.setup.name,
-            goodput=work / allocated,
+            goodput=self.work / allocated,
             uptime=1.0 - idle / T,
             rounds_per_hour=self.rounds_closed / (T / 3600.0),
             timeline_t_s=edges[:-1],
@@ -417,11 +462,23 @@ class _Sim:
                 "rounds": float(self.rounds_closed),
                 "merged_per_round": self.merged / max(1, self.rounds_closed),
                 "blocked_frac": self.blocked_chip_s / allocated,
-                "grace_s": grace_window_s(self.setup.policy, self.ema.estimates()),
+                "grace_s": self.grace,
+                "reconfigurations": float(sum(s.stalls for s in self.schedules)),
             },
         )
 
 
-def simulate_decoupled(trace: FailureTrace, costs: CostModel, setup: DecoupledSetup, *, seed: int = 0) -> SystemResult:
-    """Run Decoupled DiLoCo with ``setup`` on ``trace`` (same trace as the baselines)."""
-    return _Sim(trace, costs, setup, seed).run()
+def simulate_decoupled(
+    trace: FailureTrace,
+    costs: CostModel,
+    setup: DecoupledSetup,
+    *,
+    seed: int = 0,
+    quorum: QuorumPath = "fast",
+) -> SystemResult:
+    """Run Decoupled DiLoCo with ``setup`` on ``trace`` (same trace as the baselines).
+
+    ``quorum="core"`` closes rounds with :func:`atoll.core.quorum.decide_round` itself instead of
+    its fast equivalent (same results, several times slower).
+    """
+    return _Sim(trace, costs, setup, seed, quorum).run()

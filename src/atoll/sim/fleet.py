@@ -1,22 +1,25 @@
-"""Fleet model: failure traces and the two data-parallel baselines.
+"""Fleet model: failure traces, the elastic mechanics of one island, and the two DP baselines.
 
 A fleet of N chips is not simulated chip by chip. Chip failures form one Poisson process of rate
 ``N * failures_per_chip_year / year`` (at 1.2 M chips and one failure per chip-year: one failure
 every ~26 s). Each failure carries a position in ``[0, 1)`` (which part of the fleet it hits, so a
-split into islands knows whose it is) and a recovery delay drawn from :class:`RecoveryDelay`.
-Every system is run on the *same* :class:`FailureTrace`, so differences between systems are never
-sampling noise.
+split into islands knows whose it is) and a recovery delay drawn from :class:`RecoveryDelay`: the
+time until the failed chip's slice (``slice_chips`` chips) is back in service. Every system is run
+on the *same* :class:`FailureTrace`, so differences between systems are never sampling noise.
 
-The data-parallel baselines are computed exactly from the trace with numpy (interval unions):
+Two mechanisms, both alternating renewal processes (an outage that is in progress takes in every
+failure that happens before it ends; it is never extended):
 
-* **DP** (no elasticity): a failure stops all N chips until the failed part is back in the job
-  and the job has restarted. By default the failed slice is swapped for a spare, so the outage is
-  ``restart_s`` (swap, relaunch, reload the checkpoint, redo the lost steps);
-  ``dp_waits_for_repair=True`` waits for the repair itself first (``recovery + restart_s``).
-  A failure during an outage extends it: down time is the union of ``[f, f + outage)``.
-* **Elastic DP**: keeps training on the healthy slices. Every membership change (a slice leaves
-  at a failure, comes back after the recovery delay) stalls the whole fleet for ``reconfig_s``;
-  between stalls it runs on ``N - slice_chips * (slices down)`` chips.
+* **DP** (stall and restart): a failure stops all N chips for ``recovery + restart_s`` (wait for
+  the failed slice, re-form the job, reload the latest state). Up periods are Exp(λ), so
+  goodput = uptime -> ``1 / (1 + λ (E[recovery] + restart_s))`` (λ = failures per second).
+* **Elastic** (:func:`elastic_schedule`; elastic DP is one island of N chips, Decoupled DiLoCo has M
+  of them): a failure stalls the island for ``reconfig_s`` while it re-forms its mesh without the
+  failed slice; the island then trains on ``chips - slice_chips x (slices out)``. A slice that is
+  back is re-admitted by the next reconfiguration -- one in progress, or one a failure starts --
+  or, if none starts within ``readmit_window_s``, by a reconfiguration of its own. Re-admissions
+  thus ride on failure reconfigurations when failures are frequent (large islands) and cost a
+  stall of their own when they are rare (small islands).
 
 Goodput is useful chip-time divided by allocated chip-time (N x horizon); uptime is the fraction of
 wall-clock during which the run as a whole makes progress.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -35,7 +39,9 @@ __all__ = [
     "CostModel",
     "FailureTrace",
     "RecoveryDelay",
+    "Schedule",
     "SystemResult",
+    "elastic_schedule",
     "failure_trace",
     "simulate_dp",
     "simulate_elastic_dp",
@@ -44,37 +50,67 @@ __all__ = [
 SECONDS_PER_YEAR = 365.0 * 24 * 3600
 TIMELINE_BINS = 240
 
-RecoveryKind = Literal["fixed", "exponential", "weibull"]
+RecoveryKind = Literal["fixed", "exponential", "weibull", "exponentiated_weibull"]
+_KINDS = ("fixed", "exponential", "weibull", "exponentiated_weibull")
+
+
+@lru_cache(maxsize=64)
+def _expweibull_unit_mean(shape: float, exponent: float) -> float:
+    """Mean of the exponentiated Weibull with scale 1: ``∫ (1 - F(x)) dx``, F = (1 - e^{-x^k})^a."""
+    # beyond x_max, 1 - F(x) <= a e^{-x^k} < 1e-18; integrate in z = ln x (smooth, no endpoint singularity)
+    x_max = (math.log(max(exponent, 1.0) * 1e18)) ** (1.0 / shape)
+    z = np.linspace(math.log(1e-12), math.log(x_max), 200_001)
+    x = np.exp(z)
+    y = (1.0 - (-np.expm1(-(x**shape))) ** exponent) * x
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(z)) / 2.0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryDelay:
-    """How long a failed chip (its slice) stays out before it is back in service."""
+    """How long a failed chip's slice stays out before it is back in service."""
 
     kind: RecoveryKind = "fixed"
-    """'fixed', 'exponential' or 'weibull' (shape < 1: heavy tail, > 1: concentrated)."""
+    """'fixed', 'exponential', 'weibull' (shape k) or 'exponentiated_weibull' (shape k, exponent a:
+    CDF ``(1 - exp(-(x/s)^k))^a``; a = 1 is the Weibull, k = a = 1 the exponential)."""
 
     mean_s: float = 60.0
-    """Mean delay in seconds (for every kind; the Weibull scale is derived from it)."""
+    """Mean delay in seconds (for every kind; the scale is derived from it)."""
 
     shape: float = 1.0
-    """Weibull shape k (ignored otherwise); k = 1 is the exponential."""
+    """Weibull shape k (ignored for fixed/exponential)."""
+
+    exponent: float = 1.0
+    """Exponentiation a of the exponentiated Weibull (ignored otherwise)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "exponential", "weibull"):
-            raise ValueError(f"recovery kind must be 'fixed', 'exponential' or 'weibull', got {self.kind!r}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"recovery kind must be one of {', '.join(repr(k) for k in _KINDS)}, got {self.kind!r}")
         if not (math.isfinite(self.mean_s) and self.mean_s >= 0):
             raise ValueError(f"recovery mean_s must be finite and >= 0, got {self.mean_s!r}")
-        if not (math.isfinite(self.shape) and self.shape > 0):
-            raise ValueError(f"recovery shape must be finite and > 0, got {self.shape!r}")
+        if not (math.isfinite(self.shape) and 0.2 <= self.shape <= 20):
+            raise ValueError(f"recovery shape must be in [0.2, 20], got {self.shape!r}")
+        if not (math.isfinite(self.exponent) and 0.05 <= self.exponent <= 100):
+            raise ValueError(f"recovery exponent must be in [0.05, 100], got {self.exponent!r}")
+
+    @property
+    def scale_s(self) -> float:
+        """The (exponentiated) Weibull scale that gives ``mean_s``."""
+        if self.kind == "weibull":
+            return self.mean_s / math.gamma(1.0 + 1.0 / self.shape)
+        if self.kind == "exponentiated_weibull":
+            return self.mean_s / _expweibull_unit_mean(self.shape, self.exponent)
+        return self.mean_s
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.kind == "fixed" or self.mean_s == 0:
             return np.full(n, float(self.mean_s))
         if self.kind == "exponential":
             return rng.exponential(self.mean_s, n)
-        scale = self.mean_s / math.gamma(1.0 + 1.0 / self.shape)
-        return scale * rng.weibull(self.shape, n)
+        if self.kind == "weibull":
+            return self.scale_s * rng.weibull(self.shape, n)
+        # inverse CDF: x = s (-ln(1 - u^{1/a}))^{1/k}
+        u = rng.uniform(0.0, 1.0, n)
+        return self.scale_s * (-np.log1p(-(u ** (1.0 / self.exponent)))) ** (1.0 / self.shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,31 +121,39 @@ class CostModel:
     """Mean interruptions per chip per year (the paper: 1, i.e. MTBI of one year per chip)."""
 
     recovery: RecoveryDelay = field(default_factory=RecoveryDelay)
-    """Delay until a failed chip's slice is repaired and back in service. Elastic DP and
-    Decoupled DiLoCo train without the slice meanwhile."""
+    """Delay until a failed chip's slice is back in service (repaired, or a spare in its place)."""
 
     restart_s: float = 30.0
-    """Non-elastic DP: from a failure until the whole job trains again (swap a spare slice in
-    for the failed one, relaunch, reload the checkpoint, redo the lost steps)."""
+    """DP: after the failed slice is back (see ``dp_waits_for_repair``), the time to re-form the
+    whole job and reload the latest state before training resumes."""
 
-    dp_waits_for_repair: bool = False
-    """True: non-elastic DP has no spare and waits for the failed slice's own recovery delay
-    before the restart (down for recovery + restart_s instead of restart_s)."""
+    dp_waits_for_repair: bool = True
+    """True: a DP outage is ``recovery + restart_s`` (DP cannot train without the failed slice).
+    False: a spare is at hand and the outage is ``restart_s`` alone."""
 
     reconfig_s: float = 10.0
-    """Elastic DP: fleet-wide stall at every membership change. Decoupled DiLoCo: the stall of a
-    learner that rejoins (it re-forms its mesh and loads the latest global state)."""
+    """Elastic DP and each Decoupled island: stall of one reconfiguration (re-form the mesh on
+    the slices in service and reshard the state)."""
+
+    readmit_window_s: float = 0.0
+    """Elastic: how long a slice that is back may wait for a reconfiguration that a failure
+    starts before it gets one of its own (0: re-admitted at once)."""
 
     slice_chips: int = 256
     """Chips that leave together when one of them fails (the elastic unit)."""
 
     def __post_init__(self) -> None:
-        for name in ("failures_per_chip_year", "restart_s", "reconfig_s"):
+        for name in ("failures_per_chip_year", "restart_s", "reconfig_s", "readmit_window_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
         if not (isinstance(self.slice_chips, int) and self.slice_chips >= 1):
             raise ValueError(f"slice_chips must be an integer >= 1, got {self.slice_chips!r}")
+
+    @property
+    def dp_outage_s(self) -> float:
+        """Mean DP outage per failure R: ``E[recovery] + restart_s`` (or ``restart_s``)."""
+        return self.restart_s + (self.recovery.mean_s if self.dp_waits_for_repair else 0.0)
 
 
 @dataclass(frozen=True)
@@ -203,77 +247,215 @@ def merge_intervals(starts: np.ndarray, ends: np.ndarray, horizon_s: float) -> t
     return ms[keep], me[keep]
 
 
-def covered_in_bins(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """Length of the (disjoint) intervals falling in each bin ``[edges[i], edges[i+1])``."""
-    def cum(x: np.ndarray) -> np.ndarray:  # total covered length in [0, x)
-        if len(starts) == 0:
-            return np.zeros_like(x)
-        lengths = np.concatenate([[0.0], np.cumsum(ends - starts)])
-        i = np.searchsorted(starts, x, side="right")  # intervals starting before x
-        partial = np.where(i > 0, np.minimum(x, ends[np.maximum(i - 1, 0)]) - starts[np.maximum(i - 1, 0)], 0.0)
-        return lengths[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(partial, 0.0)
-
-    c = cum(edges)
-    return np.diff(c)
-
-
 def _edges(horizon_s: float) -> np.ndarray:
     return np.linspace(0.0, horizon_s, TIMELINE_BINS + 1)
 
 
+def _binned(starts: np.ndarray, ends: np.ndarray, level: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Mean of a piecewise-constant ``level`` (0 outside the disjoint ``[starts, ends)``) per bin."""
+    pts = np.concatenate([[0.0], np.ravel(np.column_stack([starts, ends]))])
+    cum = np.concatenate([[0.0], np.ravel(np.column_stack([np.zeros(len(starts)), level * (ends - starts)]))])
+    at = np.interp(edges, pts, np.cumsum(cum)) if len(starts) else np.zeros(len(edges))
+    return np.diff(at) / np.diff(edges)
+
+
 def simulate_dp(trace: FailureTrace, costs: CostModel) -> SystemResult:
-    """Non-elastic data-parallel: any failure stops everyone until the chip is back + restart."""
+    """Non-elastic data-parallel: stall and restart (an alternating renewal process).
+
+    A failure while the job trains stops every chip for ``recovery + restart_s`` (or
+    ``restart_s`` without ``dp_waits_for_repair``); failures during that outage are taken in by the
+    same restart. Goodput = uptime, ``1 / (1 + λ R)`` in expectation.
+    """
     T = trace.horizon_s
-    outage = costs.restart_s + (trace.recovery_s if costs.dp_waits_for_repair else 0.0)
-    ds, de = merge_intervals(trace.times_s, trace.times_s + outage, T)
-    down = float(np.sum(de - ds))
-    edges = _edges(T)
-    width = np.diff(edges)
-    active = 1.0 - covered_in_bins(ds, de, edges) / width
+    restart = costs.restart_s
+    waits = costs.dp_waits_for_repair
+    starts: list[float] = []
+    ends: list[float] = []
+    end = -1.0
+    for f, r in zip(trace.times_s.tolist(), trace.recovery_s.tolist(), strict=True):
+        if f >= end:
+            end = f + restart + (r if waits else 0.0)
+            starts.append(f)
+            ends.append(min(end, T))
+    ds, de = np.asarray(starts), np.asarray(ends)
+    down = float(np.sum(de - ds)) if starts else 0.0
+    # up intervals are the gaps between outages
+    us = np.concatenate([[0.0], de])
+    ue = np.concatenate([ds, [T]])
+    keep = ue > us
+    active = _binned(us[keep], ue[keep], np.ones(int(keep.sum())), _edges(T))
     up = 1.0 - down / T
     return SystemResult(
         system="DP",
         goodput=up,
         uptime=up,
         rounds_per_hour=None,
-        timeline_t_s=edges[:-1],
+        timeline_t_s=_edges(T)[:-1],
         timeline_active=active,
         details={"failures": float(len(trace)), "outages": float(len(ds)), "down_s": down},
     )
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """One elastic island's timeline: when it trains, and on how many chips.
+
+    Between ``run_start[i]`` and ``run_end[i]`` the island trains on ``run_chips[i]`` chips; outside
+    those intervals it is reconfiguring. Intervals are sorted, disjoint and cover ``[0, horizon)``
+    minus the stalls.
+    """
+
+    chips: float
+    horizon_s: float
+    run_start: np.ndarray
+    run_end: np.ndarray
+    run_chips: np.ndarray
+    stalls: int
+    """Reconfigurations started before the horizon."""
+
+    readmit_stalls: int
+    """Of those, reconfigurations started only to re-admit slices (the window ran out)."""
+
+    @property
+    def useful_chip_s(self) -> float:
+        return float(np.sum(self.run_chips * (self.run_end - self.run_start)))
+
+    @property
+    def running_s(self) -> float:
+        return float(np.sum(self.run_end - self.run_start))
+
+
+def elastic_schedule(
+    times_s: np.ndarray,
+    recovery_s: np.ndarray,
+    horizon_s: float,
+    chips: float,
+    costs: CostModel,
+) -> Schedule:
+    """Run the elastic mechanics of one island of ``chips`` chips over its failures.
+
+    * A failure while the island trains starts a reconfiguration of ``reconfig_s``; failures and
+      returns during a reconfiguration are taken in by it (it is not extended).
+    * The failed slice is back ``recovery`` later. It is re-admitted at the end of the
+      reconfiguration in progress, or of the next one a failure starts; if none starts within
+      ``readmit_window_s`` of its return, a reconfiguration starts for it (and takes in every slice
+      that is back).
+    * Between reconfigurations the island trains on ``chips - slice_chips x (slices out)``
+      (never below 0); at most ``chips / slice_chips`` slices are counted out.
+    """
+    T = float(horizon_s)
+    e = costs.reconfig_s
+    W = costs.readmit_window_s
+    S = float(min(costs.slice_chips, chips))
+    max_out = max(1, math.ceil(chips / S))
+    f = np.asarray(times_s, dtype=float).tolist()
+    n = len(f)
+    ready_t = np.asarray(times_s, dtype=float) + np.asarray(recovery_s, dtype=float)
+    order = np.argsort(ready_t, kind="stable")
+    ready = ready_t[order].tolist()
+    ready_id = order.tolist()
+    status = bytearray(n)  # 0 out (not back yet), 1 back and waiting, 2 re-admitted
+    waiting: list[int] = []
+    inf = math.inf
+
+    run_start: list[float] = []
+    run_end: list[float] = []
+    run_chips: list[float] = []
+    stalls = readmit_stalls = 0
+    out = 0
+    cap = float(chips)
+    stall_end = -inf  # the island trains while t >= stall_end
+    run_from = 0.0
+    i = j = ti = 0  # next failure, next return, next window timeout (in return order)
+    timeouts: list[tuple[float, int]] = []  # (deadline, slice) for returns that found it training
+
+    while True:
+        tf = f[i] if i < n else inf
+        tr = ready[j] if j < n else inf
+        tt = timeouts[ti][0] if ti < len(timeouts) else inf
+        ts = stall_end if stall_end > run_from else inf  # a pending stall end
+        t = min(tf, tr, tt, ts)
+        if t >= T:
+            break
+        if ts == t:  # the reconfiguration ends: re-admit every slice that is back
+            for s in waiting:
+                status[s] = 2
+            out -= len(waiting)
+            waiting.clear()
+            cap = max(0.0, chips - S * min(out, max_out))
+            run_from = t
+            continue
+        stalled = t < stall_end
+        if tf == t:
+            i += 1
+            out += 1
+            if not stalled:
+                run_start.append(run_from)
+                run_end.append(t)
+                run_chips.append(cap)
+                stall_end = t + e
+                run_from = t  # marks "stall pending" (stall_end > run_from)
+                stalls += 1
+        elif tr == t:
+            s = ready_id[j]
+            j += 1
+            status[s] = 1
+            waiting.append(s)
+            if not stalled:
+                if W <= 0:
+                    run_start.append(run_from)
+                    run_end.append(t)
+                    run_chips.append(cap)
+                    stall_end = t + e
+                    run_from = t
+                    stalls += 1
+                    readmit_stalls += 1
+                else:
+                    timeouts.append((t + W, s))
+        else:
+            s = timeouts[ti][1]
+            ti += 1
+            if status[s] == 1 and not stalled:
+                run_start.append(run_from)
+                run_end.append(t)
+                run_chips.append(cap)
+                stall_end = t + e
+                run_from = t
+                stalls += 1
+                readmit_stalls += 1
+        if e <= 0 and stall_end == run_from:  # zero-length reconfigurations: end them at once
+            for s in waiting:
+                status[s] = 2
+            out -= len(waiting)
+            waiting.clear()
+            cap = max(0.0, chips - S * min(out, max_out))
+            stall_end = -inf
+    if not (stall_end > run_from):  # training at the horizon
+        run_start.append(run_from)
+        run_end.append(T)
+        run_chips.append(cap)
+    rs, re_, rc = np.asarray(run_start), np.asarray(run_end), np.asarray(run_chips)
+    keep = re_ > rs
+    return Schedule(float(chips), T, rs[keep], re_[keep], rc[keep], stalls, readmit_stalls)
+
+
 def simulate_elastic_dp(trace: FailureTrace, costs: CostModel) -> SystemResult:
-    """Elastic data-parallel: runs on the healthy slices, stalls ``reconfig_s`` at every change."""
+    """Elastic data-parallel: the whole fleet is one elastic island (:func:`elastic_schedule`)."""
     T = trace.horizon_s
     N = trace.chips
-    f = trace.times_s
-    back = f + trace.recovery_s
-    changes = np.concatenate([f, back[back < T]])
-    ss, se = merge_intervals(changes, changes + costs.reconfig_s, T)
-    stall = float(np.sum(se - ss))
-    # chips out of service over time: +slice at a failure, -slice when it is back
-    slice_frac = min(costs.slice_chips, N) / N
-    pts = np.concatenate([f, back, ss, se, [0.0, T]])
-    pts = np.unique(np.clip(pts, 0.0, T))
-    mids = 0.5 * (pts[:-1] + pts[1:])
-    n_down = np.searchsorted(np.sort(f), mids, side="right") - np.searchsorted(np.sort(back), mids, side="right")
-    cap = np.clip(1.0 - n_down * slice_frac, 0.0, 1.0)
-    i = np.searchsorted(ss, mids, side="right") - 1
-    stalled = (i >= 0) & (mids < se[np.maximum(i, 0)]) if len(ss) else np.zeros(len(mids), dtype=bool)
-    rate = np.where(stalled, 0.0, cap)
-    seg = np.diff(pts)
-    useful = float(np.sum(rate * seg))
-    # timeline: integrate the same piecewise-constant rate per bin
-    edges = _edges(T)
-    cum = np.concatenate([[0.0], np.cumsum(rate * seg)])
-    at = np.interp(edges, pts, cum)
-    active = np.diff(at) / np.diff(edges)
+    sch = elastic_schedule(trace.times_s, trace.recovery_s, T, N, costs)
+    active = _binned(sch.run_start, sch.run_end, sch.run_chips / N, _edges(T))
     return SystemResult(
         system="elastic DP",
-        goodput=useful / T,
-        uptime=1.0 - stall / T,
+        goodput=sch.useful_chip_s / (N * T),
+        uptime=sch.running_s / T,
         rounds_per_hour=None,
-        timeline_t_s=edges[:-1],
+        timeline_t_s=_edges(T)[:-1],
         timeline_active=active,
-        details={"failures": float(len(trace)), "stall_s": stall, "reconfigurations": float(len(changes))},
+        details={
+            "failures": float(len(trace)),
+            "stall_s": T - sch.running_s,
+            "reconfigurations": float(sch.stalls),
+            "readmit_reconfigurations": float(sch.readmit_stalls),
+        },
     )

@@ -10,7 +10,6 @@ from atoll.storage.bucket import (
     GlobalState,
     LearnerState,
     RunStore,
-    should_checkpoint,
 )
 from atoll.storage.codec import SCHEMA_VERSION, sha256_hex
 from atoll.storage.records import (
@@ -63,6 +62,5 @@ __all__ = [
     "is_transient",
     "redact",
     "sha256_hex",
-    "should_checkpoint",
     "validate_id",
 ]

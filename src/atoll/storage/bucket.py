@@ -2,16 +2,20 @@
 
 One run lives under one root URL. See docs/protocol.md for the layout; in short::
 
-    run.json                                  frozen config, plan, shapes, version-0 fragments
-    blobs/sha256/<hex>.safetensors            every tensor payload, named by its sha256
-    contributions/f<p>/b<base>/<learner>.s<steps>.<sha16>.json
-    commits/<round>.json                      create-once commit record per round
-    head.json                                 hint: latest committed round (never trusted alone)
-    learners/<learner>/state.json             learner state for rejoin
-    checkpoints/<round>/model.safetensors     consolidated checkpoint (+ config.json)
+    run.json                                   frozen config, plan, shapes, version-0 fragments
+    learners/<id>/                             written by learner <id> only
+        contributions/f<p>/b<base>/<id>.s<steps>.<sha16>.json
+        blobs/sha256/<hex>.safetensors         its deltas and inner state, named by sha256
+        state.json                             its rejoin state
+    sync/                                      written by the synchronizer only
+        commits/<round>.json                   create-once commit record per round (sealed, chained)
+        repairs/<round>/r<n>.json              the round's commit, if its slot was found void
+        blobs/sha256/<hex>.safetensors         global fragments and outer momentum
+        head.json                              hint: latest committed round (never trusted alone)
+        checkpoints/<round>/model.safetensors  consolidated checkpoint (+ config.json)
 
 A fragment's *version* is the number of the round that last wrote it (0 = initial), so
-``read_global_fragment(p, v)`` is one GET of ``commits/<v>.json`` plus its payload.
+``read_global_fragment(p, v)`` is one GET of ``sync/commits/<v>.json`` plus its payload.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,19 +33,24 @@ import torch
 from atoll.core.compress import CompressionError, EncodedTensor, encode
 from atoll.core.config import DilocoConfig
 from atoll.core.fragments import FragmentPlan
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
 from atoll.storage import paths
 from atoll.storage.codec import (
+    LAYOUT_SCHEMA_VERSION,
     bytes_to_encoded,
     bytes_to_tensors,
     dump_record,
     encoded_to_bytes,
     finite_json,
     load_record,
+    record_version,
     sha256_hex,
     tensors_to_bytes,
 )
+from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
@@ -57,12 +66,15 @@ from atoll.storage.records import (
     LearnerStateRecord,
     RunManifest,
 )
-from atoll.storage.store import ObjectStore, RetryPolicy
+from atoll.storage.store import ObjectStore
 from atoll.storage.validation import (
     InvalidInput,
+    LayoutError,
+    ReadOnlyError,
     RoundOrderError,
     RunExistsError,
     RunNotFoundError,
+    TransientStorageError,
     check_finite,
     check_shapes,
     check_tensor_layout,
@@ -71,15 +83,26 @@ from atoll.storage.validation import (
 
 __all__ = [
     "RunStore",
+    "VerifyReport",
     "CommitResult",
     "ContributionListing",
     "GlobalState",
     "LearnerState",
     "CheckpointInfo",
-    "should_checkpoint",
 ]
 
 Tensors = Mapping[str, torch.Tensor]
+
+# Every GET of a record is capped by the kind of object (a hostile object cannot make a reader
+# download gigabytes); payloads are capped by the size a verified record declares.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_COMMIT_BYTES = 16 << 20
+MAX_HEAD_BYTES = 4 << 10
+MAX_CONTRIBUTION_RECORD_BYTES = 1 << 20
+MAX_LEARNER_STATE_RECORD_BYTES = 1 << 20
+MAX_CHECKPOINT_CONFIG_BYTES = 64 << 20
+CACHE_ENTRIES = 65536
+"""Bound on each per-handle cache (contribution records, commit records, chain links)."""
 
 
 class _HasCounters(Protocol):
@@ -100,7 +123,7 @@ class ContributionListing:
     """Contribution records found by one poll, and the ones whose record itself was unusable."""
 
     records: list[ContributionRecord] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, Rejection] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +139,9 @@ class GlobalState:
     timings: dict[str, Any]
     record: CommitRecord | None
     """The commit record of ``round`` (None for round 0, the initial state)."""
+    restored: dict[int, str] = field(default_factory=dict)
+    """Fragments whose published state object did not verify, and what was used instead (an
+    older version of the fragment, or its version 0); empty when everything verified."""
 
 
 @dataclass
@@ -123,6 +149,30 @@ class LearnerState:
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
     saved_at: float
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`RunStore.verify` found."""
+
+    latest: int = 0
+    """The last round slot that holds an object."""
+    verified: int = 0
+    """Rounds whose commit (or repair) verified."""
+    void: list[int] = field(default_factory=list)
+    """Rounds whose slot holds something that does not verify and has no valid repair."""
+    problems: list[str] = field(default_factory=list)
+    """One line per problem, naming the object."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def check_blob(self, store: RunStore, ref: BlobRef, what: str) -> None:
+        try:
+            store._read_blob_bytes(ref)
+        except (InvalidInput, TransientStorageError) as e:
+            self.problems.append(f"{what}: {e}")
 
 
 @dataclass(frozen=True)
@@ -133,23 +183,25 @@ class CheckpointInfo:
     sha256: str
 
 
-def should_checkpoint(round_: int, every: int | None) -> bool:
-    """True every ``every`` rounds (rounds ``every``, ``2*every`` ...); never if ``every`` is falsy."""
-    return bool(every) and round_ >= 1 and round_ % int(every) == 0  # type: ignore[operator]
-
-
 class RunStore:
     """One run in a bucket. Open with :meth:`open`; create the run once with :meth:`init_run`.
 
     Thread-compatible: one instance may be shared by threads that do not write the same round.
     """
 
-    def __init__(self, store: ObjectStore, *, max_payload_bytes: int | None = None) -> None:
+    def __init__(self, store: ObjectStore, *, max_payload_bytes: int | None = None,
+                 keyring: Keyring | None = None, read_only: bool = False) -> None:
         self.store = store
         self.max_payload_bytes = max_payload_bytes
+        self.keyring = keyring if keyring is not None else Keyring()
+        self.read_only = read_only
+        self.integrity_problems: list[IntegrityError] = []
+        """Committed objects this handle found that do not verify (never used; newest last)."""
+        self._commit_sha: OrderedDict[int, str] = OrderedDict()
+        self._manifest_sha: str | None = None
         self._manifest: RunManifest | None = None
         self._commits: OrderedDict[int, CommitRecord] = OrderedDict()
-        self._contrib_cache: dict[str, ContributionRecord | str] = {}
+        self._contrib_cache: OrderedDict[str, ContributionRecord | Rejection] = OrderedDict()
         self._latest: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
@@ -164,6 +216,8 @@ class RunStore:
         max_payload_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         store: ObjectStore | None = None,
+        keyring: Keyring | None = None,
+        read_only: bool = False,
     ) -> RunStore:
         """Open the run rooted at ``url``; credentials come from ``storage_options`` or fsspec's
         usual sources (environment, config files).
@@ -174,12 +228,20 @@ class RunStore:
         synchronizer (e.g. the GCS emulator, which ignores ``ifGenerationMatch``).
         ``max_payload_bytes`` caps any contribution payload (default: the fragment's fp32 size
         plus header slack). ``store`` injects a prepared :class:`ObjectStore` (tests).
+        ``keyring``: HMAC keys (default: ``$ATOLL_KEYRING``, none if unset; see
+        :mod:`atoll.storage.integrity`). ``read_only=True`` writes nothing, not even the probe:
+        for ``atoll status``, ``verify`` and the source of a fork.
         """
         if store is None:
             store = ObjectStore.open(url, storage_options, retry=retry)
-        if check_create_once and not unsafe_allow_overwrite:
+        if check_create_once and not unsafe_allow_overwrite and not read_only:
             store.probe_create_once()
-        return cls(store, max_payload_bytes=max_payload_bytes)
+        return cls(store, max_payload_bytes=max_payload_bytes,
+                   keyring=Keyring.from_env() if keyring is None else keyring, read_only=read_only)
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyError(f"{self.url} was opened read-only")
 
     def __repr__(self) -> str:
         return f"RunStore({self.store!r})"
@@ -187,8 +249,9 @@ class RunStore:
     def sibling(self) -> RunStore:
         """Another handle on the same run: shares the object store and the (immutable) manifest,
         but has its own record caches, so a second thread can poll without sharing state."""
-        other = RunStore(self.store, max_payload_bytes=self.max_payload_bytes)
-        other._manifest = self._manifest
+        other = RunStore(self.store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring,
+                         read_only=self.read_only)
+        other._manifest, other._manifest_sha = self._manifest, self._manifest_sha
         return other
 
     @property
@@ -219,6 +282,7 @@ class RunStore:
         extra = dict(extra or {})
         if not finite_json(extra):
             raise ValueError("extra must be JSON-able without NaN/Inf")
+        self._check_writable()
         if self.exists():
             raise RunExistsError(f"a run already exists at {self.url}")
         shapes = {n: tuple(int(d) for d in initial_params[n].shape) for n in plan.sizes if n in initial_params}
@@ -236,20 +300,28 @@ class RunStore:
         )
         manifest = RunManifest(run_id=run_id, config=config, plan=plan, shapes=shapes, initial=initial,
                                created_at=time.time(), extra=extra)
-        if not self.store.create(paths.RUN_MANIFEST, dump_record(KIND_RUN, manifest.to_dict())):
+        data = dump_record(KIND_RUN, manifest.to_dict())
+        if not self.store.create(paths.RUN_MANIFEST, data):
             raise RunExistsError(f"a run already exists at {self.url} (created concurrently)")
-        self._manifest = manifest
+        self._manifest, self._manifest_sha = manifest, sha256_hex(data)
         return manifest
 
     @property
     def manifest(self) -> RunManifest:
         if self._manifest is None:
-            data = self.store.get_or_none(paths.RUN_MANIFEST)
+            data = self._get_capped(paths.RUN_MANIFEST, MAX_MANIFEST_BYTES)
             if data is None:
                 raise RunNotFoundError(f"no run at {self.url} ({paths.RUN_MANIFEST} missing); call init_run first")
-            self._manifest = RunManifest.from_body(
-                load_record(data, KIND_RUN, url=self.store.key_url(paths.RUN_MANIFEST))
-            )
+            url = self.store.key_url(paths.RUN_MANIFEST)
+            version = record_version(data)
+            if isinstance(version, int) and not isinstance(version, bool) and version < LAYOUT_SCHEMA_VERSION:
+                raise LayoutError(
+                    f"the run at {self.url} uses bucket layout 1 (atoll 0.1: blobs/ and commits/ shared at "
+                    f"the run root); this atoll writes layout 2 (learners/<id>/ and sync/ prefixes, "
+                    f"schema_version {LAYOUT_SCHEMA_VERSION}) and cannot continue it. Start a new run, or "
+                    f"read this one with atoll 0.1")
+            self._manifest = RunManifest.from_body(load_record(data, KIND_RUN, url=url))
+            self._manifest_sha = sha256_hex(data)
         return self._manifest
 
     @property
@@ -261,21 +333,24 @@ class RunStore:
         return self.manifest.plan
 
     # -- blobs -------------------------------------------------------------------------------
-    def _write_blob(self, tensors: Tensors) -> BlobRef:
-        return self._write_blob_bytes(tensors_to_bytes(tensors))
+    def _write_blob(self, tensors: Tensors, learner_id: str | None = None) -> BlobRef:
+        return self._write_blob_bytes(tensors_to_bytes(tensors), learner_id)
 
-    def _write_blob_bytes(self, data: bytes) -> BlobRef:
+    def _write_blob_bytes(self, data: bytes, learner_id: str | None = None) -> BlobRef:
+        """A payload under its writer's prefix (``learner_id=None``: the synchronizer's)."""
+        self._check_writable()
         sha = sha256_hex(data)
         # Content-addressed: overwriting with the same bytes is harmless, so a plain put suffices.
-        self.store.put(paths.blob_key(sha), data)
+        self.store.put(paths.blob_key(sha, learner_id), data)
         return BlobRef(sha, len(data))
 
-    def _read_blob_bytes(self, ref: BlobRef, *, max_bytes: int | None = None) -> bytes:
-        key = paths.blob_key(ref.sha256)
+    def _read_blob_bytes(self, ref: BlobRef, *, learner_id: str | None = None, max_bytes: int | None = None) -> bytes:
+        key = paths.blob_key(ref.sha256, learner_id)
         url = self.store.key_url(key)
         if max_bytes is not None and ref.nbytes > max_bytes:
             raise InvalidInput("oversize", f"payload declares {ref.nbytes} bytes, cap is {max_bytes}", url=url)
-        data = self.store.get_or_none(key, max_bytes=max_bytes)
+        # Never read more than the (verified) record declares, plus one byte to detect "longer".
+        data = self.store.get_or_none(key, max_bytes=ref.nbytes if max_bytes is None else max_bytes)
         if data is None:
             raise InvalidInput("missing_payload", f"payload {ref.sha256} does not exist", url=url)
         if max_bytes is not None and len(data) > max_bytes:
@@ -291,7 +366,7 @@ class RunStore:
 
     def _read_fp32_blob(self, ref: BlobRef, expected: Mapping[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
         url = self.store.key_url(paths.blob_key(ref.sha256))
-        tensors = bytes_to_tensors(self._read_blob_bytes(ref), url=url)
+        tensors = bytes_to_tensors(self._read_blob_bytes(ref), url=url)  # global state: the synchronizer's
         check_tensor_layout(tensors, expected, what=what, dtype=torch.float32)
         return tensors
 
@@ -327,6 +402,7 @@ class RunStore:
         ``c_tokens`` (``core.weights.Counters`` or ``core.align.FragmentCounters``).
         """
         validate_id(learner_id, "learner id")
+        self._check_writable()
         self._check_fragment(fragment)
         if not isinstance(base_version, int) or base_version < 0:
             raise ValueError(f"base_version must be an integer >= 0, got {base_version!r}")
@@ -347,71 +423,106 @@ class RunStore:
             try:
                 encoded[name] = encode(value, codec, block_size=block_size)
             except CompressionError as e:
-                kind = "non_finite" if "NaN" in str(e) else "layout"
-                raise InvalidInput(kind, f"delta {name!r}: {e}") from None
+                raise InvalidInput(e.kind, f"delta {name!r}: {e}") from None
         shapes = {n: e.shape for n, e in encoded.items()}
         check_shapes(shapes, expected, what=f"delta for fragment {fragment}")
         data, meta = encoded_to_bytes(encoded)
         cap = self.payload_cap(fragment)
         if len(data) > cap:
             raise InvalidInput("oversize", f"delta payload is {len(data)} bytes, cap is {cap}")
-        ref = self._write_blob_bytes(data)
+        ref = self._write_blob_bytes(data, learner_id)
         key = paths.contribution_key(fragment, base_version, learner_id, c_steps, ref.sha256)
         record = ContributionRecord(key=key, learner_id=learner_id, fragment=fragment, base_version=base_version,
                                     c_steps=c_steps, c_tokens=c_tokens, payload=ref, tensors=meta,
                                     created_at=time.time(), info=info)
-        if not self.store.create(key, dump_record(KIND_CONTRIBUTION, record.to_dict())):
+        body = seal(KIND_CONTRIBUTION, record.to_dict(), self.keyring.key(learner_id))
+        if not self.store.create(key, dump_record(KIND_CONTRIBUTION, body)):
             existing = self._read_contribution_record(key)
-            if isinstance(existing, str):
+            if isinstance(existing, Rejection):
                 raise InvalidInput("schema", f"a different, unreadable record already sits at {key}: {existing}")
             return existing
         return record
 
-    def _read_contribution_record(self, key: str) -> ContributionRecord | str:
+    def _read_contribution_record(self, key: str) -> ContributionRecord | Rejection:
         """Parsed record, or the reason it is unusable. Cached: records are immutable."""
         cached = self._contrib_cache.get(key)
         if cached is not None:
             return cached
         url = self.store.key_url(key)
-        data = self.store.get_or_none(key, max_bytes=1 << 20)
+        try:
+            data = self._get_capped(key, MAX_CONTRIBUTION_RECORD_BYTES)
+        except TransientStorageError:
+            raise  # the store is unwell, not this record: the caller's retry policy decides
+        except Exception as e:  # noqa: BLE001 - e.g. a directory or a FIFO where a record belongs
+            return Rejection(RejectionKind.CORRUPT, f"record cannot be read: {type(e).__name__}: {e}")
         if data is None:
-            return "record vanished"  # not cached: it may be a listing race
+            # Not cached: it may be a listing race.
+            return Rejection(RejectionKind.MISSING_PAYLOAD, "record listed but gone before it could be read")
         try:
             if len(data) > 1 << 20:
                 raise InvalidInput("oversize", "contribution record larger than 1 MiB", url=url)
-            result: ContributionRecord | str = ContributionRecord.from_body(
-                load_record(data, KIND_CONTRIBUTION, url=url), key
-            )
-            expected_key = paths.contribution_key(result.fragment, result.base_version, result.learner_id,
-                                                  result.c_steps, result.payload.sha256)
+            body = load_record(data, KIND_CONTRIBUTION, url=url)
+            record = ContributionRecord.from_body(body, key)
+            if paths.learner_of_key(key) != record.learner_id:
+                raise InvalidInput("schema", f"record of {record.learner_id!r} outside its learner's prefix", url=url)
+            try:
+                check_seal(KIND_CONTRIBUTION, body, url=url, key=self.keyring.key(record.learner_id),
+                           require_signature=bool(self.keyring))
+            except IntegrityError as e:
+                kind = RejectionKind.BAD_SIGNATURE if self.keyring else RejectionKind.CORRUPT
+                self._contrib_cache[key] = Rejection(kind, e.what)
+                return self._contrib_cache[key]
+            expected_key = paths.contribution_key(record.fragment, record.base_version, record.learner_id,
+                                                  record.c_steps, record.payload.sha256)
             if expected_key != key:
                 raise InvalidInput("schema", f"record fields say it belongs at {expected_key}", url=url)
+            result: ContributionRecord | Rejection = record
         except InvalidInput as e:
-            result = str(e)
+            result = e.rejection
         self._contrib_cache[key] = result
+        while len(self._contrib_cache) > CACHE_ENTRIES:
+            self._contrib_cache.popitem(last=False)
         return result
 
-    def list_contributions(self, fragment: int, base_versions: int | Iterable[int]) -> ContributionListing:
+    def learner_ids(self) -> list[str]:
+        """Learners that have a prefix in the bucket (one LIST of ``learners/``); odd names are
+        skipped (they cannot be a learner's: ids are validated on every write)."""
+        out = []
+        for name in self.store.list(paths.LEARNERS_PREFIX):
+            try:
+                out.append(validate_id(name.rstrip("/"), "learner id"))
+            except InvalidInput:
+                continue
+        return sorted(out)
+
+    def list_contributions(self, fragment: int, base_versions: int | Iterable[int],
+                           learner_ids: Iterable[str] | None = None) -> ContributionListing:
         """Contribution records for ``fragment`` computed against the given base version(s).
 
-        One LIST per base version (listing cache invalidated first), then one GET per record not
-        seen before (records are immutable and cached). Payloads are not read here.
+        Each learner writes only under its own prefix, so this is one LIST per learner and base
+        version (listing cache invalidated first; ``learner_ids=None`` finds the learners with one
+        more LIST), then one GET per record not seen before (records are immutable and cached).
+        Payloads are not read here.
         """
         self._check_fragment(fragment)
         bases = [base_versions] if isinstance(base_versions, int) else sorted(set(base_versions))
+        ids = self.learner_ids() if learner_ids is None else sorted(set(learner_ids))
         listing = ContributionListing()
-        for base in bases:
-            prefix = paths.contributions_prefix(fragment, base)
+        for lid, base in ((lid, base) for lid in ids for base in bases):
+            prefix = paths.contributions_prefix(fragment, base, lid)
             for name in self.store.list(prefix):
                 if not name.endswith(".json"):
                     continue
                 key = prefix + name
                 rec = self._read_contribution_record(key)
-                if isinstance(rec, str):
+                if isinstance(rec, Rejection):
                     listing.rejected[key] = rec
                 else:
                     listing.records.append(rec)
-        listing.records.sort(key=lambda r: (r.created_at, r.key))
+        # Ordered by what the protocol itself says, never by a writer's clock: for one learner and
+        # fragment, a higher base version is newer, and at one base version the counters only grow
+        # between two publishes (they accumulate since the learner's last alignment).
+        listing.records.sort(key=lambda r: (r.base_version, r.c_steps, r.key))
         return listing
 
     def load_contribution(self, record: ContributionRecord) -> FragmentContribution:
@@ -421,14 +532,15 @@ class RunStore:
         """
         self._check_fragment(record.fragment)
         validate_id(record.learner_id, "learner id")
-        url = self.store.key_url(paths.blob_key(record.payload.sha256))
+        url = self.store.key_url(paths.blob_key(record.payload.sha256, record.learner_id))
         expected = self.manifest.fragment_shapes(record.fragment)
         try:
             declared = {n: tuple(int(d) for d in m["shape"]) for n, m in record.tensors.items()}
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidInput("schema", f"contribution {record.key}: bad tensor shapes: {e}") from None
         check_shapes(declared, expected, what=f"contribution {record.key}")
-        data = self._read_blob_bytes(record.payload, max_bytes=self.payload_cap(record.fragment))
+        data = self._read_blob_bytes(record.payload, learner_id=record.learner_id,
+                                     max_bytes=self.payload_cap(record.fragment))
         delta = bytes_to_encoded(data, record.tensors, url=url)
         check_tensor_layout(delta, expected, what=f"contribution {record.key}", dtype=torch.float32)
         return FragmentContribution(
@@ -441,39 +553,147 @@ class RunStore:
 
     def load_contributions(
         self, records: Iterable[ContributionRecord]
-    ) -> tuple[list[FragmentContribution], dict[str, str]]:
-        """Load many; bad ones land in the second value as ``key -> reason`` instead of raising."""
+    ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
+        """Load many; bad ones land in the second value as ``key -> Rejection`` instead of raising."""
         ok: list[FragmentContribution] = []
-        rejected: dict[str, str] = {}
+        rejected: dict[str, Rejection] = {}
         for r in records:
             try:
                 ok.append(self.load_contribution(r))
             except InvalidInput as e:
-                rejected[r.key] = str(e)
+                rejected[r.key] = e.rejection
+            except TransientStorageError:
+                raise  # the store is unwell, not this payload
+            except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
+                rejected[r.key] = Rejection(RejectionKind.CORRUPT, f"payload cannot be read: {type(e).__name__}: {e}")
         return ok, rejected
 
     # -- commits -----------------------------------------------------------------------------
     def read_commit(self, round_: int) -> CommitRecord | None:
-        """The committed record of ``round_`` (one GET; cached), or None if not committed yet."""
+        """The verified committed record of ``round_`` (one GET; cached), or None if not committed.
+
+        The record must parse, match its digest, link to the previous commit this handle holds
+        (``prev_sha256``; round 1 links to ``run.json``) and, when the keyring has the
+        synchronizer's key, carry its signature. If the record at ``sync/commits/<round>.json``
+        fails any of that, the slot is void: the synchronizer's repair record for the round
+        (``sync/repairs/<round>/``) is used if one verifies, else :class:`IntegrityError` is
+        raised naming the object. A void slot is never used.
+        """
         cached = self._commits.get(round_)
         if cached is not None:
             return cached
         key = paths.commit_key(round_)
-        data = self.store.get_or_none(key)
+        try:
+            data = self._get_capped(key, MAX_COMMIT_BYTES)
+        except InvalidInput as e:  # oversize: the slot is void
+            problem = IntegrityError(str(e), self.store.key_url(key))
+            self.integrity_problems = [*self.integrity_problems[-99:], problem]
+            raise problem from None
         if data is None:
             return None
-        body = load_record(data, KIND_COMMIT, url=self.store.key_url(key))
+        try:
+            return self._verified_commit(round_, key, data)
+        except (IntegrityError, InvalidInput) as e:
+            problem = e if isinstance(e, IntegrityError) else IntegrityError(str(e), self.store.key_url(key))
+        for name in self.store.list(paths.repairs_prefix(round_)):  # rare: only after a void slot
+            rkey = paths.repairs_prefix(round_) + name
+            try:
+                rdata = self._get_capped(rkey, MAX_COMMIT_BYTES)
+            except InvalidInput:
+                continue
+            if rdata is None:
+                continue
+            try:
+                return self._verified_commit(round_, rkey, rdata)
+            except (IntegrityError, InvalidInput):
+                continue
+        self.integrity_problems = [*self.integrity_problems[-99:], problem]
+        raise problem
+
+    def _verified_commit(self, round_: int, key: str, data: bytes) -> CommitRecord:
+        url = self.store.key_url(key)
+        body = load_record(data, KIND_COMMIT, url=url)
+        sync_key = self.keyring.key(SYNCHRONIZER_KEY_ID)
+        check_seal(KIND_COMMIT, body, url=url, key=sync_key)
         record = CommitRecord.from_body(body, self.plan.num_fragments)
         if record.round != round_:
-            raise InvalidInput("schema", f"commit record at {key} says round {record.round}",
-                               url=self.store.key_url(key))
+            raise IntegrityError(f"commit record says round {record.round}, it sits at round {round_}", url)
+        expected_prev = self._manifest_sha if round_ == 1 else self._commit_sha.get(round_ - 1)
+        if round_ == 1 and expected_prev is None:
+            _ = self.manifest
+            expected_prev = self._manifest_sha
+        if expected_prev is not None and record.prev_sha256 != expected_prev:
+            raise IntegrityError(f"chain broken: prev_sha256 does not match the commit of round {round_ - 1}"
+                                 + (" (run.json)" if round_ == 1 else ""), url)
+        self._commit_sha[round_] = sha256_hex(data)
         self._remember(record)
         return record
 
+    def _slot_is_void(self, round_: int) -> bool:
+        """True if round ``round_``'s slot holds an object that does not verify (and no repair)."""
+        try:
+            self.read_commit(round_)
+        except IntegrityError:
+            return True
+        return False
+
     def _remember(self, record: CommitRecord) -> None:
         self._commits[record.round] = record
-        while len(self._commits) > 4096:
-            self._commits.popitem(last=False)
+        for cache in (self._commits, self._commit_sha):
+            while len(cache) > 4096:
+                cache.popitem(last=False)
+
+    def _get_capped(self, key: str, cap: int) -> bytes | None:
+        """GET at most ``cap`` bytes of a record; InvalidInput('oversize') if it is larger."""
+        data = self.store.get_or_none(key, max_bytes=cap)
+        if data is not None and len(data) > cap:
+            raise InvalidInput("oversize", f"object is larger than the {cap}-byte cap for its kind",
+                               url=self.store.key_url(key))
+        return data
+
+    def verify(self, *, on_round: Callable[[int], None] | None = None) -> VerifyReport:
+        """Walk the whole chain from ``run.json`` to the latest round with a fresh handle: every
+        commit's digest, link and (with the synchronizer's key) signature, and that every state
+        object it publishes exists with its sha256. Reads only; never raises for bad data."""
+        fresh = RunStore(self.store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring, read_only=True)
+        report = VerifyReport()
+        _ = fresh.manifest
+        for ref in fresh.manifest.initial:
+            report.check_blob(fresh, ref, "run.json initial")
+        seen: set[str] = set()
+        r = 1
+        while True:
+            key = paths.commit_key(r)
+            if fresh.store.get_or_none(key) is None:
+                break
+            try:
+                rec = fresh.read_commit(r)
+            except IntegrityError as e:
+                report.problems.append(str(e))
+                report.void.append(r)
+                r += 1
+                continue
+            assert rec is not None
+            report.verified += 1
+            for st in rec.state:
+                refs = [st.params] + ([st.momentum] if st.momentum is not None else [])
+                for blob in refs:
+                    if blob.sha256 not in seen:
+                        seen.add(blob.sha256)
+                        report.check_blob(fresh, blob, f"round {r} state")
+            if on_round is not None:
+                on_round(r)
+            r += 1
+        report.latest = r - 1
+        return report
+
+    def _free_repair_key(self, round_: int) -> str:
+        """The next unused repair slot of a void round (``sync/repairs/<round>/r<n>.json``)."""
+        taken = set(self.store.list(paths.repairs_prefix(round_)))
+        n = 1
+        while paths.repair_key(round_, n).rsplit("/", 1)[-1] in taken:
+            n += 1
+        return paths.repair_key(round_, n)
 
     def latest_round(self) -> int:
         """Latest committed round (0 if none).
@@ -484,30 +704,43 @@ class RunStore:
         """
         if self._latest is None:
             start = 0
-            hint = self.store.get_or_none(paths.HEAD)
+            try:
+                hint = self._get_capped(paths.HEAD, MAX_HEAD_BYTES)
+            except InvalidInput:
+                hint = None  # a hint only
             if hint is not None:
                 try:
                     r = int(load_record(hint, KIND_HEAD).get("round", 0))
-                    if r >= 1 and self.read_commit(r) is not None:
+                    if r >= 1 and self._readable(r) is not None:
                         start = r
                 except (InvalidInput, ValueError, TypeError):
                     pass
             if start == 0:
-                rounds = [r for n in self.store.list(paths.commits_prefix())
-                          if (r := paths.parse_commit_key(n)) is not None]
-                start = max(rounds, default=0)
+                rounds = sorted(parsed for n in self.store.list(paths.commits_prefix())
+                                if (parsed := paths.parse_commit_key(n)) is not None)
+                # Walk down past anything that does not verify (a forged far-future round, say).
+                while rounds and self._readable(rounds[-1]) is None:
+                    rounds.pop()
+                start = rounds[-1] if rounds else 0
             self._latest = start
         r = self._latest
-        while self.read_commit(r + 1) is not None:
+        while self._readable(r + 1) is not None:
             r += 1
         self._latest = r
         return r
+
+    def _readable(self, round_: int) -> CommitRecord | None:
+        """The verified record, or None if the round is not committed or its slot is void."""
+        try:
+            return self.read_commit(round_)
+        except IntegrityError:
+            return None
 
     def poll_commits(self, after_round: int) -> list[CommitRecord]:
         """Records committed after ``after_round``, in order (GETs of the next keys; no LIST)."""
         out: list[CommitRecord] = []
         r = after_round + 1
-        while (rec := self.read_commit(r)) is not None:
+        while (rec := self._readable(r)) is not None:
             out.append(rec)
             r += 1
         if out and (self._latest is None or out[-1].round > self._latest):
@@ -541,7 +774,7 @@ class RunStore:
         params: Tensors | None,
         momentum: Tensors | None = None,
         accepted: Iterable[AcceptedContribution | Mapping[str, Any]] = (),
-        rejected: Mapping[str, str] | None = None,
+        rejected: Mapping[str, Rejection] | None = None,
         timings: Mapping[str, Any] | None = None,
         stats: Mapping[str, Any] | None = None,
         committed_by: str = "synchronizer",
@@ -556,14 +789,29 @@ class RunStore:
         """
         if not isinstance(round_, int) or round_ < 1:
             raise ValueError(f"rounds start at 1, got {round_!r}")
+        self._check_writable()
         self._check_fragment(fragment)
-        existing = self.read_commit(round_)
+        void = False
+        try:
+            existing = self.read_commit(round_)
+        except IntegrityError:
+            existing, void = None, True  # something unverifiable sits in the slot: write a repair
         if existing is not None:
             return CommitResult(False, existing)
         state = list(self._state_table(round_ - 1))
+        prev = self._manifest_sha if round_ == 1 else self._commit_sha.get(round_ - 1)
+        if round_ == 1 and prev is None:
+            _ = self.manifest
+            prev = self._manifest_sha
+        if prev is None:
+            raise RoundOrderError(f"round {round_ - 1} is not verified in {self.url}; cannot chain round {round_}")
         accepted_t = tuple(a if isinstance(a, AcceptedContribution) else AcceptedContribution.from_body(dict(a))
                            for a in accepted)
-        body_extra = {"rejected": dict(rejected or {}), "timings": dict(timings or {}), "stats": dict(stats or {})}
+        rejections = dict(rejected or {})
+        for key, why in rejections.items():
+            if not isinstance(why, Rejection):
+                raise TypeError(f"rejected[{key!r}] must be a Rejection, got {type(why).__name__}")
+        body_extra = {"timings": dict(timings or {}), "stats": dict(stats or {})}
         for k, v in body_extra.items():
             if not finite_json(v):
                 raise ValueError(f"{k} must be JSON-able without NaN/Inf")
@@ -581,10 +829,14 @@ class RunStore:
             state[fragment] = FragmentState(version=round_, params=params_ref, momentum=momentum_ref)
         record = CommitRecord(
             round=round_, fragment=fragment, updated=params is not None, state=tuple(state),
-            accepted=accepted_t, rejected=body_extra["rejected"], timings=body_extra["timings"],
+            accepted=accepted_t, rejected=rejections, timings=body_extra["timings"],
             stats=body_extra["stats"], committed_by=committed_by, nonce=uuid.uuid4().hex, created_at=time.time(),
+            prev_sha256=prev,
         )
-        if self.store.create(paths.commit_key(round_), dump_record(KIND_COMMIT, record.to_dict())):
+        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self.keyring.key(SYNCHRONIZER_KEY_ID)))
+        key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
+        if self.store.create(key, data):
+            self._commit_sha[round_] = sha256_hex(data)
             self._remember(record)
             try:  # a hint only: readers verify it against the commit record
                 self.store.put(paths.HEAD, dump_record(KIND_HEAD, {"round": round_}))
@@ -620,48 +872,80 @@ class RunStore:
         table = self._state_table(round_)
         params: dict[str, torch.Tensor] = {}
         momentum: dict[int, dict[str, torch.Tensor]] = {}
+        restored: dict[int, str] = {}
         for p, st in enumerate(table):
             shapes = self.manifest.fragment_shapes(p)
-            params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
-            if st.momentum is not None:
-                mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
-                got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
-                check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
-                                    allow_missing=True)
-                momentum[p] = got
-            else:
-                momentum[p] = {}
+            try:
+                params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
+            except InvalidInput as e:
+                # A destroyed state object must not stop every reader for good: fall back to the
+                # newest older version of this fragment that verifies (the same walk in every
+                # process, so they all agree), at worst version 0 from run.json. The fragment's
+                # next round publishes a fresh object. With the bucket policy no learner can
+                # write under sync/, so this is for storage faults and unconfined writers.
+                values, used = self._older_fragment(p, st.version, shapes)
+                params.update(values)
+                restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
+            momentum[p] = {}
+            if st.momentum is not None and p not in restored:
+                try:
+                    mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
+                    got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
+                    check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
+                                        allow_missing=True)
+                    momentum[p] = got
+                except InvalidInput as e:
+                    restored[p] = f"momentum of v{st.version} unreadable ({e.kind.value}); reset to zero"
         rec = self.read_commit(round_) if round_ else None
         return GlobalState(round=round_, versions=tuple(s.version for s in table), params=params,
-                           momentum=momentum, timings=dict(rec.timings) if rec else {}, record=rec)
+                           momentum=momentum, timings=dict(rec.timings) if rec else {}, record=rec,
+                           restored=restored)
+
+    def _older_fragment(self, p: int, version: int,
+                        shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:
+        """Fragment ``p`` at the newest version before ``version`` whose object verifies."""
+        r = version - self.plan.num_fragments
+        for _ in range(64):  # bounded walk; then version 0
+            if r < 1:
+                break
+            rec = self._readable(r)
+            if rec is not None and rec.fragment == p and rec.updated:
+                try:
+                    return self._read_fp32_blob(rec.state[p].params, shapes, f"fragment {p} v{r}"), r
+                except InvalidInput:
+                    pass
+            r -= self.plan.num_fragments
+        return self._read_fp32_blob(self.manifest.initial[p], shapes, f"fragment {p} v0"), 0
 
     # -- learner state -----------------------------------------------------------------------
     def save_learner_state(self, learner_id: str, tensors: Tensors, meta: Mapping[str, Any] | None = None) -> None:
         """Overwrite learner ``learner_id``'s rejoin state (payload first, then the record)."""
         validate_id(learner_id, "learner id")
+        self._check_writable()
         meta = dict(meta or {})
         if not finite_json(meta):
             raise ValueError("meta must be JSON-able without NaN/Inf")
-        ref = self._write_blob(tensors)
+        ref = self._write_blob(tensors, learner_id)
         rec = LearnerStateRecord(learner_id=learner_id, payload=ref, meta=meta, saved_at=time.time())
         self.store.put(paths.learner_state_key(learner_id), dump_record(KIND_LEARNER_STATE, rec.to_dict()))
 
     def load_learner_state(self, learner_id: str) -> LearnerState | None:
         """The learner's last saved state, or None if it never saved one."""
         key = paths.learner_state_key(learner_id)
-        data = self.store.get_or_none(key)
+        data = self._get_capped(key, MAX_LEARNER_STATE_RECORD_BYTES)
         if data is None:
             return None
         rec = LearnerStateRecord.from_body(load_record(data, KIND_LEARNER_STATE, url=self.store.key_url(key)))
         if rec.learner_id != learner_id:
             raise InvalidInput("schema", f"state at {key} belongs to {rec.learner_id!r}", url=self.store.key_url(key))
-        tensors = bytes_to_tensors(self._read_blob_bytes(rec.payload))
+        tensors = bytes_to_tensors(self._read_blob_bytes(rec.payload, learner_id=learner_id))
         return LearnerState(tensors=tensors, meta=dict(rec.meta), saved_at=rec.saved_at)
 
     # -- consolidated checkpoints ------------------------------------------------------------
     def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:
         """Write ``checkpoints/<round>/model.safetensors`` (whole model, fp32, plain safetensors)
         and then ``config.json`` (run config, plan, versions, the model's sha256)."""
+        self._check_writable()
         state = self.read_global_state(round_)
         m = self.manifest
         data = tensors_to_bytes(state.params, metadata={"format": "atoll-checkpoint", "run_id": m.run_id,
@@ -677,18 +961,15 @@ class RunStore:
         self.store.put(config_key, dump_record(KIND_CHECKPOINT, body))
         return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)
 
-    def maybe_write_checkpoint(self, round_: int, every: int | None) -> CheckpointInfo | None:
-        """Write a checkpoint of ``round_`` if :func:`should_checkpoint` says so."""
-        return self.write_checkpoint(round_) if should_checkpoint(round_, every) else None
-
     def list_checkpoints(self) -> list[int]:
         """Rounds that have a checkpoint folder (one LIST)."""
-        return sorted(int(n) for n in self.store.list(paths.checkpoints_prefix()) if n.isdigit())
+        return sorted(int(n) for n in self.store.list(paths.checkpoints_prefix())
+                      if n.isascii() and n.isdigit() and len(n) <= 12)
 
     def load_checkpoint(self, round_: int) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors, verified against the sha256 in its config.json."""
         ckey = paths.checkpoint_config_key(round_)
-        cdata = self.store.get_or_none(ckey)
+        cdata = self._get_capped(ckey, MAX_CHECKPOINT_CONFIG_BYTES)
         if cdata is None:
             raise FileNotFoundError(f"no checkpoint config at {self.store.key_url(ckey)}")
         body = load_record(cdata, KIND_CHECKPOINT, url=self.store.key_url(ckey))

@@ -23,6 +23,9 @@ from atoll.storage.validation import InvalidInput
 
 __all__ = [
     "SCHEMA_VERSION",
+    "LAYOUT_SCHEMA_VERSION",
+    "READABLE_SCHEMA_VERSIONS",
+    "record_version",
     "PART_SEPARATOR",
     "sha256_hex",
     "tensors_to_bytes",
@@ -33,7 +36,17 @@ __all__ = [
     "load_record",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3
+"""Version written into every record. 2: commit records store each rejection as
+``{"kind", "detail"}`` (core's typed :class:`~atoll.core.rejection.Rejection`). 3: bucket layout 2
+(``learners/<id>/`` and ``sync/`` prefixes) and sealed records (``digest``, optional
+``signature``, commits chained by ``prev_sha256``)."""
+
+LAYOUT_SCHEMA_VERSION = 3
+"""The oldest ``run.json`` version with this bucket layout; older runs are refused clearly."""
+
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Record versions this atoll parses (a run must still be layout 2, see LAYOUT_SCHEMA_VERSION)."""
 """Version of every JSON record this code writes; readers reject any other."""
 
 PART_SEPARATOR = "::"
@@ -146,14 +159,24 @@ def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, 
     if doc.get("schema") != kind:
         raise InvalidInput("schema", f"expected a {kind!r} record, got schema {doc.get('schema')!r}", url=url)
     version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise InvalidInput(
             "schema",
-            f"unknown schema_version {version!r} for {kind!r} (this atoll reads version {SCHEMA_VERSION})",
+            f"unknown schema_version {version!r} for {kind!r} (this atoll reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})",
             url=url,
         )
     doc.pop("schema"), doc.pop("schema_version")
     return doc
+
+
+def record_version(data: bytes) -> object:
+    """The ``schema_version`` a record claims (None if it is not a JSON object); never raises."""
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return doc.get("schema_version") if isinstance(doc, dict) else None
 
 
 def finite_json(value: Any) -> bool:

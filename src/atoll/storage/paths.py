@@ -8,12 +8,21 @@ order. See docs/protocol.md for what each object holds.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from atoll.storage.validation import InvalidInput, validate_id
 
 __all__ = [
+    "to_url",
     "RUN_MANIFEST",
     "HEAD",
+    "SYNC_PREFIX",
+    "LEARNERS_PREFIX",
+    "PROBE_PREFIX",
+    "learner_prefix",
+    "repairs_prefix",
+    "repair_key",
+    "learner_of_key",
     "join_url",
     "run_url",
     "blob_key",
@@ -30,14 +39,32 @@ __all__ = [
 ]
 
 RUN_MANIFEST = "run.json"
-"""The run's frozen config, fragment plan and version-0 fragments (written once)."""
+"""The run's frozen config, fragment plan and version-0 fragments (written once, by whoever
+creates the run)."""
 
-HEAD = "head.json"
+SYNC_PREFIX = "sync/"
+"""Everything only the synchronizer writes: commits, head, global state blobs, checkpoints."""
+
+LEARNERS_PREFIX = "learners/"
+"""One prefix per learner, ``learners/<id>/``: the only place that learner writes."""
+
+HEAD = "sync/head.json"
 """A hint naming the latest committed round (overwritten; never trusted without the commit)."""
+
+PROBE_PREFIX = "_probe/"
+"""Scratch objects of the create-once capability probe (random names, deleted after use)."""
 
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def to_url(bucket: str) -> str:
+    """A local path becomes an absolute ``file://`` URL (other processes may run elsewhere);
+    anything with a scheme is returned as is."""
+    if "://" in bucket:
+        return bucket
+    return "file://" + str(Path(bucket).expanduser().resolve())
 
 
 def join_url(root: str, *keys: str) -> str:
@@ -61,22 +88,35 @@ def _nonneg(value: int, what: str) -> int:
     return value
 
 
-def blob_key(sha256: str) -> str:
-    """Content-addressed payload: ``blobs/sha256/<hex>.safetensors``."""
+def _sha(sha256: str) -> str:
     if not isinstance(sha256, str) or not _SHA_RE.match(sha256):
         raise InvalidInput("schema", f"not a sha256 hex digest: {sha256!r}")
-    return f"blobs/sha256/{sha256}.safetensors"
+    return sha256
+
+
+def learner_prefix(learner_id: str) -> str:
+    """``learners/<id>/``: everything learner ``learner_id`` writes, and nothing else."""
+    return f"{LEARNERS_PREFIX}{validate_id(learner_id, 'learner id')}/"
+
+
+def blob_key(sha256: str, learner_id: str | None = None) -> str:
+    """A content-addressed payload, under its writer's prefix: the synchronizer's global state
+    (``learner_id=None``): ``sync/blobs/sha256/<hex>.safetensors``; a learner's deltas and inner
+    state: ``learners/<id>/blobs/sha256/<hex>.safetensors``. Separate prefixes mean a learner can
+    never overwrite committed state, and a bucket policy can say so."""
+    owner = SYNC_PREFIX if learner_id is None else learner_prefix(learner_id)
+    return f"{owner}blobs/sha256/{_sha(sha256)}.safetensors"
 
 
 def commits_prefix() -> str:
-    return "commits/"
+    return f"{SYNC_PREFIX}commits/"
 
 
 def commit_key(round_: int) -> str:
-    """The create-once commit record of round ``round_`` (>= 1): ``commits/00000042.json``."""
+    """The create-once commit record of round ``round_`` (>= 1): ``sync/commits/00000042.json``."""
     if _nonneg(round_, "round") < 1:
         raise InvalidInput("schema", f"rounds start at 1, got {round_}")
-    return f"commits/{round_:0{_ROUND_DIGITS}d}.json"
+    return f"{commits_prefix()}{round_:0{_ROUND_DIGITS}d}.json"
 
 
 def parse_commit_key(name: str) -> int | None:
@@ -85,37 +125,59 @@ def parse_commit_key(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def contributions_prefix(fragment: int, base_version: int) -> str:
-    """Where contributions to ``fragment`` computed against ``base_version`` land."""
-    return f"contributions/f{_nonneg(fragment, 'fragment'):04d}/b{_nonneg(base_version, 'base_version'):08d}/"
+def contributions_prefix(fragment: int, base_version: int, learner_id: str) -> str:
+    """Where ``learner_id``'s contributions to ``fragment`` computed against ``base_version`` land."""
+    return (f"{learner_prefix(learner_id)}contributions/"
+            f"f{_nonneg(fragment, 'fragment'):04d}/b{_nonneg(base_version, 'base_version'):08d}/")
 
 
 def contribution_key(fragment: int, base_version: int, learner_id: str, c_steps: int, sha256: str) -> str:
-    """``contributions/f0003/b00000012/<learner>.s0000000024.<sha[:16]>.json``."""
-    validate_id(learner_id, "learner id")
-    blob_key(sha256)  # validates
+    """``learners/<id>/contributions/f0003/b00000012/<id>.s0000000024.<sha[:16]>.json``."""
     return (
-        f"{contributions_prefix(fragment, base_version)}"
-        f"{learner_id}.s{_nonneg(c_steps, 'c_steps'):010d}.{sha256[:16]}.json"
+        f"{contributions_prefix(fragment, base_version, learner_id)}"
+        f"{learner_id}.s{_nonneg(c_steps, 'c_steps'):010d}.{_sha(sha256)[:16]}.json"
     )
 
 
+def learner_of_key(key: str) -> str | None:
+    """The learner whose prefix ``key`` lies under, or None (a synchronizer or top-level key)."""
+    if not key.startswith(LEARNERS_PREFIX):
+        return None
+    lid = key[len(LEARNERS_PREFIX):].split("/", 1)[0]
+    try:
+        return validate_id(lid, "learner id")
+    except InvalidInput:
+        return None
+
+
+def repairs_prefix(round_: int) -> str:
+    """Where the synchronizer commits round ``round_`` if its slot holds something that does not
+    verify (a forged or corrupt object it cannot overwrite): ``sync/repairs/00000042/``."""
+    if _nonneg(round_, "round") < 1:
+        raise InvalidInput("schema", f"rounds start at 1, got {round_}")
+    return f"{SYNC_PREFIX}repairs/{round_:0{_ROUND_DIGITS}d}/"
+
+
+def repair_key(round_: int, n: int) -> str:
+    return f"{repairs_prefix(round_)}r{_nonneg(n, 'repair number'):04d}.json"
+
+
 def learner_state_key(learner_id: str) -> str:
-    return f"learners/{validate_id(learner_id, 'learner id')}/state.json"
+    return f"{learner_prefix(learner_id)}state.json"
 
 
 def checkpoints_prefix() -> str:
-    return "checkpoints/"
+    return f"{SYNC_PREFIX}checkpoints/"
 
 
 def checkpoint_model_key(round_: int) -> str:
-    """``checkpoints/00000100/model.safetensors`` (plain safetensors, whole model)."""
-    return f"checkpoints/{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/model.safetensors"
+    """``sync/checkpoints/00000100/model.safetensors`` (plain safetensors, whole model)."""
+    return f"{checkpoints_prefix()}{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/model.safetensors"
 
 
 def checkpoint_config_key(round_: int) -> str:
-    return f"checkpoints/{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/config.json"
+    return f"{checkpoints_prefix()}{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/config.json"
 
 
 def probe_key(token: str) -> str:
-    return f"_probe/{validate_id(token, 'probe token')}"
+    return f"{PROBE_PREFIX}{validate_id(token, 'probe token')}"

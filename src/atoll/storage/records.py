@@ -13,6 +13,7 @@ from typing import Any
 
 from atoll.core.config import ConfigError, DilocoConfig
 from atoll.core.fragments import FragmentPlan
+from atoll.core.rejection import Rejection
 from atoll.storage.validation import InvalidInput, validate_id
 
 __all__ = [
@@ -44,22 +45,48 @@ def _need(ok: bool, what: str) -> None:
         raise InvalidInput("schema", what)
 
 
+MAX_RECORD_INT = 2**53
+"""Largest integer a record may hold (exact in a float64; far beyond any real count). Bigger
+integers are rejected so that no later float conversion can overflow."""
+
+
 def _int(body: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
     v = body.get(name)
-    _need(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f"{name} must be an integer >= {minimum}, got {v!r}")
-    return int(v)  # type: ignore[arg-type]
+    if not (isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_RECORD_INT):
+        shown = repr(v) if not isinstance(v, int) or v.bit_length() < 200 else f"an integer of {v.bit_length()} bits"
+        raise InvalidInput("schema", f"{name} must be an integer in [{minimum}, 2**53], got {shown}")
+    return int(v)
 
 
 def _float(body: Mapping[str, Any], name: str) -> float:
     v = body.get(name)
-    _need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), f"{name} must be a finite number, got {v!r}")
-    return float(v)  # type: ignore[arg-type]
+    if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)):
+        raise InvalidInput("schema", f"{name} must be a finite number, got {v!r}")
+    return float(v)
 
 
 def _dict(body: Mapping[str, Any], name: str) -> dict[str, Any]:
     v = body.get(name, {})
     _need(isinstance(v, dict), f"{name} must be an object, got {type(v).__name__}")
     return dict(v)
+
+
+def _sha_or_empty(value: Any) -> str:
+    if not (value == "" or (isinstance(value, str) and len(value) == 64
+                            and all(c in "0123456789abcdef" for c in value))):
+        raise InvalidInput("schema", f"prev_sha256 must be 64 lowercase hex digits, got {value!r}")
+    return str(value)
+
+
+def _rejection(value: Any, key: str) -> Rejection:
+    """A stored rejection: ``{"kind", "detail"}`` (schema 2), or the bare text of schema 1."""
+    if isinstance(value, str):
+        return Rejection.from_legacy_text(value)
+    _need(isinstance(value, dict), f"rejected[{key!r}] must be an object with kind and detail")
+    try:
+        return Rejection.from_dict(value)
+    except ValueError as e:
+        raise InvalidInput("schema", f"rejected[{key!r}]: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -121,14 +148,14 @@ class RunManifest:
             shapes[n] = tuple(s)
         _need(set(shapes) == set(plan.sizes), "run manifest: shapes do not cover the plan's parameters")
         initial = body.get("initial")
-        _need(isinstance(initial, list) and len(initial) == plan.num_fragments,
-              "run manifest: initial must list one payload per fragment")
+        if not (isinstance(initial, list) and len(initial) == plan.num_fragments):
+            raise InvalidInput("schema", "run manifest: initial must list one payload per fragment")
         return cls(
             run_id=validate_id(body.get("run_id"), "run id"),
             config=config,
             plan=plan,
             shapes=shapes,
-            initial=tuple(BlobRef.from_body(b, "initial[]") for b in initial),  # type: ignore[union-attr]
+            initial=tuple(BlobRef.from_body(b, "initial[]") for b in initial),
             created_at=_float(body, "created_at"),
             extra=_dict(body, "extra"),
         )
@@ -255,8 +282,10 @@ class CommitRecord:
     state: tuple[FragmentState, ...]
     """Every fragment's current version after this round (so resume needs only this record)."""
     accepted: tuple[AcceptedContribution, ...]
-    rejected: Mapping[str, str]
-    """Contribution key -> reason it got weight 0 / was refused."""
+    rejected: Mapping[str, Rejection]
+    """Contribution key -> why it got weight 0 / was refused. Stored as ``{"kind", "detail"}``
+    (schema version 2); version-1 records stored only text, read back by
+    :meth:`Rejection.from_legacy_text`."""
     timings: Mapping[str, Any]
     """The synchronizer's EMA timings (``TimingEma.to_dict()``) after this round."""
     stats: Mapping[str, Any]
@@ -264,15 +293,18 @@ class CommitRecord:
     committed_by: str
     nonce: str
     created_at: float
+    prev_sha256: str = ""
+    """sha256 of the previous commit record's bytes (round 1: of ``run.json``): the hash chain."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "prev_sha256": self.prev_sha256,
             "round": self.round,
             "fragment": self.fragment,
             "updated": self.updated,
             "state": [s.to_dict() for s in self.state],
             "accepted": [a.to_dict() for a in self.accepted],
-            "rejected": dict(self.rejected),
+            "rejected": {k: r.to_dict() for k, r in self.rejected.items()},
             "timings": dict(self.timings),
             "stats": dict(self.stats),
             "committed_by": self.committed_by,
@@ -287,30 +319,32 @@ class CommitRecord:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], num_fragments: int) -> CommitRecord:
         state = body.get("state")
-        _need(isinstance(state, list) and len(state) == num_fragments,
-              f"state must list all {num_fragments} fragments")
+        if not (isinstance(state, list) and len(state) == num_fragments):
+            raise InvalidInput("schema", f"state must list all {num_fragments} fragments")
         accepted = body.get("accepted", [])
         _need(isinstance(accepted, list), "accepted must be a list")
-        rejected = _dict(body, "rejected")
-        _need(all(isinstance(v, str) for v in rejected.values()), "rejected reasons must be strings")
+        rejected = {k: _rejection(v, k) for k, v in _dict(body, "rejected").items()}
         updated = body.get("updated")
-        _need(isinstance(updated, bool), "updated must be a boolean")
+        if not isinstance(updated, bool):
+            raise InvalidInput("schema", "updated must be a boolean")
         fragment = _int(body, "fragment")
         _need(fragment < num_fragments, f"fragment {fragment} out of range (P={num_fragments})")
         nonce, by = body.get("nonce"), body.get("committed_by")
-        _need(isinstance(nonce, str) and isinstance(by, str), "nonce and committed_by must be strings")
+        if not (isinstance(nonce, str) and isinstance(by, str)):
+            raise InvalidInput("schema", "nonce and committed_by must be strings")
         return cls(
             round=_int(body, "round", minimum=1),
             fragment=fragment,
-            updated=updated,  # type: ignore[arg-type]
-            state=tuple(FragmentState.from_body(s) for s in state),  # type: ignore[union-attr]
+            updated=updated,
+            state=tuple(FragmentState.from_body(s) for s in state),
             accepted=tuple(AcceptedContribution.from_body(a) for a in accepted),
             rejected=rejected,
             timings=_dict(body, "timings"),
             stats=_dict(body, "stats"),
-            committed_by=by,  # type: ignore[arg-type]
-            nonce=nonce,  # type: ignore[arg-type]
+            committed_by=by,
+            nonce=nonce,
             created_at=_float(body, "created_at"),
+            prev_sha256=_sha_or_empty(body.get("prev_sha256", "")),
         )
 
 

@@ -14,6 +14,11 @@ the final name (fails if the name exists; readers never see a half-written file)
 in-process memory filesystem is made atomic with a lock. :meth:`ObjectStore.probe_create_once`
 proves at start-up that the store really refuses a second create.
 
+Local folders are a trust boundary too: a read (``get`` / ``get_or_none``) refuses anything that
+is not a regular file inside the run root before opening it (:class:`NotRegularFileError`): a
+symlink that leads outside the root, a FIFO (opening it would block forever), a device, a socket,
+a directory.
+
 Transient failures (connection reset, timeouts, HTTP 5xx, 429 / throttling) are retried with
 bounded exponential backoff and jitter, then raised as :class:`TransientStorageError` naming the
 operation and URL. Storage options are never logged: :func:`redact` masks anything secret.
@@ -24,61 +29,124 @@ from __future__ import annotations
 import errno
 import os
 import random
+import stat
+import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
 
+from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
 
-__all__ = ["RetryPolicy", "ObjectStore", "is_transient", "redact"]
+__all__ = ["RetryPolicy", "ObjectStore", "NotRegularFileError", "is_transient", "redact"]
 
 T = TypeVar("T")
 
 _SECRET_MARKERS = ("key", "secret", "token", "password", "passwd", "credential", "session", "auth", "sas")
-_TRANSIENT_CODES = {
+_TRANSIENT_CODES = frozenset({
     "SlowDown",
     "Throttling",
     "ThrottlingException",
     "RequestLimitExceeded",
     "RequestTimeout",
-    "RequestTimeTooSkewed",
+    "RequestTimeTooSkewed",  # botocore corrects its clock offset on the next attempt
     "InternalError",
     "ServiceUnavailable",
     "TooManyRequests",
-}
-_TRANSIENT_NAMES = {
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "ClientConnectionError",
-    "ClientOSError",
-    "ServerDisconnectedError",
-    "ServerTimeoutError",
-    "ClientPayloadError",
-    "ResponseStreamingError",
-}
-_TRANSIENT_ERRNOS = {
+})
+"""S3 error codes (botocore ``ClientError.response["Error"]["Code"]``) worth retrying."""
+
+_TRANSIENT_CLASSES = (
+    # botocore: no connection, connection dropped or timed out, body cut short.
+    ("botocore.exceptions", ("ConnectionError", "HTTPClientError", "IncompleteReadError")),
+    # aiohttp (under s3fs and gcsfs): connection refused/reset/closed, server timeout, short body.
+    ("aiohttp.client_exceptions", ("ClientConnectionError", "ClientPayloadError")),
+    # requests: gcsfs raises requests' ProxyError for an HTTP 502.
+    ("requests.exceptions", ("ConnectionError", "Timeout", "ChunkedEncodingError")),
+    ("fsspec.exceptions", ("FSTimeoutError",)),
+    # gcsfs: the body's md5 did not match (a corrupted transfer; gcsfs itself retries it).
+    ("gcsfs.retry", ("ChecksumError",)),
+)
+"""Exception classes of the storage clients that mean "try again", by module and class name.
+
+They are looked up in ``sys.modules`` only: an exception of a class whose module was never
+imported cannot exist, so the storage layer needs none of these clients installed."""
+
+_TRANSIENT_ERRNOS = frozenset({
     errno.ECONNRESET,
     errno.ECONNABORTED,
     errno.ECONNREFUSED,
     errno.ETIMEDOUT,
     errno.EPIPE,
     errno.EAGAIN,
-    getattr(errno, "EREMOTEIO", errno.EIO),
-}
-_TRANSIENT_TEXT = ("slowdown", "throttl", "service unavailable", "internal error", "too many requests",
-                   "connection reset", "timed out", " 500", " 502", " 503", " 504", " 429")
+    errno.EBUSY,  # s3fs's translation of 503 / SlowDown / ServiceUnavailable / 409
+    getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs's translation of 500 / InternalError
+})
+
+_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+                  StorageError, ValueError, KeyError, TypeError)
+
+
+def _transient_status(status: object) -> bool:
+    """HTTP status codes worth retrying: 408 request timeout, 429 too many requests, any 5xx."""
+    return isinstance(status, int) and not isinstance(status, bool) and (status >= 500 or status in (408, 429))
+
+
+def _loaded_classes(module: str, names: tuple[str, ...]) -> tuple[type, ...]:
+    mod = sys.modules.get(module)
+    if mod is None:
+        return ()
+    return tuple(c for n in names if isinstance(c := getattr(mod, n, None), type))
+
+
+def _client_class(module: str, name: str) -> type | None:
+    found = _loaded_classes(module, (name,))
+    return found[0] if found else None
+
+
+def _http_status_transient(e: BaseException) -> bool:
+    """The HTTP status (or S3 error code) that a storage client's exception carries."""
+    http_error = _client_class("gcsfs.retry", "HttpError")  # gcsfs: HttpError({"code": status, ...})
+    if http_error is not None and isinstance(e, http_error):
+        return _transient_status(getattr(e, "code", None))
+    client_error = _client_class("botocore.exceptions", "ClientError")  # botocore: parsed S3 response
+    if client_error is not None and isinstance(e, client_error):
+        response = getattr(e, "response", None) or {}
+        err = response.get("Error", {}) or {}
+        status = (response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+        return err.get("Code") in _TRANSIENT_CODES or _transient_status(status)
+    response_error = _client_class("aiohttp.client_exceptions", "ClientResponseError")
+    if response_error is not None and isinstance(e, response_error):
+        return _transient_status(getattr(e, "status", None))
+    return False
+
 
 _MEMORY_LOCK = threading.Lock()
+
+
+class NotRegularFileError(StorageError):
+    """A local object that is not a regular file inside the run root (a FIFO, a device, a socket,
+    a directory, or a symlink leading outside the root). Never opened, never retried."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url, self.what = url, what
+        super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to read it")
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -95,48 +163,30 @@ def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or its cause) is worth retrying: network trouble, 5xx, 429, throttling."""
+    """Whether ``exc`` (or an exception in its cause/context chain) is worth retrying.
+
+    Keyed on exception types, HTTP status codes and S3 error codes, never on message text:
+    builtin ``ConnectionError`` / ``TimeoutError``; the connection and timeout classes of botocore,
+    aiohttp, requests and fsspec; gcsfs ``HttpError`` and botocore ``ClientError`` with status 408,
+    429 or 5xx (or a throttling S3 code); and the errnos s3fs translates those into (EBUSY for
+    503/SlowDown, EREMOTEIO for 500). Missing, existing, forbidden and malformed are never
+    transient. s3fs keeps the botocore error as ``__cause__`` of its OSError, so the chain is walked.
+    """
+    transient_classes = tuple(c for module, names in _TRANSIENT_CLASSES for c in _loaded_classes(module, names))
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, FileNotFoundError | FileExistsError | PermissionError | IsADirectoryError |
-                      NotADirectoryError | StorageError | ValueError | KeyError | TypeError):
+        if isinstance(e, _NOT_TRANSIENT):
             return False
-        if isinstance(e, ConnectionError | TimeoutError):
+        if isinstance(e, ConnectionError | TimeoutError) or isinstance(e, transient_classes):
             return True
-        if type(e).__name__ in _TRANSIENT_NAMES:
+        if _http_status_transient(e):
             return True
-        code = getattr(e, "code", None)  # gcsfs HttpError
-        if isinstance(code, int) and (code >= 500 or code == 429):
-            return True
-        response = getattr(e, "response", None)  # botocore ClientError
-        if isinstance(response, Mapping):
-            err = response.get("Error", {}) or {}
-            status = (response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
-            if err.get("Code") in _TRANSIENT_CODES or (isinstance(status, int) and (status >= 500 or status == 429)):
-                return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        if isinstance(e, OSError) and any(t in str(e).lower() for t in _TRANSIENT_TEXT):
             return True
         e = e.__cause__ or e.__context__
     return False
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded exponential backoff with jitter: attempt n waits in [d/2, d], d = min(max, base * 2**n)."""
-
-    attempts: int = 5
-    """Total tries of one operation (1 = no retry)."""
-
-    base_delay_s: float = 0.1
-    max_delay_s: float = 5.0
-
-    def delay_s(self, attempt: int, rng: random.Random) -> float:
-        d = min(self.max_delay_s, self.base_delay_s * (2**attempt))
-        return d / 2 + rng.uniform(0, d / 2)
 
 
 class ObjectStore:
@@ -161,7 +211,7 @@ class ObjectStore:
         self.is_memory = "memory" in protocols
         self.url = url or (self.root if self.is_local else f"{self.protocol}://{self.root.lstrip('/')}")
         self._options = redact(storage_options)
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or STORAGE_RETRY
         self._sleep = sleep
         self._rng = random.Random(seed)
         self.op_counts: Counter[str] = Counter()
@@ -205,11 +255,20 @@ class ObjectStore:
 
     # -- operations --------------------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """The object's bytes (FileNotFoundError if absent); at most ``max_bytes + 1`` if capped."""
+        """The object's bytes (FileNotFoundError if absent); at most ``max_bytes + 1`` if capped.
+
+        Local: :class:`NotRegularFileError` for anything but a regular file inside the root.
+        """
         path = self.path(key)
-        if max_bytes is None:
-            return bytes(self._call("get", key, lambda: self.fs.cat_file(path)))
-        return bytes(self._call("get", key, lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)))
+
+        def cat() -> bytes:
+            if self.is_local:
+                self._check_local_file(key, path)
+            if max_bytes is None:
+                return bytes(self.fs.cat_file(path))
+            return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+
+        return self._call("get", key, cat)
 
     def get_or_none(self, key: str, **kwargs: Any) -> bytes | None:
         try:
@@ -317,6 +376,25 @@ class ObjectStore:
             )
 
     # -- helpers -----------------------------------------------------------------------------
+    def _check_local_file(self, key: str, path: str) -> None:
+        """Refuse to open a local object that is not a regular file inside the root (checked
+        before opening: opening a FIFO blocks until a writer comes, i.e. forever). A missing
+        object is left to the read itself (FileNotFoundError)."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if os.path.commonpath([real, root]) != root:  # the object or a folder above it is a link out
+            raise NotRegularFileError(self.key_url(key), f"a symlink to {real}, outside the run folder {root}")
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                st = os.stat(real)
+            except FileNotFoundError:
+                return  # a dangling link reads as a missing object
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(self.key_url(key), _file_kind(st.st_mode))
+
     def _local_tmp(self, path: str) -> str:
         parent, _, name = path.rpartition("/")
         os.makedirs(parent or "/", exist_ok=True)

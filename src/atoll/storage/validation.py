@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from atoll.core.rejection import STORAGE_KINDS, Rejection, RejectionKind
+
 __all__ = [
     "REJECTION_KINDS",
     "SAFE_ID_PATTERN",
@@ -22,23 +24,16 @@ __all__ = [
     "RunNotFoundError",
     "RunExistsError",
     "RoundOrderError",
+    "ReadOnlyError",
+    "LayoutError",
     "validate_id",
     "check_shapes",
     "check_tensor_layout",
     "check_finite",
 ]
 
-REJECTION_KINDS = (
-    "truncated",  # payload shorter than the record says
-    "checksum",  # sha256 of the payload differs from its name/record
-    "layout",  # wrong tensor names, shapes or dtypes for the fragment
-    "non_finite",  # NaN or Inf values
-    "schema",  # unknown schema or schema_version, malformed record
-    "missing_payload",  # record points at a payload that does not exist
-    "bad_id",  # learner id / run id unsafe (/, .., characters outside the safe set)
-    "oversize",  # payload larger than the configured cap
-    "corrupt",  # bytes are not a valid safetensors / JSON document
-)
+REJECTION_KINDS = tuple(sorted(k.value for k in STORAGE_KINDS))
+"""The kinds of bad input (a subset of core's closed set :class:`RejectionKind`)."""
 
 SAFE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 """Learner ids and run ids: 1-128 chars of ``[A-Za-z0-9_.-]``, starting alphanumeric, no ``..``."""
@@ -49,15 +44,21 @@ class StorageError(Exception):
 
 
 class InvalidInput(StorageError, ValueError):
-    """Bad input, rejected and never trusted. ``kind`` is one of :data:`REJECTION_KINDS`."""
+    """Bad input, rejected and never trusted. ``kind`` is a :class:`RejectionKind` of bad input
+    (one of :data:`REJECTION_KINDS`); code keys on it, never on the message."""
 
-    def __init__(self, kind: str, reason: str, *, url: str | None = None) -> None:
+    def __init__(self, kind: str | RejectionKind, reason: str, *, url: str | None = None) -> None:
         if kind not in REJECTION_KINDS:
-            raise ValueError(f"unknown rejection kind {kind!r}")
-        self.kind = kind
+            raise ValueError(f"unknown bad-input kind {kind!r}; known: {REJECTION_KINDS}")
+        self.kind = RejectionKind(kind)
         self.reason = reason
         self.url = url
-        super().__init__(f"[{kind}] {reason}" + (f" ({url})" if url else ""))
+        super().__init__(f"[{self.kind.value}] {reason}" + (f" ({url})" if url else ""))
+
+    @property
+    def rejection(self) -> Rejection:
+        """The typed rejection a round records for this bad input."""
+        return Rejection(self.kind, self.reason + (f" ({self.url})" if self.url else ""))
 
 
 class TransientStorageError(StorageError):
@@ -80,6 +81,14 @@ class RunExistsError(StorageError, FileExistsError):
     """A run was already initialised at this root."""
 
 
+class ReadOnlyError(StorageError):
+    """A write through a run handle opened read-only (``RunStore.open(..., read_only=True)``)."""
+
+
+class LayoutError(StorageError):
+    """The run was written with a bucket layout this atoll does not read."""
+
+
 class RoundOrderError(StorageError):
     """A round was committed out of order (its predecessor is not committed)."""
 
@@ -92,7 +101,7 @@ def validate_id(value: object, what: str = "id") -> str:
         raise InvalidInput("bad_id", f"{what} {value!r} contains a path separator")
     if ".." in value:
         raise InvalidInput("bad_id", f"{what} {value!r} contains '..'")
-    if not SAFE_ID_PATTERN.match(value):
+    if not SAFE_ID_PATTERN.fullmatch(value):  # fullmatch: '$' alone would accept a trailing newline
         raise InvalidInput(
             "bad_id",
             f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-] starting with a letter or digit",

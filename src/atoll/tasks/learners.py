@@ -1,18 +1,12 @@
 """Launching, watching and relaunching learner flow runs (the self-healing half of the training run).
 
 Each learner of a run is one long-lived flow run of the learner deployment of its work pool,
-tagged ``atoll-run:<run_id>`` and ``atoll-learner:<learner_id>``. :class:`LearnerFleet` reconciles
-what Prefect says with what the run needs, once per call:
-
-* a learner with an active flow run (scheduled, pending, running) is **adopted**, whoever started
-  it (this training run, an earlier incarnation of it, or a person from the UI);
-* a learner whose latest flow run crashed, failed or completed while the run is not finished is
-  **relaunched** on its pool (it rejoins from the bucket), with a short back-off;
-* a running learner that has not contributed for ``stale_after_s`` is **stale**: its flow run is
-  cancelled and a new one launched;
-* a learner with no flow run at all but recent contributions in the bucket runs outside Prefect
-  (``atoll learner`` by hand, ``python -m atoll.train.local learner``): it is adopted too;
-* a flow run a person *cancelled* stays cancelled (that is how to take a learner out of a run).
+tagged ``atoll-run:<run_id>`` and ``atoll-learner:<learner_id>``. :class:`LearnerFleet` is the thin
+Prefect side: it reads the learners' flow runs, turns each learner's newest one into a
+:class:`~atoll.runs.healing.LearnerObservation`, asks the pure policy
+(:func:`atoll.runs.healing.decide_learner`: adopt, launch, relaunch, leave alone, cancel a stale
+one, respect a person's cancel, adopt a learner running outside Prefect) and carries out the
+cancel and launch it decides. The policy's table is in :mod:`atoll.runs.healing`.
 
 Deadlines of rounds never depend on this: the synchronizer closes rounds on its own clock.
 """
@@ -22,17 +16,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.objects import FlowRun
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.deployments import run_deployment
-from prefect.exceptions import MissingContextError
 from prefect.states import Cancelling
+
+from atoll.runs.healing import HealingAction, HealingPolicy, LearnerObservation, decide_learner
+from atoll.tasks.logs import task_logger
+
+if TYPE_CHECKING:
+    from atoll.tasks.context import RunContext
 
 __all__ = [
     "LEARNER_FLOW_NAME",
@@ -43,12 +42,9 @@ __all__ = [
     "pool_tag",
     "learner_deployment_name",
     "watch_learners",
-    "fleet_for",
 ]
 
 LEARNER_FLOW_NAME = "atoll-learner"
-ACTIVE = {StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING}
-RELAUNCH = {StateType.CRASHED, StateType.FAILED, StateType.COMPLETED}
 
 
 def run_tag(run_id: str) -> str:
@@ -68,27 +64,21 @@ def learner_deployment_name(pool: str, deployments: Mapping[str, str] | None = N
     return (deployments or {}).get(pool) or f"{LEARNER_FLOW_NAME}/{pool}"
 
 
-def _logger() -> Any:
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        import logging
-
-        return logging.getLogger("atoll.learners")
-
 
 @dataclass
 class LearnerAction:
+    """What the fleet did about one learner (the policy's action, with its reason)."""
+
     learner_id: str
-    action: str
-    """'adopted', 'launched', 'relaunched', 'stale-relaunched', 'external', 'cancelled-by-user', 'waiting'."""
+    action: HealingAction
     flow_run_id: str | None = None
     state: str | None = None
     pool: str = ""
+    reason: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"learner_id": self.learner_id, "action": self.action, "flow_run_id": self.flow_run_id,
-                "state": self.state, "pool": self.pool}
+        return {"learner_id": self.learner_id, "action": str(self.action), "flow_run_id": self.flow_run_id,
+                "state": self.state, "pool": self.pool, "reason": self.reason}
 
 
 @dataclass
@@ -103,9 +93,7 @@ class LearnerFleet:
     storage_options: dict[str, Any] | None = None
     learner_parameters: dict[str, Any] = field(default_factory=dict)
     """Extra learner-flow parameters (threads, poll interval ...)."""
-    stale_after_s: float = 300.0
-    relaunch_backoff_s: float = 5.0
-    max_launches: int = 50
+    policy: HealingPolicy = field(default_factory=HealingPolicy)
     clock: Callable[[], float] = time.monotonic
     launches: dict[str, int] = field(default_factory=dict)
     last_launch: dict[str, float] = field(default_factory=dict)
@@ -142,18 +130,34 @@ class LearnerFleet:
         )
         self.launches[learner_id] = n
         self.last_launch[learner_id] = self.clock()
-        return fr  # type: ignore[return-value]
+        return fr  # type: ignore[return-value]  # run_deployment is sync-compatible: a FlowRun here
 
-    # -- the policy ----------------------------------------------------------------------------
-    def reconcile(self, *, last_seen_age_s: Mapping[str, float] | None = None, finished: bool = False,
-                  launch: bool = True) -> list[LearnerAction]:
-        """Adopt, launch or relaunch each learner (sequentially: SQLite dislikes concurrent creates).
+    def observe(self, learner_id: str, latest: FlowRun | None, *, last_seen_age_s: float | None,
+                finished: bool) -> LearnerObservation:
+        """The policy's view of one learner: its newest flow run, its silence, our launches."""
+        state = latest.state.type.value if latest is not None and latest.state is not None else None
+        running_for = None
+        if latest is not None and state == "RUNNING" and latest.start_time is not None:
+            running_for = time.time() - latest.start_time.timestamp()
+        last = self.last_launch.get(learner_id)
+        return LearnerObservation(
+            state=state, running_for_s=running_for, last_seen_age_s=last_seen_age_s,
+            cancelled_by_us=latest is not None and str(latest.id) in self.cancelled_by_us,
+            launches=self.launches.get(learner_id, 0), since_launch_s=None if last is None else self.clock() - last,
+            finished=finished,
+        )
+
+    # -- carrying out the policy ---------------------------------------------------------------
+    def reconcile(self, *, last_seen_age_s: Mapping[str, float] | None = None,
+                  finished: bool = False) -> list[LearnerAction]:
+        """Observe, decide (:func:`~atoll.runs.healing.decide_learner`) and act for each learner,
+        sequentially (SQLite dislikes concurrent creates).
 
         ``last_seen_age_s``: seconds since each learner's newest contribution was first seen (from the
         synchronizer; absent = never seen by this process).
         """
         ages = dict(last_seen_age_s or {})
-        log = _logger()
+        log = task_logger("atoll.learners")
         actions: list[LearnerAction] = []
         with get_client(sync_client=True) as client:
             runs = self.flow_runs(client)
@@ -161,75 +165,29 @@ class LearnerFleet:
                 lid, pool = spec["learner_id"], spec["pool"]
                 mine = runs.get(lid, [])
                 latest = mine[0] if mine else None
-                state = latest.state.type if latest is not None and latest.state is not None else None
                 sname = latest.state.name if latest is not None and latest.state is not None else None
-                if finished:
-                    actions.append(LearnerAction(lid, "finished", str(latest.id) if latest else None, sname, pool))
-                    continue
-                if latest is not None and state in ACTIVE:
-                    age = ages.get(lid)
-                    if age is None and state == StateType.RUNNING and latest.start_time is not None:
-                        age = time.time() - latest.start_time.timestamp()
-                    if state == StateType.RUNNING and age is not None and age > self.stale_after_s and launch:
-                        log.warning(f"{lid}: flow run {latest.name} has not contributed for {age:.0f}s; "
-                                    "cancelling it and launching a new one")
-                        self.cancelled_by_us.add(str(latest.id))
-                        client.set_flow_run_state(latest.id, Cancelling(message="atoll: stale learner"), force=True)
-                        actions.append(self._relaunch(lid, pool, "stale-relaunched", log))
-                        continue
-                    actions.append(LearnerAction(lid, "adopted", str(latest.id), sname, pool))
-                    continue
-                if latest is not None and state == StateType.CANCELLED and str(latest.id) not in self.cancelled_by_us:
-                    actions.append(LearnerAction(lid, "cancelled-by-user", str(latest.id), sname, pool))
-                    continue
-                if latest is None and lid in ages and ages[lid] < min(60.0, self.stale_after_s):
-                    actions.append(LearnerAction(lid, "external", None, None, pool))
-                    continue
-                if not launch:
-                    actions.append(LearnerAction(lid, "waiting", str(latest.id) if latest else None, sname, pool))
-                    continue
-                if latest is None:
+                decision = decide_learner(self.observe(lid, latest, last_seen_age_s=ages.get(lid), finished=finished),
+                                          self.policy)
+                run_id, state = (str(latest.id), sname) if latest is not None else (None, None)
+                if decision.cancel and latest is not None:
+                    log.warning(f"{lid}: flow run {latest.name}: {decision.reason}")
+                    self.cancelled_by_us.add(str(latest.id))
+                    client.set_flow_run_state(latest.id, Cancelling(message="atoll: stale learner"), force=True)
+                if decision.launch:
                     fr = self.launch(lid, pool)
-                    log.info(f"{lid}: launched flow run {fr.name} on pool {pool}")
-                    actions.append(LearnerAction(lid, "launched", str(fr.id), "Scheduled", pool))
-                else:
-                    log.warning(f"{lid}: flow run {latest.name} is {sname}; relaunching it on pool {pool} "
-                                "(it rejoins from the bucket)")
-                    actions.append(self._relaunch(lid, pool, "relaunched", log))
-        self.history.extend(a for a in actions if a.action not in ("adopted", "finished"))
+                    log.info(f"{lid}: launched flow run {fr.name} on pool {pool}: {decision.reason}")
+                    run_id, state = str(fr.id), "Scheduled"
+                elif decision.action == HealingAction.WAITING:
+                    log.info(f"{lid}: {decision.reason}")
+                actions.append(LearnerAction(lid, decision.action, run_id, state, pool, decision.reason))
+        self.history.extend(a for a in actions if a.action not in (HealingAction.ADOPTED, HealingAction.FINISHED))
         return actions
-
-    def _relaunch(self, lid: str, pool: str, why: str, log: Any) -> LearnerAction:
-        since = self.clock() - self.last_launch.get(lid, -1e9)
-        if since < self.relaunch_backoff_s or self.launches.get(lid, 0) >= self.max_launches:
-            return LearnerAction(lid, "waiting", None, None, pool)
-        fr = self.launch(lid, pool)
-        log.info(f"{lid}: launched flow run {fr.name} on pool {pool}")
-        return LearnerAction(lid, why, str(fr.id), "Scheduled", pool)
-
-
-_FLEETS: dict[str, LearnerFleet] = {}
-
-
-def fleet_for(run_url: str, run_id: str, learners: list[dict[str, str]], **kwargs: Any) -> LearnerFleet:
-    """The process-wide fleet of a run (launch counts and back-off survive between rounds)."""
-    fleet = _FLEETS.get(run_url)
-    if fleet is None:
-        fleet = _FLEETS[run_url] = LearnerFleet(run_url=run_url, run_id=run_id, learners=learners, **kwargs)
-    else:
-        for k, v in kwargs.items():
-            setattr(fleet, k, v)
-    return fleet
 
 
 @task(name="watch-learners", cache_policy=NO_CACHE, persist_result=False)
-def watch_learners(run_url: str, run_id: str, learners: list[dict[str, str]], *,
-                   last_seen_age_s: dict[str, float] | None = None, finished: bool = False,
-                   deployments: dict[str, str] | None = None, storage_options: dict[str, Any] | None = None,
-                   learner_parameters: dict[str, Any] | None = None, stale_after_s: float = 300.0,
-                   launch: bool = True) -> list[dict[str, Any]]:
+def watch_learners(ctx: RunContext) -> list[dict[str, Any]]:
     """Adopt / launch / relaunch the run's learner flow runs; returns what it did per learner."""
-    fleet = fleet_for(run_url, run_id, learners, deployments=dict(deployments or {}),
-                      storage_options=storage_options, learner_parameters=dict(learner_parameters or {}),
-                      stale_after_s=stale_after_s)
-    return [a.as_dict() for a in fleet.reconcile(last_seen_age_s=last_seen_age_s, finished=finished, launch=launch)]
+    if ctx.fleet is None:
+        return []
+    sync = ctx.synchronizer()
+    return [a.as_dict() for a in ctx.fleet.reconcile(last_seen_age_s=ctx.last_seen_age_s(), finished=sync.finished)]

@@ -98,6 +98,10 @@ class _TokenFile:
         """Tokens ``[start, start + count)`` for each ``(start, count)``, as int64 arrays."""
         if self.is_local:
             if self._memmap is None:
+                size = os.path.getsize(self.path)
+                if size < self.num_tokens * np.dtype(self.dtype).itemsize:
+                    raise DataError(f"{self.url}: the file shrank to {size} bytes after it was opened with "
+                                    f"{self.num_tokens} tokens; is it being rewritten?")
                 # The OS pages in only what we touch; a 100 GB shard costs no RAM up front.
                 self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
             return [np.asarray(self._memmap[s : s + n], dtype=np.int64) for s, n in ranges]

@@ -32,12 +32,15 @@ import torch
 
 from atoll.core.align import LearnerCounters, align_fragment
 from atoll.core.pseudograd import learner_delta
+from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
+from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
 from atoll.train.model import loss_fn
-from atoll.train.recipe import Recipe, lr_at_step
+from atoll.train.recipe import lr_at_step
+from atoll.train.run import load_recipe
 
-__all__ = ["Learner", "LearnerOptions", "LearnerSummary", "run_learner", "load_recipe"]
+__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +62,9 @@ class LearnerOptions:
     threads: int | None = None
     """torch intra-op threads for this process (None: leave torch's default)."""
 
+    fetch_retry: RetryPolicy = FETCH_RETRY
+    """Backoff and bound for failed polls of the run's commits (core.retry); then FetchError."""
+
 
 @dataclass
 class LearnerSummary:
@@ -73,36 +79,72 @@ class LearnerSummary:
     losses: list[float] = field(default_factory=list)
 
 
-def load_recipe(store: RunStore) -> Recipe:
-    extra = store.manifest.extra
-    if "recipe" not in extra:
-        raise ValueError(f"run {store.url} has no recipe (run.json extra.recipe); it was not created by atoll.train")
-    return Recipe.from_dict(extra["recipe"])
+class FetchError(RuntimeError):
+    """The learner could not read the run's commits for ``FETCH_RETRY.attempts`` polls in a row.
+
+    Raised from the training loop (never swallowed): a learner that cannot see new global
+    versions would train on stale state forever, so it fails loudly and orchestration restarts it.
+    """
 
 
 class _Fetcher(threading.Thread):
-    """Background poller: new commits -> prefetched fragment versions on a queue."""
+    """Background poller: new commits -> prefetched fragment versions on a queue.
 
-    def __init__(self, store: RunStore, after_round: int, poll_interval_s: float) -> None:
+    A failed poll is logged and counted, and retried with backoff (``retry``); after the last
+    attempt the fetcher stops and sets ``failed``, which the training loop raises as FetchError.
+    """
+
+    def __init__(self, store: RunStore, after_round: int, poll_interval_s: float, *,
+                 retry: RetryPolicy = FETCH_RETRY, log: Callable[[str], None] = print) -> None:
         super().__init__(daemon=True, name="atoll-fetcher")
         self.store = store.sibling()  # own caches; the object store itself is shared
         self.after = after_round
         self.poll_interval_s = poll_interval_s
+        self.retry = retry
+        self.log = log
         self.ready: queue.Queue[tuple[int, int, dict[str, torch.Tensor]]] = queue.Queue()
         self.latest_round = after_round
         self.stop = threading.Event()
-        self.error: BaseException | None = None
+        self.errors = 0
+        """Failed polls since the fetcher started (for progress lines)."""
+        self.failed: BaseException | None = None
+        """Set once the retry policy is exhausted; the fetcher has stopped."""
 
     def run(self) -> None:
+        failures = 0
         while not self.stop.is_set():
             try:
                 for rec in self.store.poll_commits(self.after):
                     if rec.updated:
-                        self.ready.put((rec.round, rec.fragment, self.store.read_global_fragment(rec.fragment, rec.round)))
+                        try:
+                            values = self.store.read_global_fragment(rec.fragment, rec.round)
+                        except InvalidInput as e:  # that version's object is unreadable: skip it
+                            self.log(f"fetcher: round {rec.round}'s fragment {rec.fragment} is unreadable "
+                                     f"({e}); keeping the current version")
+                        else:
+                            self.ready.put((rec.round, rec.fragment, values))
                     self.after = self.latest_round = rec.round
-            except Exception as e:  # noqa: BLE001 - keep polling; the loop decides what to do
-                self.error = e
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - counted, logged and bounded below
+                failures += 1
+                self.errors += 1
+                if self.retry.exhausted(failures):
+                    self.log(f"fetcher: giving up after {failures} failed polls of {self.store.url}: {e!r}")
+                    self.failed = e
+                    return
+                delay = self.retry.delay_s(failures - 1)
+                self.log(f"fetcher: poll {failures} of {self.retry.attempts} failed ({e!r}); retrying in {delay:.1f}s")
+                self.stop.wait(delay)
+                continue
             self.stop.wait(self.poll_interval_s)
+
+    def check(self) -> None:
+        """Raise FetchError in the caller's thread if the fetcher gave up."""
+        if self.failed is not None:
+            raise FetchError(
+                f"cannot read the commits of {self.store.url} after {self.retry.attempts} attempts: "
+                f"{self.failed!r}; the learner stops so that orchestration restarts it"
+            ) from self.failed
 
 
 def _save_inner_state(store: RunStore, learner_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -280,7 +322,7 @@ def run_learner(
         torch.set_num_threads(options.threads)
     learner = Learner(store, learner_id, log=log, lockstep=options.lockstep)
     recipe = learner.recipe
-    fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s)
+    fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
     fetcher.start()
 
     def run_finished() -> bool:
@@ -295,12 +337,14 @@ def run_learner(
 
     try:
         while not should_stop() and not run_finished():
+            fetcher.check()
             if options.max_steps is not None and learner.summary.steps >= options.max_steps:
                 break
             learner.step()
             adopt_ready()
             # Lock-step mode only: wait (tau steps after publishing) for the merged version.
             while learner.waiting_for() is not None and not should_stop() and not run_finished():
+                fetcher.check()
                 time.sleep(0.005)
                 adopt_ready()
             if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:

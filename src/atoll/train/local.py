@@ -22,61 +22,14 @@ from typing import Any
 
 import torch
 
-from atoll.core.config import DilocoConfig
-from atoll.core.fragments import plan_fragments
 from atoll.storage.bucket import RunStore
-from atoll.train import data as data_mod
-from atoll.train.learner import LearnerOptions, load_recipe, run_learner
+from atoll.storage.paths import to_url
+from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
-from atoll.train.synchronizer import RoundSummary, SynchronizerOptions, run_synchronizer
+from atoll.train.run import create_run, load_recipe, make_evaluator
+from atoll.train.synchronizer import SynchronizerOptions, run_synchronizer
 
-__all__ = ["create_run", "make_evaluator", "LocalRun", "to_url", "main"]
-
-
-def to_url(bucket: str) -> str:
-    """A local path becomes an absolute file:// URL (other processes may run elsewhere)."""
-    if "://" in bucket:
-        return bucket
-    return "file://" + str(Path(bucket).expanduser().resolve())
-
-
-def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,
-               storage_options: Mapping[str, Any] | None = None) -> RunStore:
-    """Create a new run in the bucket: frozen config, fragment plan, version-0 weights, recipe."""
-    recipe.check(config)
-    model = recipe.model_factory()()
-    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
-    store = RunStore.open(url, storage_options)
-    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
-                   extra={"recipe": recipe.to_dict()})
-    recipe.data.corpus()  # materialize the token cache once, before learners race to build it
-    return store
-
-
-def make_evaluator(store: RunStore) -> Callable[[Mapping[str, torch.Tensor]], float]:
-    """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
-    recipe = load_recipe(store)
-    model = recipe.model_factory()()
-    val = recipe.data.corpus().val
-    context = recipe.context_for(model)
-
-    def evaluate(params: Mapping[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(params[name])
-        return data_mod.evaluate(model, val, batches=recipe.eval_batches, batch_size=16, context_tokens=context)
-
-    return evaluate
-
-
-def synchronizer_options(store: RunStore, **overrides: Any) -> SynchronizerOptions:
-    recipe = load_recipe(store)
-    return SynchronizerOptions(**{
-        "max_rounds": recipe.max_rounds,
-        "eval_every_rounds": recipe.eval_every_rounds,
-        "checkpoint_every_rounds": recipe.checkpoint_every_rounds,
-        **overrides,
-    })
+__all__ = ["LearnerRestarts", "LocalRun", "main"]
 
 
 class LocalRun:
@@ -166,11 +119,39 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    opts = synchronizer_options(store, poll_interval_s=args.poll_interval_s)
+    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s)
     evaluate = make_evaluator(store)
     run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
                      log=lambda s: print(s, flush=True))
     return 0
+
+
+class LearnerRestarts:
+    """Restart the learner processes of a :class:`LocalRun` that exited before the run finished.
+
+    A restarted learner rejoins from the bucket. One that keeps dying is restarted with a doubling
+    back-off (1, 2, 4 ... 60 s between restarts), so a learner that cannot start does not spin.
+    """
+
+    def __init__(self, run: LocalRun, *, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] = lambda s: print(s, flush=True)) -> None:
+        self.run, self.clock, self.log = run, clock, log
+        self.restarts: dict[str, int] = {}
+        self._not_before: dict[str, float] = {}
+
+    def dead_learners(self) -> list[str]:
+        """Restart every learner process that has exited (when its back-off allows); returns their ids."""
+        now = self.clock()
+        restarted = []
+        for lid, proc in list(self.run.learners.items()):
+            if proc.poll() is None or now < self._not_before.get(lid, 0.0):
+                continue
+            n = self.restarts[lid] = self.restarts.get(lid, 0) + 1
+            self._not_before[lid] = now + min(60.0, 2.0 ** (n - 1))
+            self.log(f"{lid} exited with {proc.returncode}; restarting it (it rejoins from the bucket)")
+            self.run.start_learner(lid)
+            restarted.append(lid)
+        return restarted
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -187,20 +168,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         store = create_run(url, config, recipe)
     recipe = load_recipe(store)
     log_dir = Path(args.log_dir) if args.log_dir else (Path(url[len("file://"):]) / "logs" if url.startswith("file://") else None)
+    stop_requested = _terminate_gracefully()  # SIGTERM: stop the synchronizer, then the learners
     with LocalRun(url, log_dir=log_dir, threads=1) as run:
         run.start_learners(recipe)
         print(f"started {len(recipe.learners)} learner processes (logs in {log_dir})")
         t0 = time.monotonic()
+        restart = LearnerRestarts(run)
 
-        def on_round(s: RoundSummary) -> None:
-            for lid, proc in run.learners.items():  # a learner that died is restarted: it rejoins
-                if proc.poll() is not None and not s.record.round >= recipe.max_rounds:
-                    print(f"{lid} exited with {proc.returncode}; restarting it (it rejoins from the bucket)")
-                    run.start_learner(lid)
+        def should_stop() -> bool:
+            # Checked on every poll of the open round, not only when a round commits: with K = M
+            # no round can commit while a learner is dead, so waiting for one would wait forever.
+            if stop_requested():
+                return True
+            restart.dead_learners()
+            return False
 
         store = RunStore.open(url)
-        last = run_synchronizer(store, options=synchronizer_options(store), evaluate=make_evaluator(store),
-                                on_round=on_round, log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
+        last = run_synchronizer(store, evaluate=make_evaluator(store), should_stop=should_stop,
+                                log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
     final = store.read_commit(last)
     loss = final.stats.get("val_loss") if final else None
     print(f"done: {last} rounds in {time.monotonic() - t0:.0f}s; final validation loss {loss}; bucket {url}")

@@ -10,6 +10,11 @@ current version or the one before it (a learner may have published just before i
 version; its delta is re-anchored, never applied as if fresh), not already merged or rejected by
 an earlier round, and the newest one per learner. Anything older is stale: the learner has
 since overwritten that work with a newer global version.
+
+Counters are checked before anything else looks at a contribution (they decide its weight, and
+they are the learner's own numbers): more tokens than steps x batch x context from the recipe, or
+more steps than are possible since its base version (:func:`atoll.core.weights.max_steps_since`),
+is an ``impossible_counters`` rejection, and the record does not count as a sign of life.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +30,16 @@ from typing import Any
 import torch
 
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.quorum import LATE, Arrival, QuorumDecision, TimingEma, decide_round
-from atoll.core.synchronize import synchronize_fragment
+from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.retry import ROUND_RETRY
+from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
+from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
+from atoll.storage.integrity import IntegrityError
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
-from atoll.storage.validation import InvalidInput, RoundOrderError
+from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
+from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
@@ -37,28 +48,14 @@ Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 @dataclass(frozen=True, kw_only=True)
 class SynchronizerOptions:
-    """How the synchronizer polls and what it records."""
+    """Process-local knobs of one synchronizer process. Nothing here changes what is trained:
+    the algorithm lives in the run's DilocoConfig and the round schedule in its recipe (run.json)."""
 
     poll_interval_s: float = 0.2
     """Longest sleep between two polls of an open round."""
 
-    max_wait_s: float | None = None
-    """Close a round below quorum (with >= 1 valid contribution) after this long; None: never."""
-
     live_timeout_s: float | None = None
     """A learner not seen for this long is not 'live' (for early close). None: max(5 s, 3 H step times)."""
-
-    outlier_norm_ratio: float | None = 100.0
-    """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median."""
-
-    eval_every_rounds: int = 0
-    """Validation loss of the global model every this many rounds (0: never; the last round always)."""
-
-    checkpoint_every_rounds: int = 0
-    """Consolidated checkpoint every this many rounds (0: only at the last round)."""
-
-    max_rounds: int | None = None
-    """Stop after committing this round."""
 
     synchronizer_id: str = "synchronizer"
     """Written into every commit record (who won the round)."""
@@ -96,8 +93,8 @@ class RoundPoll:
     polled_at_s: float
     accepted: dict[str, ContributionRecord]
     """Contribution key -> record, for the contributions the decision accepted."""
-    rejected: dict[str, str]
-    """Contribution key -> reason, for everything that will not be merged."""
+    rejected: dict[str, Rejection]
+    """Contribution key -> why, for everything that will not be merged."""
 
 
 class Synchronizer:
@@ -117,9 +114,11 @@ class Synchronizer:
         self.clock = clock
         self.config = store.config
         self.plan = store.plan
-        self.policy = self.config.quorum_policy(
-            poll_interval_s=self.options.poll_interval_s, max_wait_s=self.options.max_wait_s
-        )
+        self.schedule = RoundSchedule.of(store)
+        self.policy = self.config.quorum_policy(poll_interval_s=self.options.poll_interval_s)
+        self.token_bounds = _token_bounds(store)
+        self._started_at = clock()
+        self._seen_at: dict[int, float] = {}  # round -> when this synchronizer saw it committed
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
@@ -142,25 +141,41 @@ class Synchronizer:
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
-        for rec in self.store.history(max(1, round_ - 2 * self.plan.num_fragments + 1), round_) if round_ else []:
-            self._consume(rec)
+        self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
+        for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
+            try:
+                rec = self.store.read_commit(r)
+            except IntegrityError:
+                continue  # a void slot consumed nothing we can know of
+            if rec is not None:
+                self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
-        self.consumed.update(a.key for a in rec.accepted)
+        keys = {a.key for a in rec.accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
-        self.consumed.update(k for k, why in rec.rejected.items() if not why.startswith(LATE))
+        keys.update(k for k, why in rec.rejected.items() if why.final)
+        self.consumed.update(keys)
+        # Bounded: a round lists only the current and previous version of its fragment, so keys
+        # consumed more than 2P rounds ago can never be listed again (100,000 rounds stay small).
+        self._consumed_by_round.append((rec.round, keys))
+        horizon = rec.round - 2 * self.plan.num_fragments - 1
+        while self._consumed_by_round and self._consumed_by_round[0][0] < horizon:
+            self.consumed.difference_update(self._consumed_by_round.popleft()[1])
 
     def _previous_version(self, p: int) -> int | None:
         c = self.versions[p]
         if c == 0:
             return None
-        before = self.store.read_commit(c - 1) if c > 1 else None
+        try:
+            before = self.store.read_commit(c - 1) if c > 1 else None
+        except IntegrityError:
+            return None  # cannot tell what came before: only the current version is a valid base
         return before.versions[p] if before is not None else 0
 
     @property
     def finished(self) -> bool:
-        return self.options.max_rounds is not None and self.round >= self.options.max_rounds
+        return self.schedule.is_last(self.round)
 
     def fragment_of_round(self, round_: int) -> int:
         return (round_ - 1) % self.plan.num_fragments
@@ -188,7 +203,12 @@ class Synchronizer:
         opened_at = self._opened[1]
 
         # Someone else (a racing or previous incarnation) may have committed this round already.
-        existing = self.store.read_commit(r)
+        # A slot holding something that does not verify is void: we close the round ourselves and
+        # commit_round writes the repair record (the forged or corrupt object is never used).
+        try:
+            existing = self.store.read_commit(r)
+        except IntegrityError:
+            existing = None
         if existing is not None:
             return self._adopt(existing)
 
@@ -198,15 +218,20 @@ class Synchronizer:
             bases.add(prev)
         listing = self.store.list_contributions(p, bases)
         candidates: dict[str, ContributionRecord] = {}
-        rejected: dict[str, str] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
+        rejected: dict[str, Rejection] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
         for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
             if rec.key in self.consumed:
+                continue
+            why = self.check_counters(rec, r, now)
+            if why is not None:
+                rejected[rec.key] = why
                 continue
             self._first_seen.setdefault(rec.key, now)
             self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
             older = candidates.get(rec.learner_id)
             if older is not None:
-                rejected[older.key] = f"superseded by a newer contribution from {rec.learner_id}"
+                rejected[older.key] = Rejection(RejectionKind.SUPERSEDED,
+                                                f"a newer contribution from {rec.learner_id} replaces it")
             candidates[rec.learner_id] = rec
         arrivals = [
             Arrival(learner_id=rec.learner_id, arrived_at_s=self._first_seen[rec.key], c_steps=rec.c_steps,
@@ -223,14 +248,55 @@ class Synchronizer:
             rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
         )
 
+    def check_counters(self, rec: ContributionRecord, round_: int, now: float) -> Rejection | None:
+        """IMPOSSIBLE_COUNTERS if ``rec`` claims more steps or tokens than a learner can have done."""
+        elapsed = now - self._seen_at.get(rec.base_version, self._started_at)
+        max_steps = max_steps_since(rec.base_version, round_, self.config.inner_steps, elapsed_s=elapsed)
+        per_step = self.token_bounds.of(rec.learner_id) if self.token_bounds is not None else None
+        return impossible_counters(rec.c_steps, rec.c_tokens, max_steps=max_steps, max_tokens_per_step=per_step)
+
+    def _saw(self, round_: int) -> None:
+        """Remember when this synchronizer saw ``round_`` committed (bounded: older rounds fall back
+        to the synchronizer's start, which only makes the step bound more generous)."""
+        self._seen_at[round_] = self.clock()
+        horizon = round_ - 2 * self.plan.num_fragments - 2
+        for old in [k for k in self._seen_at if k < horizon]:
+            del self._seen_at[old]
+
     def close(self, poll: RoundPoll) -> RoundSummary:
-        """Merge the accepted contributions of a closing poll, take the outer step and commit."""
+        """Merge the accepted contributions of a closing poll, take the outer step and commit.
+
+        Reads top to bottom: merge (on a copy of the outer optimizer), account, evaluate, time,
+        commit; then either advance to the committed state or adopt the winner's.
+        """
         if not poll.decision.close:
             raise ValueError(f"round {poll.round} is still open: {poll.decision.reason}")
         if poll.round != self.round + 1:
             raise ValueError(f"poll is for round {poll.round} but the next round is {self.round + 1}")
-        return self._close(poll.round, poll.fragment, poll.decision, dict(poll.accepted), dict(poll.rejected),
-                           poll.opened_at_s, poll.polled_at_s)
+        r, p = poll.round, poll.fragment
+        rejected = dict(poll.rejected)
+        result, opt = self._merge(p, poll.accepted, rejected)
+        accepted = accepted_contributions(poll.accepted, result)
+        for key in poll.accepted:  # accepted by the quorum rule but not by the merge: say so
+            if result is None or key not in result.weights:
+                rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
+        val_loss = self._evaluate(r, p, result)
+        stats = round_stats(poll, accepted, result, val_loss=val_loss,
+                            fragment_numel=self.plan.fragment_numel(p))
+        timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
+                               steady=self._rounds_closed > 0)
+        commit = self.store.commit_round(
+            r, p, params=result.new_params if result is not None else None,
+            momentum=opt.state_dict() if result is not None else None,
+            accepted=accepted, rejected=rejected, timings=timings.to_dict(), stats=stats,
+            committed_by=self.options.synchronizer_id,
+        )
+        if not commit.won:
+            return self._adopt(commit.record)
+        self._advance(commit.record, result, opt, timings)
+        if self.schedule.checkpoints(r):
+            self.store.write_checkpoint(r)
+        return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss)
 
     def tick(self) -> RoundSummary | QuorumDecision:
         """Poll once and close if the policy says so. Returns a RoundSummary if a round committed."""
@@ -241,118 +307,166 @@ class Synchronizer:
             return polled.decision
         return self.close(polled)
 
-    def _close(
-        self,
-        r: int,
-        p: int,
-        decision: QuorumDecision,
-        accepted: dict[str, ContributionRecord],
-        rejected: dict[str, str],
-        opened_at: float,
-        closed_at: float,
-    ) -> RoundSummary:
+    def _merge(
+        self, p: int, accepted: Mapping[str, ContributionRecord], rejected: dict[str, Rejection]
+    ) -> tuple[FragmentRoundResult | None, NesterovOuterOptimizer]:
+        """Load the accepted deltas (bad payloads join ``rejected``) and merge them into fragment
+        ``p`` with one outer step, on a copy of the optimizer: if another synchronizer wins the
+        commit, ours is discarded."""
         contributions, bad = self.store.load_contributions(accepted.values())
         rejected.update(bad)
         # A fixed merge order makes a round's result independent of arrival order (bit for bit).
         contributions.sort(key=lambda c: (c.learner_id, c.key))
-        bases: dict[int, dict[str, torch.Tensor]] = {}
-        for c in contributions:
-            if c.base_version not in bases:
-                bases[c.base_version] = (
-                    self.fragments[p] if c.base_version == self.versions[p]
-                    else self.store.read_global_fragment(p, c.base_version)
-                )
-        # Step a copy of the optimizer: if another synchronizer wins the commit, ours is discarded.
         opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
         opt.load_state_dict(self.optimizers[p].state_dict())
-        result = None
-        if contributions:
-            result = synchronize_fragment(
-                current=self.fragments[p], bases=bases, contributions=contributions, optimizer=opt,
-                merge=self.config.merge, weighting=self.config.weighting,
-                embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
-                outlier_norm_ratio=self.options.outlier_norm_ratio,
-            )
-        merged_keys = set(result.weights) if result is not None else set()
+        if not contributions:
+            return None, opt
+        result = synchronize_fragment(
+            current=self.fragments[p], bases=self._bases(p, contributions), contributions=contributions,
+            optimizer=opt, merge=self.config.merge, weighting=self.config.weighting,
+            embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
+            outlier_norm_ratio=self.config.outlier_norm_ratio,
+        )
         if result is not None:
             rejected.update(result.rejected)
-        accepted_out = [
-            AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
-                                 base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
-            for k, rec in accepted.items() if result is not None and k in merged_keys
-        ]
-        for k in accepted:
-            if k not in merged_keys and k not in rejected:
-                rejected[k] = "not merged"
+        return result, opt
 
-        # Timings for the grace window: learners report their step time with each contribution.
-        step_times = [float(rec.info["step_time_s"]) for k, rec in accepted.items()
-                      if isinstance(rec.info.get("step_time_s"), int | float) and math.isfinite(rec.info["step_time_s"])]
-        # Time to quorum counts from the round's first contribution (not from the previous close):
-        # with H > P nobody publishes this fragment for a while after the previous round closed.
-        first = min((a.arrived_at_s for a in decision.accepted), default=opened_at)
-        quorum_s = (decision.quorum_at_s - first) if decision.quorum_at_s is not None else closed_at - first
-        new_params = result.new_params if result is not None else None
-        is_last = self.options.max_rounds is not None and r >= self.options.max_rounds
-        val_loss = None
-        every = self.options.eval_every_rounds
-        if self.evaluate is not None and ((every and r % every == 0) or is_last):
-            params = {n: t for frag in self.fragments for n, t in frag.items()}
-            if new_params is not None:
-                params.update(new_params)
-            val_loss = float(self.evaluate(params))
-        bytes_in = sum(rec.payload.nbytes for k, rec in accepted.items() if k in merged_keys)
-        stats = {
-            "quorum_s": round(max(0.0, quorum_s), 4),
-            "grace_s": round(decision.grace_s, 4),
-            "wait_s": round(closed_at - opened_at, 4),
-            "reason": decision.reason,
-            "waiting_for": list(decision.waiting_for),
-            "tokens": sum(rec.c_tokens for k, rec in accepted.items() if k in merged_keys),
-            "steps": sum(rec.c_steps for k, rec in accepted.items() if k in merged_keys),
-            "bytes_in": bytes_in,
-            "bytes_out_per_learner": 4 * self.plan.fragment_numel(p) if new_params is not None else 0,
-            "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
-            "pools": {rec.learner_id: rec.info.get("pool") for rec in accepted.values() if isinstance(rec.info.get("pool"), str)},
-            "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in accepted.values()
-                             if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
-        }
-        if val_loss is not None and math.isfinite(val_loss):
-            stats["val_loss"] = round(val_loss, 6)
-        sync_s = self.clock() - closed_at
-        ema = TimingEma.from_dict(self.ema.to_dict())
-        if step_times:
-            ema.update("step_s", statistics.median(step_times))
-        if decision.quorum_at_s is not None and self._rounds_closed > 0:
-            # The first round after a (re)start also measures learner start-up, not steady state.
-            ema.update("quorum_s", max(0.0, quorum_s))
-        ema.update("sync_s", max(0.0, sync_s))
-        commit = self.store.commit_round(
-            r, p, params=new_params, momentum=opt.state_dict() if new_params is not None else None,
-            accepted=accepted_out, rejected=rejected, timings=ema.to_dict(), stats=stats,
-            committed_by=self.options.synchronizer_id,
-        )
-        if not commit.won:
-            return self._adopt(commit.record)
-        self.round = r
+    def _bases(self, p: int, contributions: list[FragmentContribution]) -> dict[int, dict[str, torch.Tensor]]:
+        """Fragment ``p`` at every base version the contributions name (the current one is in memory)."""
+        bases: dict[int, dict[str, torch.Tensor]] = {}
+        missing: set[int] = set()
+        for c in contributions:
+            if c.base_version in bases or c.base_version in missing:
+                continue
+            if c.base_version == self.versions[p]:
+                bases[c.base_version] = self.fragments[p]
+                continue
+            try:
+                bases[c.base_version] = self.store.read_global_fragment(p, c.base_version)
+            except InvalidInput:  # that version's object is gone: its contributions get UNKNOWN_BASE
+                missing.add(c.base_version)
+        return bases
+
+    def _evaluate(self, r: int, p: int, result: FragmentRoundResult | None) -> float | None:
+        """Validation loss of the global model after round ``r``, when the schedule asks for it."""
+        if self.evaluate is None or not self.schedule.evaluates(r):
+            return None
+        params = {n: t for frag in self.fragments for n, t in frag.items()}
+        if result is not None:
+            params.update(result.new_params)
+        return float(self.evaluate(params))
+
+    def _advance(self, record: CommitRecord, result: FragmentRoundResult | None,
+                 opt: NesterovOuterOptimizer, timings: TimingEma) -> None:
+        """Our commit won: make its state ours."""
+        self.round = record.round
         self._rounds_closed += 1
-        if new_params is not None:
-            self.versions[p] = r
-            self.fragments[p] = {n: t.float() for n, t in new_params.items()}
-            self.optimizers[p] = opt
-        self.ema = ema
-        self._consume(commit.record)
-        every_ckpt = self.options.checkpoint_every_rounds
-        if (every_ckpt and r % every_ckpt == 0) or is_last:
-            self.store.write_checkpoint(r)
-        return RoundSummary(record=commit.record, won=True, decision=decision, val_loss=val_loss)
+        self._saw(record.round)
+        if result is not None:
+            self.versions[record.fragment] = record.round
+            self.fragments[record.fragment] = {n: t.float() for n, t in result.new_params.items()}
+            self.optimizers[record.fragment] = opt
+        self.ema = timings
+        self._consume(record)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours."""
         self._load(record.round)
         self._consume(record)
+        self._saw(record.round)
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def _token_bounds(store: RunStore) -> TokenBounds | None:
+    """Tokens per step from the run's recipe; None for a run without one (built by hand)."""
+    if "recipe" not in store.manifest.extra:
+        return None
+    try:
+        return TokenBounds.of_recipe(load_recipe(store))
+    except (ImportError, ValueError, TypeError, KeyError):  # ConfigError is a ValueError
+        return None  # a model this process cannot build: the step bound still holds
+
+
+def accepted_contributions(accepted: Mapping[str, ContributionRecord],
+                           result: FragmentRoundResult | None) -> list[AcceptedContribution]:
+    """The commit record's ``accepted`` table: every contribution the merge weighed."""
+    if result is None:
+        return []
+    return [
+        AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
+                             base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
+        for k, rec in accepted.items() if k in result.weights
+    ]
+
+
+def _quorum_s(poll: RoundPoll) -> float:
+    """Time to quorum, counted from the round's first contribution (not from the previous close:
+    with H > P nobody publishes this fragment for a while after the previous round closed)."""
+    d = poll.decision
+    first = min((a.arrived_at_s for a in d.accepted), default=poll.opened_at_s)
+    return max(0.0, (d.quorum_at_s if d.quorum_at_s is not None else poll.polled_at_s) - first)
+
+
+MAX_TIMING_S = 86_400.0
+"""Timings reported by learners are clipped to [0, one day]: a bogus report cannot set a
+grace window of centuries (the report is the learner's own number, not a measurement of ours)."""
+
+
+def _seconds(value: Any) -> float | None:
+    """A learner-reported duration as a clipped float, or None if it is not a usable number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond float range
+        return MAX_TIMING_S
+    if not math.isfinite(x):
+        return None
+    return min(max(x, 0.0), MAX_TIMING_S)
+
+
+def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
+                val_loss: float | None, fragment_numel: int) -> dict[str, Any]:
+    """The commit record's ``stats``: round facts for people (pure; JSON-able)."""
+    merged = {a.key for a in accepted}
+    recs = poll.accepted
+    d = poll.decision
+    stats: dict[str, Any] = {
+        "quorum_s": round(_quorum_s(poll), 4),
+        "grace_s": round(d.grace_s, 4),
+        "wait_s": round(poll.polled_at_s - poll.opened_at_s, 4),
+        "reason": d.reason,
+        "waiting_for": list(d.waiting_for),
+        "tokens": sum(a.c_tokens for a in accepted),
+        "steps": sum(a.c_steps for a in accepted),
+        "bytes_in": sum(rec.payload.nbytes for k, rec in recs.items() if k in merged),
+        "bytes_out_per_learner": 4 * fragment_numel if result is not None else 0,
+        "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
+        "pools": {rec.learner_id: rec.info.get("pool") for rec in recs.values() if isinstance(rec.info.get("pool"), str)},
+        "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in recs.values()
+                         if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
+    }
+    if val_loss is not None and math.isfinite(val_loss):
+        stats["val_loss"] = round(val_loss, 6)
+    return stats
+
+
+def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool) -> TimingEma:
+    """The grace window's EMAs after this round (pure: returns a new TimingEma).
+
+    Learners report their step time with each contribution (the median of the round's is folded
+    in). Time to quorum is folded in only in ``steady`` state: the first round after a (re)start
+    also measures learner start-up.
+    """
+    out = TimingEma.from_dict(ema.to_dict())
+    step_times = [t for rec in poll.accepted.values() if (t := _seconds(rec.info.get("step_time_s"))) is not None]
+    if step_times:
+        out.update("step_s", statistics.median(step_times))
+    if poll.decision.quorum_at_s is not None and steady:
+        out.update("quorum_s", _quorum_s(poll))
+    out.update("sync_s", max(0.0, sync_s))
+    return out
 
 
 def run_synchronizer(
@@ -364,18 +478,27 @@ def run_synchronizer(
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
 ) -> int:
-    """Run rounds until ``options.max_rounds`` is committed or ``should_stop()``; returns the last round.
+    """Run rounds until the schedule's ``max_rounds`` is committed or ``should_stop()``; returns the last round.
 
     Sleeps on atoll's own clock between polls (never longer than the decision's recheck time).
     """
     sync = Synchronizer(store, options=options, evaluate=evaluate)
     log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
+    failures = 0
     while not sync.finished and not should_stop():
         try:
             out = sync.tick()
-        except (RoundOrderError, InvalidInput) as e:  # pragma: no cover - storage said no; retry later
-            log(f"synchronizer: round {sync.round + 1}: {e}; retrying")
-            time.sleep(sync.options.poll_interval_s)
+            failures = 0
+        except (RoundOrderError, InvalidInput, TransientStorageError) as e:
+            # Storage said no (bad data never raises here: it becomes a recorded rejection).
+            # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
+            # and whoever runs it restarts it from the bucket.
+            failures += 1
+            if ROUND_RETRY.exhausted(failures):
+                raise
+            log(f"synchronizer: round {sync.round + 1}: {e}; retry {failures} of {ROUND_RETRY.attempts - 1}")
+            time.sleep(ROUND_RETRY.delay_s(failures - 1))
+            sync = Synchronizer(store, options=sync.options, evaluate=evaluate, clock=sync.clock)
             continue
         if isinstance(out, RoundSummary):
             log(out.line())

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.storage.bucket import RunStore
-from atoll.train.learner import Learner, load_recipe
+from atoll.train.learner import Learner
+from atoll.train.run import load_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
 __all__ = ["VirtualResult", "run_virtual"]

@@ -20,12 +20,11 @@ from typing import Any
 
 from atoll.core.config import DilocoConfig
 from atoll.storage.bucket import RunStore
-from atoll.storage.paths import join_url
-from atoll.train.learner import load_recipe
-from atoll.train.local import create_run, to_url
+from atoll.storage.paths import join_url, to_url
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
+from atoll.train.run import create_run, load_recipe
 
-__all__ = ["RunInfo", "prepare_run", "load_config_file", "new_run_url", "open_run"]
+__all__ = ["RunInfo", "prepare_run", "fork_run", "load_config_file", "new_run_url", "open_run"]
 
 
 @dataclass
@@ -49,8 +48,13 @@ class RunInfo:
         return self.latest_round >= self.max_rounds
 
 
-def open_run(run_url: str, storage_options: Mapping[str, Any] | None = None) -> RunStore:
-    return RunStore.open(to_url(run_url), dict(storage_options or {}) or None)
+def open_run(run_url: str, storage_options: Mapping[str, Any] | None = None, *,
+             read_only: bool = False) -> RunStore:
+    """Open a run. ``read_only=True`` writes nothing, not even the create-once probe (``atoll
+    status``, the source of a fork, a run that is only looked at): it works on a read-only folder
+    or with read-only credentials."""
+    opts = dict(storage_options or {}) or None
+    return RunStore.open(to_url(run_url), opts, read_only=read_only)
 
 
 def new_run_url(bucket: str, name: str | None = None) -> str:
@@ -110,7 +114,7 @@ def prepare_run(
         if run_url and to_url(run_url) != to_url(resume_from):
             raise ValueError("resume_from without fork_round continues that run; give no other run_url "
                              "(or give fork_round to fork it into run_url)")
-        store = open_run(resume_from, opts)
+        store = open_run(resume_from, opts, read_only=True)  # the synchronizer opens it for writing
         if not store.exists():
             raise FileNotFoundError(f"no run at {resume_from} to resume")
         return _info(store, "continued")
@@ -131,7 +135,7 @@ def prepare_run(
 def fork_run(source_url: str, run_url: str, *, fork_round: int, rounds: int = 0,
              storage_options: Mapping[str, Any] | None = None) -> RunInfo:
     """A new run at ``run_url`` from the global state of round ``fork_round`` (0 = latest) of ``source_url``."""
-    src = open_run(source_url, storage_options)
+    src = open_run(source_url, storage_options, read_only=True)  # a fork never writes to its source
     if not src.exists():
         raise FileNotFoundError(f"no run at {source_url} to fork")
     latest = src.latest_round()

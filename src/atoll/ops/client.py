@@ -11,19 +11,14 @@ from typing import Any
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_UI_URL
 
-from atoll.flows.deploy import deploy_all, start_training
-from atoll.flows.stack import LocalStack, free_port
 from atoll.flows.training import training_run
-from atoll.tasks.report import last_val_loss
-from atoll.tasks.runs import new_run_url, open_run
+from atoll.ops.deploy import deploy_all, start_training
+from atoll.ops.stack import LocalStack, free_port
+from atoll.runs.manage import new_run_url, open_run
+from atoll.runs.options import TrainingRunOptions
+from atoll.runs.report import last_val_loss
 
 __all__ = ["launch_training", "follow", "run_demo"]
-
-
-def _run_url(params: Mapping[str, Any]) -> str | None:
-    if params.get("resume_from") and params.get("fork_round") is None:
-        return str(params["resume_from"])
-    return params.get("run_url")
 
 
 def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, Any] | None = None,
@@ -34,10 +29,10 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
     with get_client(sync_client=True) as client:
         while True:
             fr = client.read_flow_run(flow_run_id)
-            state = fr.state.name if fr.state else "?"
+            state = (fr.state.name or "?") if fr.state else "?"
             final = fr.state is not None and fr.state.is_final()
             if run_url and (final or time.monotonic() - last_print >= every_s):
-                store = open_run(run_url, storage_options)
+                store = open_run(run_url, storage_options, read_only=True)
                 if store.exists():
                     latest = store.latest_round()
                     if latest > shown:
@@ -52,29 +47,29 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
             time.sleep(poll_s)
     loss = None
     if run_url:
-        store = open_run(run_url, storage_options)
+        store = open_run(run_url, storage_options, read_only=True)
         if store.exists() and store.latest_round():
             latest = store.latest_round()
             loss = last_val_loss(store.history(max(1, latest - 64), latest))
     return state, loss
 
 
-def launch_training(params: Mapping[str, Any], *, in_process: bool = False, wait: bool = True) -> int:
+def launch_training(options: TrainingRunOptions, *, in_process: bool = False, wait: bool = True) -> int:
     """Run the training run here, or launch it on its deployment and (optionally) follow it."""
     if in_process:
-        out = training_run(**params)
+        out = training_run(options)
         print(f"run {out['run_id']} finished at round {out['rounds']}; validation loss {out['val_loss']}; "
               f"bucket {out['run_url']}")
         return 0
-    fr = start_training(params)
+    fr = start_training(options)
     ui = PREFECT_UI_URL.value()
-    run_url = _run_url(params)
+    run_url = options.target_url
     print(f"launched training run {fr.name} ({fr.id})" + (f": {ui}/runs/flow-run/{fr.id}" if ui else ""), flush=True)
     if run_url:
         print(f"bucket: {run_url}", flush=True)
     if not wait:
         return 0
-    state, loss = follow(fr.id, run_url, params.get("storage_options"))
+    state, loss = follow(fr.id, run_url, options.storage_options)
     print(f"training run {state}; final validation loss {loss}; bucket {run_url}", flush=True)
     return 0 if state == "Completed" else 1
 
@@ -94,13 +89,11 @@ def run_demo(directory: str | Path = "out/demo", *, learners: int = 4, rounds: i
         with stack.settings():
             deploy_all(stack.pools)
             print("deployed atoll-training-run/default and atoll-learner/{" + ",".join(stack.pools) + "}", flush=True)
-            params: dict[str, Any] = {"run_url": run_url, "preset": "demo", "learners": learners}
-            if rounds:
-                params["rounds"] = rounds
-            fr = start_training(params, flow_run_name=run_url.rsplit("/", 1)[-1])
+            options = TrainingRunOptions(run_url=run_url, preset="demo", learners=learners, rounds=rounds)
+            fr = start_training(options, flow_run_name=run_url.rsplit("/", 1)[-1])
             print(f"training run: {stack.ui_url}/runs/flow-run/{fr.id}\nbucket: {run_url}", flush=True)
             state, loss = follow(fr.id, run_url)
-        store = open_run(run_url)
+        store = open_run(run_url, read_only=True)
         print("\n".join([
             "",
             f"demo finished: training run {state} in {time.monotonic() - t0:.0f}s",

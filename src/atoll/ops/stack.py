@@ -124,7 +124,7 @@ class LocalStack:
     def create_pools(self) -> None:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        from atoll.flows.deploy import ensure_pools
+        from atoll.ops.deploy import ensure_pools
 
         with temporary_settings({PREFECT_API_URL: self.api_url}):
             ensure_pools(self.pools)
@@ -239,7 +239,7 @@ def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "
     try:
         stack.start()
         if deploy:
-            from atoll.flows.deploy import deploy_all
+            from atoll.ops.deploy import deploy_all
 
             with stack.settings():
                 names = deploy_all(pools)

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from atoll.storage import paths
 from atoll.storage.bucket import RunStore
 from atoll.storage.codec import load_record
 from atoll.storage.records import KIND_CONTRIBUTION, CommitRecord, ContributionRecord
@@ -42,6 +43,8 @@ __all__ = [
     "round_markdown",
     "history_table",
     "run_status",
+    "check_run",
+    "checkpoint_rounds",
     "round_flow_name",
     "slug",
 ]
@@ -107,9 +110,9 @@ def contribution_rows(store: RunStore, record: CommitRecord,
         rec = _read_contribution(store, key, cache)
         if rec is not None:
             pool = rec.info.get("pool") if isinstance(rec.info.get("pool"), str) else ""
-            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, why))
+            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, str(why)))
         else:
-            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, why))
+            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, str(why)))
     return rows
 
 
@@ -149,12 +152,14 @@ class GoodputTracker:
         if rec.key in self._seen:
             return work
         self._seen.add(rec.key)
+        # The learner's own numbers: only plausible ones count (an absurd step counter or step
+        # time would overflow the arithmetic below or turn goodput into nan).
         step = rec.info.get("step")
-        if isinstance(step, int):
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**53:
             work.events.append((rec.created_at, step))
-        st = rec.info.get("step_time_s")
-        if isinstance(st, int | float) and math.isfinite(st) and st > 0:
-            work.step_times.append(float(st))
+        st = _finite(rec.info.get("step_time_s"))
+        if st is not None and 0 < st <= 86_400.0:
+            work.step_times.append(st)
         return work
 
     def add(self, records: Iterable[CommitRecord]) -> None:
@@ -198,8 +203,34 @@ class GoodputTracker:
                              per_learner=per)
 
 
+# Stats in a commit record are free-form JSON for people: any of them may be a string, a list, a
+# bool, an integer far beyond float range. Everything that prints them goes through these.
+
+def _finite(x: Any) -> float | None:
+    """``x`` as a finite float, or None if it is not a number (bools are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _fmt_num(x: Any, spec: str, missing: str = "-") -> str:
+    v = _finite(x)
+    return missing if v is None else format(v, spec)
+
+
+def _fmt_int(x: Any, spec: str = "", missing: str = "-") -> str:
+    if isinstance(x, bool) or not isinstance(x, int) or abs(x) >= 10**18:
+        return missing
+    return format(x, spec)
+
+
 def _fmt_s(x: Any) -> str:
-    return f"{float(x):.2f} s" if isinstance(x, int | float) else "-"
+    v = _finite(x)
+    return f"{v:.2f} s" if v is not None else "-"
 
 
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
@@ -218,14 +249,13 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         f"| quorum reached after | {_fmt_s(s.get('quorum_s'))} |",
         f"| grace window used | {_fmt_s(s.get('grace_s'))} |",
         f"| round open for | {_fmt_s(s.get('wait_s'))} |",
-        f"| closed because | {s.get('reason', '-')} |",
+        f"| closed because | {_short(s.get('reason', '-'))} |",
         f"| contributors ({len(accepted)}) | {contributors} |",
         f"| weight 0 | {len(rows) - len(accepted)} |",
-        f"| tokens merged | {s.get('tokens', 0):,} |",
-        f"| bytes in (deltas) | {s.get('bytes_in', 0):,} |",
-        f"| bytes out per learner (new fragment) | {s.get('bytes_out_per_learner', 0):,} |",
-        f"| validation loss | {s['val_loss']:.4f} |" if isinstance(s.get("val_loss"), int | float)
-        else "| validation loss | not measured this round |",
+        f"| tokens merged | {_fmt_int(s.get('tokens', 0), ',')} |",
+        f"| bytes in (deltas) | {_fmt_int(s.get('bytes_in', 0), ',')} |",
+        f"| bytes out per learner (new fragment) | {_fmt_int(s.get('bytes_out_per_learner', 0), ',')} |",
+        f"| validation loss | {_fmt_num(s.get('val_loss'), '.4f', 'not measured this round')} |",
         f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
     ]
     if goodput is not None:
@@ -239,20 +269,43 @@ def history_table(records: Iterable[CommitRecord]) -> list[str]:
            f"{'val_loss':>8}  learners"]
     for r in records:
         s = r.stats
-        loss = f"{s['val_loss']:.4f}" if isinstance(s.get("val_loss"), int | float) else "-"
         who = ",".join(a.learner_id for a in r.accepted) or "-"
         out.append(f"{r.round:>6} {r.fragment:>4} {len(r.accepted):>3} {len(r.rejected):>3} "
-                   f"{float(s.get('quorum_s', 0)):>8.2f} {float(s.get('grace_s', 0)):>7.2f} "
-                   f"{int(s.get('tokens', 0)):>8} {loss:>8}  {who}")
+                   f"{_fmt_num(s.get('quorum_s', 0), '.2f'):>8} {_fmt_num(s.get('grace_s', 0), '.2f'):>7} "
+                   f"{_fmt_int(s.get('tokens', 0)):>8} {_fmt_num(s.get('val_loss'), '.4f'):>8}  {who}")
     return out
+
+
+def _short(x: Any, limit: int = 200) -> str:
+    text = " ".join(str(x).split()) if isinstance(x, str | int | float) and not isinstance(x, bool) else "-"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def checkpoint_rounds(store: RunStore) -> list[int]:
+    """Rounds with a checkpoint folder; any other name in the folder (``abc``, ``²``, a 40-digit
+    number) is ignored, never an error."""
+    names = store.store.list(paths.checkpoints_prefix())
+    return sorted(int(n) for n in names if n.isascii() and n.isdigit() and len(n) <= 12)
+
+
+def check_run(store: RunStore) -> None:
+    """Read what resuming the run needs (manifest, recipe, latest commit); raise atoll's own
+    errors (StorageError, ValueError) on a broken run, never write."""
+    from atoll.train.run import load_recipe
+
+    _ = store.manifest
+    load_recipe(store)
+    latest = store.latest_round()
+    if latest:
+        store.read_global_state(latest)
 
 
 def last_val_loss(records: Iterable[CommitRecord]) -> float | None:
     loss = None
     for r in records:
-        v = r.stats.get("val_loss")
-        if isinstance(v, int | float):
-            loss = float(v)
+        v = _finite(r.stats.get("val_loss"))
+        if v is not None:
+            loss = v
     return loss
 
 
@@ -261,7 +314,9 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
     m = store.manifest
     latest = store.latest_round()
     recipe = m.extra.get("recipe", {}) if isinstance(m.extra, Mapping) else {}
-    max_rounds = recipe.get("max_rounds")
+    max_rounds = recipe.get("max_rounds") if isinstance(recipe, Mapping) else None
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        max_rounds = None
     records = store.history(1, latest) if latest else []
     c = m.config
     lines = [
@@ -272,7 +327,7 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
     ]
     fork = m.extra.get("forked_from") if isinstance(m.extra, Mapping) else None
     if isinstance(fork, Mapping):
-        lines.append(f"  forked from {fork.get('url')} at round {fork.get('round')}")
+        lines.append(f"  forked from {_short(fork.get('url'))} at round {_fmt_int(fork.get('round'), '', '?')}")
     shown = records[-last:] if last else records
     if records:
         lines += ["", *history_table(shown)]
@@ -281,7 +336,7 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
         loss = last_val_loss(records)
         lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
                   tracker.report().line()]
-    ckpts = store.list_checkpoints()
+    ckpts = checkpoint_rounds(store)
     if ckpts:
         lines.append(f"checkpoints at rounds: {', '.join(map(str, ckpts))}")
     return lines

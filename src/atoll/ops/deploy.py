@@ -1,11 +1,13 @@
 """Registering atoll's deployments, creating work pools, and starting a training run.
 
-Deployments use module entrypoints (``atoll.flows.learner.learner_flow``): a worker only needs
-atoll installed (a venv, a docker image, a kubernetes image); no source checkout is pulled.
+Deployments use module entrypoints (``atoll.flows.learner.learner_flow``,
+``atoll.flows.training.training_run``): a worker only needs atoll installed (a venv, a docker
+image, a kubernetes image); no source checkout is pulled.
 
 * ``atoll-learner/<pool>``: the learner flow, one deployment per work pool (heterogeneous
   hardware = heterogeneous pools), with that pool's job variables (env, image, resources);
-* ``atoll-training-run/default``: the training run, on the control pool.
+* ``atoll-training-run/default``: the training run, on the control pool; its one parameter is a
+  :class:`~atoll.runs.options.TrainingRunOptions` (:func:`start_training` sends it).
 
 ``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``.
 """
@@ -13,17 +15,19 @@ atoll installed (a venv, a docker image, a kubernetes image); no source checkout
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from prefect.deployments.runner import RunnerDeployment
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.types.entrypoint import EntrypointType
 
 from atoll.flows.learner import learner_flow
 from atoll.flows.training import training_run
+from atoll.runs.options import TrainingRunOptions
 from atoll.tasks.learners import LEARNER_FLOW_NAME, pool_tag
 
 __all__ = [
@@ -80,24 +84,25 @@ def deploy_all(
     for pool in pools:
         jv = dict((pool_job_variables or {}).get(pool, {}))
         jv["env"] = {**base_env, **dict(jv.get("env", {}))}
-        dep = learner_flow.to_deployment(
+        dep = cast(RunnerDeployment, learner_flow.to_deployment(  # sync call: not a coroutine
             name=pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
             job_variables=jv, tags=["atoll", "atoll-learner", pool_tag(pool)], concurrency_limit=learner_concurrency,
             description=f"atoll learner on work pool {pool}: one long-lived flow run per learner (island)",
-        )
+        ))
         out[f"{LEARNER_FLOW_NAME}/{pool}"] = str(dep.apply())
     control = control_pool or pools[0]
-    dep = training_run.to_deployment(
+    dep = cast(RunnerDeployment, training_run.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
         job_variables={"env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}, tags=["atoll", "atoll-training-run"],
         description="atoll training run: the synchronizer; one outer-round flow run per round",
-    )
+    ))
     out[TRAINING_DEPLOYMENT] = str(dep.apply())
     return out
 
 
-def start_training(parameters: Mapping[str, Any], *, deployment: str = TRAINING_DEPLOYMENT,
+def start_training(options: TrainingRunOptions, *, deployment: str = TRAINING_DEPLOYMENT,
                    flow_run_name: str | None = None, tags: Sequence[str] = ()) -> FlowRun:
     """Launch a training-run flow run on its deployment without waiting for it."""
-    return run_deployment(deployment, parameters=dict(parameters), timeout=0, as_subflow=False,
-                          flow_run_name=flow_run_name, tags=list(tags))  # type: ignore[return-value]
+    return run_deployment(deployment, parameters={"options": options.model_dump(mode="json")}, timeout=0,
+                          as_subflow=False, flow_run_name=flow_run_name,
+                          tags=list(tags))  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine

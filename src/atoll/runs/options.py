@@ -1,0 +1,98 @@
+"""The training run's options: one typed model, which the Prefect UI renders as a form.
+
+Only two kinds of thing live here:
+
+* **which run**: create one from a preset or a config file, continue one, or fork one; what these
+  create is then frozen in the run's ``run.json`` (the DiLoCo config and the recipe: model, data,
+  learners and their pools, inner optimizer, max rounds, eval and checkpoint cadence);
+* **how this training-run process orchestrates it**: learner deployments and their process
+  knobs, polling, how often learners are watched, when a silent learner counts as stale.
+
+Nothing here changes what is trained: to change the training, fork the run with a new config.
+No Prefect import (pydantic only), so the CLI and notebooks build options without a server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atoll.runs.healing import HealingPolicy
+
+__all__ = ["FleetOptions", "TrainingRunOptions"]
+
+
+class FleetOptions(BaseModel):
+    """How the training run keeps its learner flow runs alive (one per learner, on its pool)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    manage: bool = Field(
+        default=True,
+        description="Launch, adopt and relaunch the run's learner flow runs. Off: start no learners "
+        "(they are started by hand, e.g. `atoll learner`).")
+    deployments: dict[str, str] = Field(
+        default_factory=dict,
+        description="Learner deployment per work pool, as `flow/deployment` (default: `atoll-learner/<pool>`).")
+    threads: int = Field(default=1, ge=1, description="Torch threads of each learner process.")
+    poll_interval_s: float = Field(
+        default=0.2, gt=0, description="How often a learner looks for new global versions (s).")
+    watch_every_s: float = Field(
+        default=10.0, gt=0,
+        description="While a round waits, look after the learners this often (s); also after every 5 rounds.")
+    stale_after_s: float = Field(
+        default=300.0, gt=0,
+        description="A running learner silent for longer than this (s) is cancelled and launched again.")
+    relaunch_backoff_s: float = Field(
+        default=5.0, ge=0, description="Least time between two launches of one learner (s).")
+    max_launches: int = Field(
+        default=50, ge=1, description="Most flow runs launched per learner by one training run.")
+
+    def policy(self) -> HealingPolicy:
+        return HealingPolicy(stale_after_s=self.stale_after_s, relaunch_backoff_s=self.relaunch_backoff_s,
+                             max_launches=self.max_launches)
+
+    def learner_parameters(self) -> dict[str, Any]:
+        """Learner-flow parameters set by these options (besides the run URL and learner id)."""
+        return {"threads": self.threads, "poll_interval_s": self.poll_interval_s}
+
+
+class TrainingRunOptions(BaseModel):
+    """Everything one training-run flow run is given: which run, and how to orchestrate it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # -- which run -----------------------------------------------------------------------------
+    run_url: str | None = Field(
+        default=None,
+        description="The run: a folder or an fsspec URL (s3://, gs://, file://). A new run is created there "
+        "unless it exists, which is then continued.")
+    preset: str = Field(default="demo", description="Recipe preset of a new run (`demo`, `smoke`).")
+    learners: int = Field(default=0, ge=0, description="Learners of a new run (0: the preset's).")
+    rounds: int = Field(
+        default=0, ge=0, description="Outer rounds of a new or forked run (0: the preset's or the source's).")
+    config_path: str | None = Field(
+        default=None,
+        description="YAML/JSON file with `config:` and `recipe:` keys for a new run (instead of the preset).")
+    resume_from: str | None = Field(
+        default=None,
+        description="Continue this run from its last committed round (with `fork_round`: fork it into `run_url`).")
+    fork_round: int | None = Field(
+        default=None, ge=0, description="Fork `resume_from` at this round (0: its latest) into a new run at `run_url`.")
+    storage_options: dict[str, Any] | None = Field(
+        default=None,
+        description="fsspec storage options of the bucket. Prefer credentials in the workers' environment: "
+        "flow parameters show in the UI.")
+
+    # -- how to orchestrate it -------------------------------------------------------------------
+    poll_interval_s: float = Field(
+        default=0.2, gt=0, description="Longest sleep of the synchronizer between two polls of an open round (s).")
+    fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
+
+    @property
+    def target_url(self) -> str | None:
+        """The URL of the run these options train: ``resume_from`` when continuing, else ``run_url``."""
+        if self.resume_from and self.fork_round is None:
+            return self.resume_from
+        return self.run_url

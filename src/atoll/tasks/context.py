@@ -1,0 +1,102 @@
+"""The per-run context of a training-run process: the one place that holds a run's live state.
+
+A training-run flow run creates one :class:`RunContext` for its run and passes it to every round
+flow and task; nothing is cached at module level. It holds:
+
+* ``info``: the run as prepared (URL, id, learners and their pools, max rounds);
+* ``options``: the flow run's :class:`~atoll.runs.options.TrainingRunOptions`;
+* ``store``: the run's :class:`~atoll.storage.bucket.RunStore`;
+* the **synchronizer** (current fragments, outer-optimizer state, timing EMAs, last-seen times),
+  always reloadable from the bucket: :meth:`RunContext.synchronizer` rebuilds it from the latest
+  commit when it is not at the state the caller needs (another synchronizer committed, the round
+  flow failed half way, the process restarted);
+* ``tracker``: the goodput so far (each contribution record read once);
+* ``fleet``: the learner flow runs it launched, with their launch counts and back-off
+  (None when the options say learners are managed by hand);
+* ``progress_artifact_id``: the run's progress artifact, moved by every round.
+
+It holds tensors, so it must never be JSON-encoded or hashed: it has ``__slots__`` and is not a
+dataclass, so Prefect stores a flow parameter of this type as the placeholder ``<RunContext>``
+(``Flow.serialize_parameters`` cannot encode it and does not try to copy it) and tasks that take
+it use ``cache_policy=NO_CACHE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from atoll.runs.manage import RunInfo, open_run
+from atoll.runs.options import TrainingRunOptions
+from atoll.runs.report import GoodputTracker
+from atoll.storage.bucket import RunStore
+from atoll.tasks.learners import LearnerFleet
+from atoll.train.run import make_evaluator
+from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
+
+__all__ = ["RunContext"]
+
+Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
+
+
+class RunContext:
+    """One run's live state in the training-run process (see the module docstring)."""
+
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync")
+
+    def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
+        """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
+        self.info = info
+        self.options = options
+        self.store: RunStore = open_run(info.run_url, options.storage_options)
+        self.tracker = GoodputTracker(self.store)
+        self.fleet: LearnerFleet | None = None
+        if options.fleet.manage:
+            self.fleet = LearnerFleet(
+                run_url=info.run_url, run_id=info.run_id, learners=list(info.learners),
+                deployments=dict(options.fleet.deployments), storage_options=options.storage_options,
+                learner_parameters=options.fleet.learner_parameters(), policy=options.fleet.policy(),
+            )
+        self.progress_artifact_id: str | None = None
+        self._evaluate: Evaluate | None = make_evaluator(self.store) if evaluate else None
+        self._sync: Synchronizer | None = None
+
+    def __repr__(self) -> str:
+        return f"RunContext(run_id={self.run_id!r}, run_url={self.run_url!r})"
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    @property
+    def run_url(self) -> str:
+        return self.info.run_url
+
+    def synchronizer(self, next_round: int | None = None) -> Synchronizer:
+        """The run's synchronizer; (re)built from the bucket if there is none yet, or if it is not
+        at the state right before ``next_round`` (given: the caller is about to work on that round)."""
+        sync = self._sync
+        if sync is None or (next_round is not None and sync.round != next_round - 1):
+            sync = self.reload()
+        return sync
+
+    def reload(self) -> Synchronizer:
+        """Rebuild the synchronizer from the bucket's latest commit (after a failed round)."""
+        self._sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s),
+                                  evaluate=self._evaluate)
+        return self._sync
+
+    @property
+    def finished(self) -> bool:
+        return self.synchronizer().finished
+
+    @property
+    def next_round(self) -> int:
+        return self.synchronizer().round + 1
+
+    def last_seen_age_s(self) -> dict[str, float]:
+        """Seconds since the synchronizer first saw each learner's newest contribution."""
+        sync = self.synchronizer()
+        now = sync.clock()
+        return {lid: now - t for lid, t in sync.last_seen.items()}

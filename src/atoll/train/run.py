@@ -1,0 +1,136 @@
+"""A run as the training code sees it: create one from a recipe, read its recipe back, evaluate it.
+
+Everything here is Prefect-free and rebuilds from the run URL alone (the recipe, config and
+initial weights live in ``run.json`` and the bucket), so a learner process, the synchronizer, a
+notebook or a test can all call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atoll.core.config import DilocoConfig
+from atoll.core.fragments import plan_fragments
+from atoll.storage.bucket import RunStore
+from atoll.train import data as data_mod
+from atoll.train.recipe import Recipe
+
+__all__ = ["RoundSchedule", "create_run", "load_recipe", "make_evaluator", "recipe_context_tokens", "TokenBounds"]
+
+Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
+
+
+def load_recipe(store: RunStore) -> Recipe:
+    """The recipe stored in the run's manifest (``run.json`` ``extra.recipe``)."""
+    extra = store.manifest.extra
+    if "recipe" not in extra:
+        raise ValueError(f"run {store.url} has no recipe (run.json extra.recipe); it was not created by atoll.train")
+    return Recipe.from_dict(extra["recipe"])
+
+
+def recipe_context_tokens(recipe: Recipe) -> int:
+    """The training-window length every learner of ``recipe`` uses (what ``Learner`` passes to its
+    batch stream): the recipe's own, else the GPT config's, without building the model when the
+    model is a preset or a config (only a custom model is built, once)."""
+    if recipe.context_tokens:
+        return int(recipe.context_tokens)
+    from atoll.train.model import MODEL_PRESETS, GPTConfig
+
+    spec = recipe.model
+    if isinstance(spec, str) and spec in MODEL_PRESETS:
+        return int(MODEL_PRESETS[spec]().context_tokens)
+    if isinstance(spec, Mapping):
+        return int(GPTConfig.from_dict(dict(spec)).context_tokens)
+    return recipe.context_for(recipe.model_factory()())
+
+
+@dataclass(frozen=True)
+class TokenBounds:
+    """Tokens one inner step can consume, per learner: batch x context from the recipe (a learner
+    trains on exactly ``batch_size`` windows of ``context`` tokens per step)."""
+
+    per_learner: Mapping[str, int]
+    largest: int
+    """For a learner id the recipe does not list: the largest batch in the recipe x context."""
+
+    def of(self, learner_id: str) -> int:
+        return self.per_learner.get(learner_id, self.largest)
+
+    @classmethod
+    def of_recipe(cls, recipe: Recipe) -> TokenBounds | None:
+        """None if the recipe lists no learners (no batch to bound by)."""
+        if not recipe.learners:
+            return None
+        context = recipe_context_tokens(recipe)
+        per = {s.learner_id: int(s.batch_size) * context for s in recipe.learners}
+        return cls(per_learner=per, largest=max(per.values()))
+
+
+def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,
+               storage_options: Mapping[str, Any] | None = None) -> RunStore:
+    """Create a new run in the bucket: frozen config, fragment plan, version-0 weights, recipe."""
+    recipe.check(config)
+    model = recipe.model_factory()()
+    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
+    store = RunStore.open(url, storage_options)
+    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
+                   extra={"recipe": recipe.to_dict()})
+    recipe.data.corpus()  # materialize the token cache once, before learners race to build it
+    return store
+
+
+def make_evaluator(store: RunStore) -> Evaluate:
+    """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
+    recipe = load_recipe(store)
+    model = recipe.model_factory()()
+    val = recipe.data.corpus().val
+    context = recipe.context_for(model)
+
+    def evaluate(params: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+        return data_mod.evaluate(model, val, batches=recipe.eval_batches, batch_size=16, context_tokens=context)
+
+    return evaluate
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundSchedule:
+    """When the synchronizer stops, evaluates and checkpoints. Owned by the recipe in run.json
+    (a run without a recipe, e.g. one built by hand in a test, runs forever and never evaluates)."""
+
+    max_rounds: int | None = None
+    """Stop after committing this round; None: never."""
+
+    eval_every_rounds: int = 0
+    """Validation loss every this many rounds (0: never); the last round is always evaluated."""
+
+    checkpoint_every_rounds: int = 0
+    """Consolidated checkpoint every this many rounds (0: only at the last round)."""
+
+    def is_last(self, round_: int) -> bool:
+        return self.max_rounds is not None and round_ >= self.max_rounds
+
+    def evaluates(self, round_: int) -> bool:
+        """The one place that decides whether round ``round_`` is evaluated."""
+        every = self.eval_every_rounds
+        return bool(every and round_ % every == 0) or self.is_last(round_)
+
+    def checkpoints(self, round_: int) -> bool:
+        """The one place that decides whether round ``round_`` writes a consolidated checkpoint."""
+        every = self.checkpoint_every_rounds
+        return bool(every and round_ % every == 0) or self.is_last(round_)
+
+    @classmethod
+    def of(cls, store: RunStore) -> RoundSchedule:
+        """The schedule of the run in ``store``: from its recipe, or the defaults if it has none."""
+        if "recipe" not in store.manifest.extra:
+            return cls()
+        recipe = load_recipe(store)
+        return cls(max_rounds=recipe.max_rounds, eval_every_rounds=recipe.eval_every_rounds,
+                   checkpoint_every_rounds=recipe.checkpoint_every_rounds)
