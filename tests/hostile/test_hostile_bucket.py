@@ -62,14 +62,17 @@ def local_only(backend: Backend) -> None:
         pytest.skip("a local-filesystem attack: object stores have no FIFOs or symlinks")
 
 
-def rejected_and_goes_on(run: HostileRun, key: str, kind: RejectionKind) -> str:
-    """(c), then (a) the recorded kind, then (b); returns the recorded detail."""
+def rejected_and_goes_on(run: HostileRun, keys: str | list[str], kind: RejectionKind) -> str:
+    """(c), then (a) the recorded kind of every key, then (b); returns the (last) recorded detail."""
     run.goes_on()
-    why = run.rejection(key)
-    assert why.kind is kind, f"{key}: {why}"
-    assert why.final
+    detail = ""
+    for key in [keys] if isinstance(keys, str) else keys:
+        why = run.rejection(key)
+        assert why.kind is kind, f"{key}: {why}"
+        assert why.final
+        detail = why.detail
     run.still_readable(run.before)
-    return why.detail
+    return detail
 
 
 def shapes_of_next(run: HostileRun) -> dict[str, tuple[int, ...]]:
@@ -109,15 +112,16 @@ def test_oversize_actual_payload_behind_a_small_declared_size(run: HostileRun) -
     rejected_and_goes_on(run, key, RejectionKind.OVERSIZE)
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_payload(run: HostileRun, value: float) -> None:
-    shapes = shapes_of_next(run)
-    parts = {f"{n}::data": torch.zeros(s) for n, s in shapes.items()}
-    first = next(iter(parts))
-    parts[first].view(-1)[0] = value
-    payload, meta = fragment_payload(shapes, parts=parts)
-    key = run.contribution(payload=payload, meta=meta)
-    rejected_and_goes_on(run, key, RejectionKind.NON_FINITE)
+def test_non_finite_payloads(run: HostileRun) -> None:
+    """Two attacks in one round: a NaN and an Inf in a payload (two writers)."""
+    keys = []
+    for value, lid in ((float("nan"), "evil-nan"), (float("inf"), "evil-inf")):
+        shapes = shapes_of_next(run)
+        parts = {f"{n}::data": torch.zeros(s) for n, s in shapes.items()}
+        parts[next(iter(parts))].view(-1)[-1] = value
+        payload, meta = fragment_payload(shapes, parts=parts)
+        keys.append(run.contribution(learner_id=lid, payload=payload, meta=meta))
+    rejected_and_goes_on(run, keys, RejectionKind.NON_FINITE)
 
 
 def test_wrong_dtype_payload(run: HostileRun) -> None:
@@ -322,15 +326,37 @@ def test_forged_next_commit_with_keyring_is_repaired(keyed_run: HostileRun) -> N
     run.still_readable(run.before, keyed=True)
 
 
-@pytest.mark.parametrize("head", ["far-ahead", "garbage"])
-def test_put_over_head(run: HostileRun, head: str) -> None:
-    real = run.sync.round
-    data = dump_record(KIND_HEAD, {"round": 10**7}) if head == "far-ahead" else b"\x00garbage{"
-    run.put(paths.HEAD, data)
-    assert run.reader().latest_round() == real
-    restarted = run.new_synchronizer(fresh=True)
-    assert restarted.round == real
-    run.goes_on(3, restarted)
+def test_put_over_head(run: HostileRun) -> None:
+    """Two attacks in turn: head.json pointing far ahead (no commit there), then garbage in it.
+    A fresh reader and a restarted synchronizer find the real latest round each time."""
+    for data in (dump_record(KIND_HEAD, {"round": 10**7}), b"\x00garbage{"):
+        real = run.sync.round
+        run.put(paths.HEAD, data)
+        assert run.reader(fresh=True).latest_round() == real
+        run.sync = run.new_synchronizer(fresh=True)
+        assert run.sync.round == real
+        run.goes_on(3)
+    run.still_readable(run.before)
+
+
+def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun, request: pytest.FixtureRequest) -> None:
+    """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
+    sync/commits/, then must still see every later commit."""
+    if not run.backend.local:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "src/atoll/storage/store.py ObjectStore.get calls fs.cat_file(path) with no range; s3fs "
+            "then asks _size -> _info, which answers from the listing cache that ObjectStore.list "
+            "filled (RunStore.latest_round LISTs sync/commits/ when head.json is missing or garbage), "
+            "so every later GET of sync/commits/<next>.json on that handle is a stale 'not found': "
+            "poll_commits never returns the new rounds and the learner trains on its old base forever "
+            "(ObjectStore.get should invalidate the key's cache entry or use a ranged GET)")))
+    run.put(paths.HEAD, b"\x00garbage{")
+    restarted = Learner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
+    run.learners[1] = restarted
+    run._seen[id(restarted)] = restarted.start_round
+    start = run.sync.round
+    run.goes_on(3)
+    assert run._seen[id(restarted)] >= start + 3, "the restarted learner never saw the new commits"
     run.still_readable(run.before)
 
 
@@ -406,7 +432,7 @@ def test_garbage_in_repairs(run: HostileRun) -> None:
     done = run.goes_on()
     assert done[0].won and done[0].record.round == r
     assert run.store.store.get_or_none(paths.repair_key(r, 2)) is not None
-    assert run.reader().read_commit(r).committed_by == "synchronizer"
+    assert run.reader().history()[r - 1].committed_by == "synchronizer"
     run.still_readable(run.before)
 
 
@@ -450,12 +476,13 @@ def test_absurd_step_count(run: HostileRun) -> None:
     assert "steps possible" in rejected_and_goes_on(run, key, RejectionKind.IMPOSSIBLE_COUNTERS)
 
 
-@pytest.mark.parametrize("created_at", [1e15, -1e15], ids=["future", "negative"])
-def test_odd_created_at_is_informational(run: HostileRun, created_at: float) -> None:
-    """A well-formed contribution with a writer's clock far off is merged like any other."""
-    key = run.contribution(changes={"created_at": created_at})
+def test_odd_created_at_is_informational(run: HostileRun) -> None:
+    """Well-formed contributions stamped 30 million years ahead and behind (two writers) are merged
+    like any other: the writer's clock is informational."""
+    keys = [run.contribution(learner_id=lid, changes={"created_at": t})
+            for lid, t in (("evil-future", 1e15), ("evil-past", -1e15))]
     run.goes_on()
-    assert key in run.accepted_keys()
+    assert set(keys) <= run.accepted_keys()
     run.still_readable(run.before)
 
 
@@ -511,7 +538,8 @@ def test_huge_step_time_in_info_is_clipped(run: HostileRun) -> None:
     "an hour (the three rounds below do not close in 60 fake seconds)"))
 def test_huge_step_time_in_info_does_not_stall_rounds(run: HostileRun) -> None:
     run.contribution(changes={"info": {"step_time_s": 10**400}})
-    run.goes_on()
+    run.rounds(1)
+    assert len(run.rounds(3, max_ticks=12)) >= 3
     run.still_readable(run.before)
 
 
@@ -519,12 +547,19 @@ def test_huge_step_time_in_info_does_not_stall_rounds(run: HostileRun) -> None:
 # Identifiers
 # =================================================================================================
 
-@pytest.mark.parametrize("bad_id", ["evil\n", "ev..il", "évil", "e" * 200], ids=["newline", "dotdot", "unicode", "200"])
-def test_bad_learner_id_in_record(run: HostileRun, bad_id: str) -> None:
-    with pytest.raises(InvalidInput):
-        validate_id(bad_id)
-    key = run.contribution(learner_id=bad_id, prefix_id="evil")
-    rejected_and_goes_on(run, key, RejectionKind.BAD_ID)
+BAD_IDS = {"newline": "evil\n", "dotdot": "ev..il", "unicode": "évil", "200 chars": "e" * 200,
+           "slash": "evil/../learner-0"}
+
+
+def test_bad_learner_ids_in_records(run: HostileRun) -> None:
+    """Five attacks in one round: records under learners/evil/ whose learner_id has a trailing
+    newline, '..', non-ASCII, 200 characters, a path escape."""
+    keys = []
+    for i, bad in enumerate(BAD_IDS.values()):
+        with pytest.raises(InvalidInput):
+            validate_id(bad)
+        keys.append(run.contribution(learner_id=bad, prefix_id="evil", fill=1e-4 * (i + 1)))
+    rejected_and_goes_on(run, keys, RejectionKind.BAD_ID)
 
 
 def test_learner_prefix_that_is_not_an_id(run: HostileRun) -> None:
