@@ -179,12 +179,6 @@ def test_non_json_constant(run: HostileRun) -> None:
     rejected_and_goes_on(run, key, RejectionKind.CORRUPT)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/atoll/storage/codec.py load_record catches only UnicodeDecodeError/ValueError from "
-    "json.loads; a 400 KB record of 200 000 nested arrays raises RecursionError, which "
-    "src/atoll/storage/bucket.py RunStore._read_contribution_record (catches InvalidInput) does not "
-    "turn into a rejection: it escapes list_contributions and Synchronizer.poll, so the "
-    "synchronizer stops on every restart (should be a corrupt rejection)"))
 def test_deeply_nested_json(run: HostileRun) -> None:
     """200 000 nested arrays (400 KB, under the record cap): the JSON parser must not take the
     synchronizer down with a RecursionError."""
@@ -286,7 +280,6 @@ UNCHAINED_READ = (
     "back to a verified round (or to the head it came from) before trusting a slot")
 
 
-@pytest.mark.xfail(strict=True, reason=UNCHAINED_READ)
 def test_fresh_reader_never_uses_a_forged_void_slot(run: HostileRun) -> None:
     """After the repair above, a fresh handle asked for that round alone (as read_global_fragment
     asks a rejoining learner's handle) must get the synchronizer's record, not the forgery."""
@@ -343,13 +336,7 @@ def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun
     """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
     sync/commits/, then must still see every later commit."""
     if not run.backend.local:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src/atoll/storage/store.py ObjectStore.get calls fs.cat_file(path) with no range; s3fs "
-            "then asks _size -> _info, which answers from the listing cache that ObjectStore.list "
-            "filled (RunStore.latest_round LISTs sync/commits/ when head.json is missing or garbage), "
-            "so every later GET of sync/commits/<next>.json on that handle is a stale 'not found': "
-            "poll_commits never returns the new rounds and the learner trains on its old base forever "
-            "(ObjectStore.get should invalidate the key's cache entry or use a ranged GET)")))
+        pass  # (was a strict xfail: fixed)
     run.put(paths.HEAD, b"\x00garbage{")
     restarted = Learner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
     run.learners[1] = restarted
@@ -360,7 +347,6 @@ def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun
     run.still_readable(run.before)
 
 
-@pytest.mark.xfail(strict=True, reason=UNCHAINED_READ)
 def test_forged_far_future_commit(run: HostileRun) -> None:
     """A sealed commit for round 10**7 (digest right, link unverifiable) and head.json pointing at
     it: a fresh reader and a restarted synchronizer must not jump to it."""
@@ -377,7 +363,6 @@ def test_forged_far_future_commit(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-@pytest.mark.xfail(strict=True, reason=UNCHAINED_READ)
 def test_forged_far_future_commit_without_head(run: HostileRun) -> None:
     """The same forged round 10**7, found by the LIST a reader does when head.json is missing."""
     far = 10**7
@@ -439,12 +424,7 @@ def test_garbage_in_repairs(run: HostileRun) -> None:
 def test_folder_in_repairs(run: HostileRun, request: pytest.FixtureRequest) -> None:
     """A folder (on S3: a prefix) under sync/repairs/ of a void round."""
     if run.backend.local:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "src/atoll/storage/bucket.py RunStore.read_commit reads every name under "
-            "sync/repairs/<round>/ with store.get_or_none and catches only IntegrityError/InvalidInput "
-            "around _verified_commit; on a local run a folder there makes ObjectStore.get raise "
-            "NotRegularFileError, which escapes read_commit and Synchronizer.poll: the synchronizer "
-            "stops at that round on every restart")))
+        pass  # (was a strict xfail: fixed)
     r = run.sync.round + 1
     run.put(paths.repairs_prefix(r) + "junk/r0001.json", b"[]")
     run.put(paths.commit_key(r), b"\x00\x01 void")
@@ -486,12 +466,6 @@ def test_odd_created_at_is_informational(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/atoll/storage/bucket.py RunStore.list_contributions sorts records by the writer's own "
-    "created_at and src/atoll/train/synchronizer.py Synchronizer.poll lets the later one supersede: "
-    "a record stamped in the far future (c_steps=1) supersedes the same learner's later record "
-    "(c_steps=3), against issue 10 item 6 ('ordered by a per-learner sequence number, never by the "
-    "writer's clock')"))
 def test_future_created_at_does_not_supersede(run: HostileRun) -> None:
     p, v = run.next_fragment()
     stale = run.contribution(changes={"c_steps": 1, "c_tokens": 32, "created_at": 1e15}, fill=2e-4)
@@ -529,13 +503,6 @@ def test_huge_step_time_in_info_is_clipped(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/atoll/train/synchronizer.py next_timings folds the median of the round's self-reported "
-    "info.step_time_s, clipped only to MAX_TIMING_S = 86 400 s, into the step_s EMA: when the "
-    "hostile contribution is the round's only accepted one, step_s jumps to ~8 640 s, the grace "
-    "window (core/quorum.py grace_window_s) to ~4 320 s and the live timeout (3 H step_s) keeps the "
-    "hostile learner 'live', so no round closes early: one record slows every later round to about "
-    "an hour (the three rounds below do not close in 60 fake seconds)"))
 def test_huge_step_time_in_info_does_not_stall_rounds(run: HostileRun) -> None:
     run.contribution(changes={"info": {"step_time_s": 10**400}})
     run.rounds(1)
@@ -634,11 +601,6 @@ def test_symlinked_record_outside_the_run(run: HostileRun, backend: Backend, tmp
     assert "outside the run folder" in rejected_and_goes_on(run, key, RejectionKind.CORRUPT)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/atoll/storage/bucket.py RunStore.load_contributions catches only InvalidInput: a payload "
-    "blob that is a symlink leading outside the run raises NotRegularFileError (a StorageError) from "
-    "ObjectStore.get inside _read_blob_bytes, which escapes Synchronizer.close/_merge and stops the "
-    "synchronizer (it should be a recorded rejection, e.g. corrupt)"))
 def test_symlinked_payload_outside_the_run(run: HostileRun, backend: Backend, tmp_path) -> None:
     local_only(backend)
     payload, meta = fragment_payload(shapes_of_next(run))
@@ -673,11 +635,6 @@ def test_thousands_of_junk_files_in_a_learner_prefix(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/atoll/storage/validation.py validate_id echoes the whole offending id (repr) into the "
-    "InvalidInput reason, and src/atoll/core/rejection.py Rejection has no length cap on detail: "
-    "a record whose learner_id is 900 KB makes a ~900 KB rejection detail that is written into "
-    "the commit record every reader downloads (issue 10: 'Length caps on ids and reasons')"))
 def test_giant_rejection_detail(run: HostileRun) -> None:
     key = run.contribution(learner_id="e" * 900_000, prefix_id="evil")
     rejected_and_goes_on(run, key, RejectionKind.BAD_ID)

@@ -93,6 +93,10 @@ __all__ = [
 
 Tensors = Mapping[str, torch.Tensor]
 
+
+def _size_text(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
 # Every GET of a record is capped by the kind of object (a hostile object cannot make a reader
 # download gigabytes); payloads are capped by the size a verified record declares.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -451,6 +455,9 @@ class RunStore:
         url = self.store.key_url(key)
         try:
             data = self._get_capped(key, MAX_CONTRIBUTION_RECORD_BYTES)
+        except InvalidInput as e:  # oversize
+            self._contrib_cache[key] = e.rejection
+            return e.rejection
         except TransientStorageError:
             raise  # the store is unwell, not this record: the caller's retry policy decides
         except Exception as e:  # noqa: BLE001 - e.g. a directory or a FIFO where a record belongs
@@ -479,6 +486,8 @@ class RunStore:
             result: ContributionRecord | Rejection = record
         except InvalidInput as e:
             result = e.rejection
+        except Exception as e:  # noqa: BLE001 - no single record may stop a reader
+            result = Rejection(RejectionKind.CORRUPT, f"record cannot be parsed: {type(e).__name__}: {str(e)[:200]}")
         self._contrib_cache[key] = result
         while len(self._contrib_cache) > CACHE_ENTRIES:
             self._contrib_cache.popitem(last=False)
@@ -599,7 +608,9 @@ class RunStore:
             rkey = paths.repairs_prefix(round_) + name
             try:
                 rdata = self._get_capped(rkey, MAX_COMMIT_BYTES)
-            except InvalidInput:
+            except TransientStorageError:
+                raise
+            except Exception:  # noqa: BLE001 - a folder, a FIFO, oversize: not a repair
                 continue
             if rdata is None:
                 continue
@@ -622,12 +633,49 @@ class RunStore:
         if round_ == 1 and expected_prev is None:
             _ = self.manifest
             expected_prev = self._manifest_sha
-        if expected_prev is not None and record.prev_sha256 != expected_prev:
-            raise IntegrityError(f"chain broken: prev_sha256 does not match the commit of round {round_ - 1}"
-                                 + (" (run.json)" if round_ == 1 else ""), url)
+        if expected_prev is not None:
+            if record.prev_sha256 != expected_prev:
+                raise IntegrityError(f"chain broken: prev_sha256 does not match the commit of round {round_ - 1}"
+                                     + (" (run.json)" if round_ == 1 else ""), url)
+        elif not self._links_to_stored(round_ - 1, record.prev_sha256):
+            # A handle that does not hold round r-1 still checks one link back against the bytes
+            # stored for it (its slot or one of its repairs): a forged far-future round or an
+            # unchained forgery in a void slot has no such predecessor.
+            raise IntegrityError(f"chain broken: no stored commit of round {round_ - 1} has the "
+                                 f"sha256 this record names", url)
         self._commit_sha[round_] = sha256_hex(data)
         self._remember(record)
         return record
+
+    def _links_to_stored(self, round_: int, sha: str) -> bool:
+        """Whether a record naming ``sha`` as its predecessor may follow round ``round_``: True if
+        the bytes stored for ``round_`` (its slot or a repair) hash to ``sha``, or if its slot holds
+        only objects that are not sealed commit records (destroyed: the link cannot be checked,
+        and that slot is reported void on its own). False if nothing is stored for ``round_`` or
+        a sealed record is stored there with other bytes."""
+        keys = [paths.commit_key(round_)]
+        keys += [paths.repairs_prefix(round_) + n for n in self.store.list(paths.repairs_prefix(round_))]
+        found = sealed = False
+        for key in keys:
+            try:
+                data = self._get_capped(key, MAX_COMMIT_BYTES)
+            except TransientStorageError:
+                raise
+            except Exception:  # noqa: BLE001 - unreadable: cannot be the link
+                found = True
+                continue
+            if data is None:
+                continue
+            found = True
+            if sha256_hex(data) == sha:
+                return True
+            try:
+                body = load_record(data, KIND_COMMIT)
+                check_seal(KIND_COMMIT, body, url=key)
+                sealed = True
+            except Exception:  # noqa: BLE001 - not a sealed commit record
+                continue
+        return found and not sealed
 
     def _slot_is_void(self, round_: int) -> bool:
         """True if round ``round_``'s slot holds an object that does not verify (and no repair)."""
@@ -647,7 +695,7 @@ class RunStore:
         """GET at most ``cap`` bytes of a record; InvalidInput('oversize') if it is larger."""
         data = self.store.get_or_none(key, max_bytes=cap)
         if data is not None and len(data) > cap:
-            raise InvalidInput("oversize", f"object is larger than the {cap}-byte cap for its kind",
+            raise InvalidInput("oversize", f"object is larger than the {_size_text(cap)} cap for its kind",
                                url=self.store.key_url(key))
         return data
 

@@ -152,8 +152,8 @@ def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, 
     """Parse a record and check its schema name and version; returns the body (without them)."""
     try:
         doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise InvalidInput("corrupt", f"not a valid JSON record: {e}", url=url) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
+        raise InvalidInput("corrupt", f"not a valid JSON record: {type(e).__name__}: {str(e)[:200]}", url=url) from None
     if not isinstance(doc, dict):
         raise InvalidInput("schema", "a record must be a JSON object", url=url)
     if doc.get("schema") != kind:

@@ -262,6 +262,9 @@ class ObjectStore:
         path = self.path(key)
 
         def cat() -> bytes:
+            # A LIST may have filled fsspec's listing cache, and s3fs answers the size lookup of a
+            # plain cat from it: an object created since would read as missing, forever.
+            self.fs.invalidate_cache(path)
             if self.is_local:
                 self._check_local_file(key, path)
             if max_bytes is None:

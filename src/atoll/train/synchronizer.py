@@ -408,6 +408,9 @@ def _quorum_s(poll: RoundPoll) -> float:
     return max(0.0, (d.quorum_at_s if d.quorum_at_s is not None else poll.polled_at_s) - first)
 
 
+STEP_GROWTH_LIMIT = 4.0
+"""A round's reported step time counts for at most this multiple of the current estimate."""
+
 MAX_TIMING_S = 86_400.0
 """Timings reported by learners are clipped to [0, one day]: a bogus report cannot set a
 grace window of centuries (the report is the learner's own number, not a measurement of ours)."""
@@ -462,7 +465,14 @@ def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool
     out = TimingEma.from_dict(ema.to_dict())
     step_times = [t for rec in poll.accepted.values() if (t := _seconds(rec.info.get("step_time_s"))) is not None]
     if step_times:
-        out.update("step_s", statistics.median(step_times))
+        sample = statistics.median(step_times)
+        prev = ema.get("step_s")
+        if prev is not None and prev > 0:
+            # Step times are the learners' own numbers: one round may move the estimate only by a
+            # bounded factor, so a lone liar cannot open a grace window of hours (a real slowdown
+            # is still followed, within a few rounds).
+            sample = min(sample, STEP_GROWTH_LIMIT * prev)
+        out.update("step_s", sample)
     if poll.decision.quorum_at_s is not None and steady:
         out.update("quorum_s", _quorum_s(poll))
     out.update("sync_s", max(0.0, sync_s))
