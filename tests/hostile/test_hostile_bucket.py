@@ -270,16 +270,6 @@ def test_forged_next_commit_with_a_broken_link_is_repaired(run: HostileRun) -> N
     run.still_readable(run.before)
 
 
-UNCHAINED_READ = (
-    "src/atoll/storage/bucket.py RunStore._verified_commit checks prev_sha256 only when the handle "
-    "already holds round r-1 (expected_prev is None otherwise), so a fresh handle's read_commit(r) "
-    "accepts any digest-valid record in slot r without checking its link: it returns the forged "
-    "object of a void slot instead of the synchronizer's repair (read_global_fragment / "
-    "read_global_state / a learner starting from head.json all do this), and latest_round() "
-    "(head.json or LIST) accepts a forged far-future round; read_commit should verify the chain "
-    "back to a verified round (or to the head it came from) before trusting a slot")
-
-
 def test_fresh_reader_never_uses_a_forged_void_slot(run: HostileRun) -> None:
     """After the repair above, a fresh handle asked for that round alone (as read_global_fragment
     asks a rejoining learner's handle) must get the synchronizer's record, not the forgery."""
