@@ -199,8 +199,6 @@ class RunStore:
         self.max_payload_bytes = max_payload_bytes
         self.keyring = keyring if keyring is not None else Keyring()
         self.read_only = read_only
-        self.integrity_problems: list[IntegrityError] = []
-        """Committed objects this handle found that do not verify (never used; newest last)."""
         self._commit_sha: OrderedDict[int, str] = OrderedDict()
         self._manifest_sha: str | None = None
         self._manifest: RunManifest | None = None
@@ -595,9 +593,7 @@ class RunStore:
         try:
             data = self._get_capped(key, MAX_COMMIT_BYTES)
         except InvalidInput as e:  # oversize: the slot is void
-            problem = IntegrityError(str(e), self.store.key_url(key))
-            self.integrity_problems = [*self.integrity_problems[-99:], problem]
-            raise problem from None
+            raise IntegrityError(str(e), self.store.key_url(key)) from None
         if data is None:
             return None
         try:
@@ -618,7 +614,6 @@ class RunStore:
                 return self._verified_commit(round_, rkey, rdata)
             except (IntegrityError, InvalidInput):
                 continue
-        self.integrity_problems = [*self.integrity_problems[-99:], problem]
         raise problem
 
     def _verified_commit(self, round_: int, key: str, data: bytes) -> CommitRecord:
@@ -629,10 +624,7 @@ class RunStore:
         record = CommitRecord.from_body(body, self.plan.num_fragments)
         if record.round != round_:
             raise IntegrityError(f"commit record says round {record.round}, it sits at round {round_}", url)
-        expected_prev = self._manifest_sha if round_ == 1 else self._commit_sha.get(round_ - 1)
-        if round_ == 1 and expected_prev is None:
-            _ = self.manifest
-            expected_prev = self._manifest_sha
+        expected_prev = self._expected_prev(round_)
         if expected_prev is not None:
             if record.prev_sha256 != expected_prev:
                 raise IntegrityError(f"chain broken: prev_sha256 does not match the commit of round {round_ - 1}"
@@ -677,13 +669,13 @@ class RunStore:
                 continue
         return found and not sealed
 
-    def _slot_is_void(self, round_: int) -> bool:
-        """True if round ``round_``'s slot holds an object that does not verify (and no repair)."""
-        try:
-            self.read_commit(round_)
-        except IntegrityError:
-            return True
-        return False
+    def _expected_prev(self, round_: int) -> str | None:
+        """The sha256 round ``round_``'s commit must name as ``prev_sha256``, if this handle knows
+        it: ``run.json``'s for round 1, else the verified commit of round ``round_ - 1`` it holds."""
+        if round_ == 1:
+            _ = self.manifest  # reads run.json (and its sha) once
+            return self._manifest_sha
+        return self._commit_sha.get(round_ - 1)
 
     def _remember(self, record: CommitRecord) -> None:
         self._commits[record.round] = record
@@ -711,17 +703,15 @@ class RunStore:
         seen: set[str] = set()
         r = 1
         while True:
-            key = paths.commit_key(r)
-            if fresh.store.get_or_none(key) is None:
-                break
             try:
-                rec = fresh.read_commit(r)
+                rec = fresh.read_commit(r)  # None: nothing stored for round r, the chain ends
             except IntegrityError as e:
                 report.problems.append(str(e))
                 report.void.append(r)
                 r += 1
                 continue
-            assert rec is not None
+            if rec is None:
+                break
             report.verified += 1
             for st in rec.state:
                 refs = [st.params] + ([st.momentum] if st.momentum is not None else [])
@@ -847,10 +837,7 @@ class RunStore:
         if existing is not None:
             return CommitResult(False, existing)
         state = list(self._state_table(round_ - 1))
-        prev = self._manifest_sha if round_ == 1 else self._commit_sha.get(round_ - 1)
-        if round_ == 1 and prev is None:
-            _ = self.manifest
-            prev = self._manifest_sha
+        prev = self._expected_prev(round_)
         if prev is None:
             raise RoundOrderError(f"round {round_ - 1} is not verified in {self.url}; cannot chain round {round_}")
         accepted_t = tuple(a if isinstance(a, AcceptedContribution) else AcceptedContribution.from_body(dict(a))
