@@ -94,9 +94,3 @@ class RunContext:
     @property
     def next_round(self) -> int:
         return self.synchronizer().round + 1
-
-    def last_seen_age_s(self) -> dict[str, float]:
-        """Seconds since the synchronizer first saw each learner's newest contribution."""
-        sync = self.synchronizer()
-        now = sync.clock()
-        return {lid: now - t for lid, t in sync.last_seen.items()}
