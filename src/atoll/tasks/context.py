@@ -31,6 +31,7 @@ from atoll.runs.manage import RunInfo, open_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import GoodputTracker
 from atoll.storage.bucket import RunStore
+from atoll.storage.lifecycle import Lease
 from atoll.tasks.learners import LearnerFleet
 from atoll.train.run import make_evaluator
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
@@ -43,7 +44,7 @@ Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 class RunContext:
     """One run's live state in the training-run process (see the module docstring)."""
 
-    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync")
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync", "_lease")
 
     def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
         """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
@@ -61,6 +62,7 @@ class RunContext:
         self.progress_artifact_id: str | None = None
         self._evaluate: Evaluate | None = make_evaluator(self.store) if evaluate else None
         self._sync: Synchronizer | None = None
+        self._lease: Lease | None = None
 
     def __repr__(self) -> str:
         return f"RunContext(run_id={self.run_id!r}, run_url={self.run_url!r})"
@@ -82,10 +84,20 @@ class RunContext:
         return sync
 
     def reload(self) -> Synchronizer:
-        """Rebuild the synchronizer from the bucket's latest commit (after a failed round)."""
-        self._sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s),
-                                  evaluate=self._evaluate)
-        return self._sync
+        """Rebuild the synchronizer from the bucket's latest commit (after a failed round); it keeps
+        holding this process's synchronizer lease, if one was taken."""
+        sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s),
+                            evaluate=self._evaluate)
+        if self._lease is not None:
+            sync.hold_lease(lease=self._lease)
+        self._sync = sync
+        return sync
+
+    def hold_lease(self, flow_run_id: str | None = None) -> Lease:
+        """Take the run's next synchronizer lease (fencing any older training run of the run): from
+        now on every poll heartbeats in the bucket and checks the stop marker and the fence."""
+        self._lease = self.synchronizer().hold_lease(flow_run_id)
+        return self._lease
 
     @property
     def finished(self) -> bool:
