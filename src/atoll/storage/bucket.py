@@ -876,6 +876,7 @@ class RunStore:
         )
         data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self.keyring.key(SYNCHRONIZER_KEY_ID)))
         key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
+        lifecycle.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
         if self.store.create(key, data):
             self._commit_sha[round_] = sha256_hex(data)
             self._remember(record)

@@ -56,7 +56,13 @@ __all__ = [
     "newest_incarnation",
     "write_stop_marker",
     "read_stop_marker",
+    "FAULT_HOLD_ENV",
+    "FAULT_SIGNAL_DIR_ENV",
+    "fault_hold_before_commit",
 ]
+
+FAULT_HOLD_ENV = "ATOLL_FAULT_HOLD_BEFORE_COMMIT_S"
+FAULT_SIGNAL_DIR_ENV = "ATOLL_FAULT_SIGNAL_DIR"
 
 KIND_LEASE = "atoll/lease"
 KIND_HEARTBEAT = "atoll/heartbeat"
@@ -355,3 +361,29 @@ def read_stop_marker(store: ObjectStore) -> tuple[StopMarker | None, str | None]
         return StopMarker.from_body(body), None
     except InvalidInput as e:
         return None, f"{store.key_url(paths.STOP)}: {e.kind.value}: {e.reason[:300]}"
+
+
+def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Fault injection for chaos tests only (never set these in production).
+
+    If ``$ATOLL_FAULT_HOLD_BEFORE_COMMIT_S`` (seconds, a float) and ``$ATOLL_FAULT_SIGNAL_DIR`` (a
+    directory) are both set, :meth:`RunStore.commit_round <atoll.storage.bucket.RunStore.commit_round>`
+    calls this after the round's payload blobs are written and before its commit record is
+    created: it creates ``<dir>/payloads-written-<round:08d>`` (holding the pid) and sleeps that
+    long, so a test can SIGKILL the synchronizer between a round's payload writes and its commit.
+    Returns whether it held.
+    """
+    hold, folder = os.environ.get(FAULT_HOLD_ENV), os.environ.get(FAULT_SIGNAL_DIR_ENV)
+    if not hold or not folder:
+        return False
+    try:
+        seconds = float(hold)
+    except ValueError:
+        return False
+    if not math.isfinite(seconds) or seconds < 0:
+        return False
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"payloads-written-{round_:08d}"), "w") as f:
+        f.write(str(os.getpid()))
+    sleep(seconds)
+    return True
