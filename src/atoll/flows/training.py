@@ -73,6 +73,13 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
                 "action": info.action}
     flow_run_id = prefect_flow_run.id
     ctx.hold_lease(str(flow_run_id) if flow_run_id else None)
+    try:
+        return _train(ctx, info, keys, log)
+    finally:
+        ctx.release()
+
+
+def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> dict[str, Any]:
     log.info(f"run {info.run_id} at {info.run_url}: {info.action}; round {info.latest_round} of {info.max_rounds}; "
              "learners " + ", ".join(f"{s['learner_id']}@{s['pool']}" for s in info.learners))
     progress_id = create_progress_artifact(
