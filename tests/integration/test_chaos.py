@@ -214,7 +214,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
         for lid, seq in merged.items():
             incs = [n for _, n in seq]
             assert incs == sorted(incs), f"{lid}: an older incarnation was merged after a newer one: {seq}"
-        for lid, killed_at, inc in kills:
+        for lid, _killed_at, inc in kills:
             assert any(n > inc for _, n in merged[lid]), f"{lid} was never merged again after its kill"
         assert all(len(c) <= 1 for c in sampler.worst.values()), f"two live copies: {sampler.worst}"
         assert sampler.samples > 50

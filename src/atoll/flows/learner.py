@@ -20,8 +20,8 @@ from typing import Any, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run as prefect_flow_run
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug

@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger, tags
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run as prefect_flow_run
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from atoll.core.retry import ROUND_RETRY

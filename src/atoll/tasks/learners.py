@@ -34,8 +34,8 @@ from atoll.runs.healing import (
     LearnerObservation,
     decide_learner,
 )
-from atoll.tasks.queries import LEARNER_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
 from atoll.tasks.logs import task_logger
+from atoll.tasks.queries import LEARNER_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
 
 if TYPE_CHECKING:
     from atoll.tasks.context import RunContext

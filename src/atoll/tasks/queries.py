@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from prefect.client.schemas.filters import (
     FlowFilter,
@@ -45,7 +45,7 @@ def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequen
     run_filter = FlowRunFilter(
         tags=FlowRunFilterTags(all_=list(tags)) if tags else None,
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(state_types))) if state_types else None,
-        expected_start_time=FlowRunFilterExpectedStartTime(after_=since) if since is not None else None,
+        expected_start_time=FlowRunFilterExpectedStartTime(after_=cast(Any, since)) if since is not None else None,
     )
     seen: dict[Any, FlowRun] = {}
     offset = 0
