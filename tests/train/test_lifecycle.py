@@ -22,7 +22,7 @@ from atoll.storage import RunStore
 from atoll.storage.paths import to_url
 from atoll.storage.records import ContributionRecord
 from atoll.train.learner import LearnerOptions, LearnerSummary, run_learner
-from atoll.train.lifecycle import Fenced, RunStopped
+from atoll.train.lifecycle import Fenced, LeaseKeeper, RunStopped, sigterm_flag
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
@@ -254,3 +254,66 @@ def test_learner_processes_fencing_sigkill_staleness_and_sigterm(tmp_path: Path)
         assert saved is not None and saved.saved_at >= t_term
         final = store.learner_liveness(L0)
         assert final.incarnation == 2 and final.exited_reason == "SIGTERM received"
+
+
+def test_sigterm_flag_only_in_the_main_thread_and_the_previous_handler_comes_back() -> None:
+    import os
+    import signal
+
+    calls: list[str] = []
+
+    def previous(signum: int, frame: Any) -> None:  # stands in for Prefect's TerminationSignal bridge
+        calls.append("previous")
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        with sigterm_flag(lambda: calls.append("flag")) as installed:
+            assert installed
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # Python runs handlers between bytecodes of the main thread
+        assert calls == ["flag"] and signal.getsignal(signal.SIGTERM) is previous
+        with sigterm_flag(lambda: calls.append("flag"), enabled=False) as installed:
+            assert not installed and signal.getsignal(signal.SIGTERM) is previous
+        seen: list[bool] = []
+
+        def in_thread() -> None:
+            with sigterm_flag(lambda: None) as installed:
+                seen.append(installed)
+
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+        assert seen == [False] and signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    lease = store.take_learner_lease(L0)
+    now = [1000.0]
+    latest = [0]
+    keeper = LeaseKeeper(store, L0, lease, stall_timeout_s=10.0, orphan_timeout_s=30.0,
+                         latest_round=lambda: latest[0], log=quiet, clock=lambda: now[0])
+    keeper.tick(1)
+    keeper.check_once()
+    assert keeper.heartbeats == 1 and store.learner_liveness(L0).heartbeat.step == 1  # type: ignore[union-attr]
+    now[0] += 11  # the loop hangs: no tick for longer than the stall timeout
+    keeper.check_once()
+    assert keeper.heartbeats == 1 and keeper.exit_reason is None
+    keeper.tick(2)
+    keeper.check_once()
+    assert keeper.heartbeats == 2
+    latest[0] = 1  # a new commit restarts the orphan clock
+    now[0] += 25
+    keeper.tick(3)
+    keeper.check_once()
+    assert keeper.exit_reason is None
+    now[0] += 31
+    keeper.tick(4)
+    keeper.check_once()
+    assert keeper.exit_reason == "orphaned"
+    store.take_learner_lease(L0)
+    keeper.check_once()  # a fence overrides any earlier reason, and stops the heartbeats
+    assert keeper.exit_reason == "fenced" and keeper.fenced_by == 2 and keeper.heartbeats == 4
+    assert not keeper.still_current()
