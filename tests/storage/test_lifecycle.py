@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from storage_helpers import counters, fragment_delta, init_run
+from storage_helpers import counters, fragment_delta, init_run, plant_contribution
 
 from atoll.storage import RunStore, paths
 from atoll.storage import lifecycle as lc
@@ -202,3 +202,15 @@ def test_fault_hook_signals_between_payloads_and_commit(tmp_path: Path, monkeypa
     t.join(30)
     assert done.is_set() and time.monotonic() - t0 >= 1.4
     assert RunStore.open(store.url).latest_round() == 1
+
+
+@pytest.mark.parametrize("bad", [True, -1, "3", 2**60, 1.5])
+def test_a_contribution_with_a_bad_incarnation_is_a_schema_rejection(hostile_backend: Backend, bad: Any) -> None:
+    url = hostile_backend.new_url()
+    store = hostile_backend.open(url)
+    init_run(store)
+    key = plant_contribution(hostile_backend, url, fragment=0, tensors=fragment_delta(store, 0),
+                             extra={"incarnation": bad})
+    listing = hostile_backend.open(url, fresh=True).list_contributions(0, 0)
+    assert not listing.records and listing.rejected[key].kind.value == "schema"
+    assert "incarnation" in listing.rejected[key].detail

@@ -373,14 +373,26 @@ def run_learner(
     options = options or LearnerOptions()
     if options.threads:
         torch.set_num_threads(options.threads)
-    lease = store.take_learner_lease(learner_id, flow_run_id=options.flow_run_id) if options.take_lease else None
-    if lease is not None:
-        store.write_heartbeat(lease, reason="starting")
-        log(f"{learner_id}: took lease incarnation {lease.incarnation} (pid {lease.pid} on {lease.host})")
-    keeper = LeaseKeeper(store.sibling(), learner_id, lease, interval_s=options.heartbeat_interval_s,
-                         stall_timeout_s=options.stall_timeout_s, orphan_timeout_s=options.orphan_timeout_s,
-                         log=log)
-    with sigterm_flag(lambda: keeper.request_exit("sigterm", "SIGTERM received"), enabled=options.handle_sigterm):
+    keepers: list[LeaseKeeper] = []
+    sigterm = threading.Event()
+
+    def on_sigterm() -> None:  # a signal handler: set flags, nothing else
+        sigterm.set()
+        for k in keepers:
+            k.request_exit("sigterm", "SIGTERM received")
+
+    # The handler goes in first: a SIGTERM while the lease is being taken is not lost either.
+    with sigterm_flag(on_sigterm, enabled=options.handle_sigterm):
+        lease = store.take_learner_lease(learner_id, flow_run_id=options.flow_run_id) if options.take_lease else None
+        if lease is not None:
+            store.write_heartbeat(lease, reason="starting")
+            log(f"{learner_id}: took lease incarnation {lease.incarnation} (pid {lease.pid} on {lease.host})")
+        keeper = LeaseKeeper(store.sibling(), learner_id, lease, interval_s=options.heartbeat_interval_s,
+                             stall_timeout_s=options.stall_timeout_s, orphan_timeout_s=options.orphan_timeout_s,
+                             log=log)
+        keepers.append(keeper)
+        if sigterm.is_set():
+            keeper.request_exit("sigterm", "SIGTERM received")
         keeper.start()
         try:
             learner = _train(store, learner_id, options, keeper, should_stop, log,
