@@ -317,3 +317,15 @@ def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(
     keeper.check_once()  # a fence overrides any earlier reason, and stops the heartbeats
     assert keeper.exit_reason == "fenced" and keeper.fenced_by == 2 and keeper.heartbeats == 4
     assert not keeper.still_current()
+
+
+def test_publishes_back_off_while_a_fragment_stalls() -> None:
+    """Every interval while the synchronizer keeps up (a fragment is merged within a few), then
+    intervals 8, 16, 32, ...: an hour without a synchronizer leaves a few dozen objects, not thousands."""
+    from atoll.train.learner import STALLED_PUBLISHES, publish_due
+
+    h = 8
+    due = [n for n in range(1, 5000) if publish_due(n * h + 3, h)]
+    assert due[:STALLED_PUBLISHES] == [1, 2, 3, 4]
+    assert due[STALLED_PUBLISHES:] == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert publish_due(3, h)  # aligned mid-interval: the first publish is never held

@@ -48,7 +48,7 @@ from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
 
-__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "run_learner"]
+__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "STALLED_PUBLISHES", "publish_due", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +207,24 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
         }
 
 
+STALLED_PUBLISHES = 4
+"""Publishes of one fragment against one base version before a learner backs off (see publish_due)."""
+
+
+def publish_due(c_steps: int, inner_steps: int) -> bool:
+    """Whether a learner publishes the due fragment, ``c_steps`` steps after it last aligned it.
+
+    Each publish supersedes the previous one against the same base (counters are cumulative), so
+    while the synchronizer keeps up this is every sync interval (a fragment is merged within a
+    few). When the fragment's base has not moved for more than ``STALLED_PUBLISHES`` intervals
+    (the synchronizer is down, or far behind), the learner backs off to intervals 8, 16, 32, …:
+    a training run that is dead for an hour leaves a few dozen superseded objects per fragment
+    behind, not one per interval, and the restarted synchronizer does not have to read them all.
+    """
+    n = c_steps // max(1, inner_steps)
+    return n <= STALLED_PUBLISHES or (n & (n - 1)) == 0
+
+
 class Learner:
     """One learner's state and its three moves: :meth:`step`, :meth:`adopt` and :meth:`save`.
 
@@ -300,7 +318,8 @@ class Learner:
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
-        if p is not None and self.counters.fragments[p].c_steps > 0 and (
+        if p is not None and self.counters.fragments[p].c_steps > 0 and publish_due(
+                self.counters.fragments[p].c_steps, self.config.inner_steps) and (
                 self.publish_guard is None or self.publish_guard()):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
