@@ -59,12 +59,13 @@ def test_supervisor_relaunches_crashed_and_zombie_runs(deployed: dict[str, str],
         crashed = _training_flow_run(client, dep, crashed_url, crashed_id, Crashed(message="exit -9"))
         zombie = _training_flow_run(client, dep, zombie_url, zombie_id, Running())
         healthy = _training_flow_run(client, dep, healthy_url, healthy_id, Running())
-        # The zombie's synchronizer took its lease and heartbeated 100 s ago; the healthy one now.
+        # The zombie's synchronizer took its lease and heartbeated 100 s ago; the healthy one took its
+        # lease a moment ago and has not heartbeated yet (starting, not dead).
         zstore = open_run(zombie_url)
         lease = take_lease(zstore.store, "synchronizer", flow_run_id=str(zombie.id))
         write_heartbeat(zstore.store, lease, clock=lambda: time.time() - 100.0)
         hstore = open_run(healthy_url)
-        write_heartbeat(hstore.store, take_lease(hstore.store, "synchronizer", flow_run_id=str(healthy.id)))
+        take_lease(hstore.store, "synchronizer", flow_run_id=str(healthy.id))
 
         verdicts = _verdicts(client)
         assert verdicts[crashed_id].action == SupervisionAction.RELAUNCHED

@@ -44,7 +44,7 @@ from atoll.runs.supervision import (
     TrainingRunObservation,
     decide_training_run,
 )
-from atoll.tasks.learners import run_tag
+from atoll.tasks.learners import liveness_age_s, run_tag
 from atoll.tasks.queries import TRAINING_FLOW_NAME, read_flow_runs_paged, run_id_of
 from atoll.tasks.stop import cancel_flow_runs_of_run, mark_stopped_and_wait
 from atoll.train.run import load_recipe
@@ -98,7 +98,7 @@ def observe(fr: FlowRun, group: list[FlowRun], options: TrainingRunOptions, poli
         since_created_s=_age_s(fr.created, now),
         cancelled_by_atoll=message.startswith(ATOLL_CANCEL_PREFIX),
         finished=finished, stopped=marker is not None and marker.stopped,
-        heartbeat_age_s=live.heartbeat_age_s(now.timestamp()), exited=live.exited_reason,
+        heartbeat_age_s=liveness_age_s(live, now.timestamp()), exited=live.exited_reason,
         holds_lease=lease is not None and lease.flow_run_id is not None and str(lease.flow_run_id) == str(fr.id),
         recent_relaunches=len(recent),
     )

@@ -48,6 +48,7 @@ __all__ = [
     "learner_tag",
     "pool_tag",
     "learner_deployment_name",
+    "liveness_age_s",
     "watch_learners",
 ]
 
@@ -68,6 +69,16 @@ def learner_deployment_name(pool: str, deployments: Mapping[str, str] | None = N
     """``flow/deployment`` of the learner deployment for ``pool`` (default: ``atoll-learner/<pool>``)."""
     return (deployments or {}).get(pool) or f"{LEARNER_FLOW_NAME}/{pool}"
 
+
+
+def liveness_age_s(liveness: Any, now_unix: float) -> float | None:
+    """Seconds since the newest incarnation last showed life: its heartbeat, or, before its first
+    heartbeat, its lease (a lease taken a moment ago is a process starting, not a dead one)."""
+    age: float | None = liveness.heartbeat_age_s(now_unix)
+    lease = liveness.lease
+    if age is None and lease is not None:
+        age = max(0.0, now_unix - float(lease.started_at))
+    return age
 
 
 @dataclass
@@ -152,7 +163,7 @@ class LearnerFleet:
         return LearnerObservation(
             state=state, running_for_s=running_for,
             cancelled_by_atoll=state in ("CANCELLED", "CANCELLING") and message.startswith(ATOLL_CANCEL_PREFIX),
-            heartbeat_age_s=None if liveness is None else liveness.heartbeat_age_s(now_unix or time.time()),
+            heartbeat_age_s=None if liveness is None else liveness_age_s(liveness, now_unix or time.time()),
             exited=None if liveness is None else liveness.exited_reason,
             holds_lease=holds,
             launches=self.launches.get(learner_id, 0), since_launch_s=None if last is None else self.clock() - last,
