@@ -34,7 +34,7 @@ from atoll.runs.manage import open_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
 from atoll.storage import paths
 from atoll.storage.codec import load_record
-from atoll.storage.lifecycle import KIND_LEASE, Lease
+from atoll.storage.lifecycle import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
 from atoll.tasks.learners import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
@@ -55,7 +55,8 @@ def _pid_state(pid: int) -> str | None:
 
 
 def _running_copies(store: Any, learner_id: str, marker: str) -> list[int]:
-    """Incarnations of ``learner_id`` whose process is alive and not frozen on this machine."""
+    """Live copies of ``learner_id``: incarnations whose process runs (not frozen) on this machine
+    and that heartbeat as alive (a fenced copy that wakes up exits without another heartbeat)."""
     out = []
     for name in store.store.list(paths.learner_leases_prefix(learner_id)):
         n = paths.parse_incarnation_key(name)
@@ -68,7 +69,13 @@ def _running_copies(store: Any, learner_id: str, marker: str) -> list[int]:
         state = _pid_state(lease.pid)
         if state is None or state in ("Z", "T", "t", "X"):
             continue
-        if lease.pid in processes_with(marker):
+        if lease.pid not in processes_with(marker):
+            continue
+        hb = store.store.get_or_none(paths.learner_heartbeat_key(learner_id, n))
+        if hb is None:
+            continue
+        beat = Heartbeat.from_body(load_record(hb, KIND_HEARTBEAT))
+        if beat.status == "alive" and time.time() - beat.time < HEARTBEAT_TIMEOUT_S:
             out.append(n)
     return out
 
