@@ -10,7 +10,8 @@ page of flow runs: round flow runs carry the run's tag too) while, in turn:
 4. the training-run process is frozen: a zombie, marked Crashed and relaunched by the supervisor;
    thawed, the old synchronizer finds itself fenced.
 
-Then: every round 1..N committed exactly once (the chain verifies), no learner ever had two live
+Along the way: rounds are flow runs whose artifacts match the bucket, and learners ran on both
+pools. Then: every round 1..N committed exactly once (the chain verifies), no learner ever had two live
 copies (sampled every second from the leases and /proc), no two incarnations of one learner were
 ever merged out of order, every killed learner was merged again, and no process is left behind.
 Recovery times are printed (``-s``) for the closing note.
@@ -18,6 +19,7 @@ Recovery times are printed (``-s``) for the closing note.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -39,9 +41,9 @@ from atoll.tasks.learners import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 
-from .test_stack import POOLS, flow_runs, logs, processes_with, wait_for
+from .stack_helpers import POOLS, flow_runs, logs, processes_with, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROUNDS = int(os.environ.get("ATOLL_CHAOS_ROUNDS", "210"))
 HEARTBEAT_TIMEOUT_S = 30.0
@@ -109,9 +111,11 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
     run_id = f"chaos-{marker[:8]}"
     url = f"s3://{s3.bucket}/{run_id}"
     config, recipe = smoke_recipe(3, max_rounds=ROUNDS)
-    learners = (LearnerSpec(learner_id="learner-0", batch_size=4, pool="cpu-fast"),
-                LearnerSpec(learner_id="learner-1", batch_size=4, pool="cpu-slow"),
-                LearnerSpec(learner_id="learner-2", batch_size=4, pool="cpu-slow"))
+    # H = 8 and slower steps: fewer superseded contributions per round (cheaper rounds, same protocol).
+    config = dataclasses.replace(config, inner_steps=8)
+    learners = (LearnerSpec(learner_id="learner-0", batch_size=4, pool="cpu-fast", slowdown=2.0),
+                LearnerSpec(learner_id="learner-1", batch_size=4, pool="cpu-slow", slowdown=2.0),
+                LearnerSpec(learner_id="learner-2", batch_size=4, pool="cpu-slow", slowdown=3.0))
     recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners],
                                "eval_every_rounds": 1000})
     create_run(url, config, recipe, storage_options=s3.storage_options)
@@ -158,6 +162,13 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
                      f"relaunched training run: {logs(tmp_path)}", every_s=2.0)
             times["recovered: round committed"] = time.time()
             assert (fault_dir / held.name).exists() and len(list(fault_dir.glob("payloads-written-*"))) == 1
+
+            # -- rounds are flow runs whose artifacts match the bucket; learners on both pools ------
+            check_round_artifacts(client, store, run_id, [held_round + 1, held_round + 2])
+            running = wait_for(lambda: learners_running(client, run_id), 180, "three running learner flow runs")
+            assert {fr.work_pool_name for fr in running.values()} == set(POOLS)
+            assert running["learner-2"].work_pool_name == "cpu-slow"
+            assert all(fr.parent_task_run_id is None for fr in running.values())  # top level, not subflows
 
             # -- 2. SIGKILL two learners ------------------------------------------------------------
             kills: list[tuple[str, float, int]] = []
@@ -231,7 +242,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
             for fr in flow_runs(client, run_id, "atoll-round"):
                 if fr.state is not None and fr.state.is_completed():
                     completed[fr.name] = completed.get(fr.name, 0) + 1
-            assert max(completed.values()) == 1 and len(completed) >= ROUNDS - 5
+            assert max(completed.values()) == 1 and len(completed) == ROUNDS
             trainings = flow_runs(client, run_id, "atoll-training-run")
             assert len(trainings) >= 3  # the first, and two relaunches by the supervisor
         t0 = times.pop("kill training run (before commit)")
@@ -259,6 +270,44 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
             except ProcessLookupError:
                 pass
     assert left == [], "processes left behind"
+
+
+def learners_running(client: Any, run_id: str) -> dict[str, Any] | None:
+    running = {}
+    for fr in flow_runs(client, run_id, "atoll-learner"):
+        if fr.state and fr.state.is_running():
+            lid = next(t.split(":", 1)[1] for t in fr.tags if t.startswith("atoll-learner:"))
+            running[lid] = fr
+    return running if len(running) == 3 else None
+
+
+def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int]) -> None:
+    """Each round is a completed flow run, a child of the training run, tagged with the run, whose
+    contributions table and summary match the commit record in the bucket."""
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from atoll.runs.report import round_flow_name
+
+    def done() -> dict[str, Any] | None:
+        found = {r.name: r for r in flow_runs(client, run_id, "atoll-round") if r.state and r.state.is_completed()}
+        return found if all(round_flow_name(n) in found for n in rounds) else None
+
+    completed = wait_for(done, 300, f"round flow runs {rounds} completed")
+    for n in rounds:
+        fr = completed[round_flow_name(n)]
+        assert {run_tag(run_id), "atoll-round"} <= set(fr.tags)
+        assert fr.parent_task_run_id is not None  # a child of the training run
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+        table = next(a for a in arts if a.type == "table")
+        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        record = store.read_commit(n)
+        assert record is not None
+        assert {r["learner"]: r["weight"] for r in rows if r["status"] == "accepted"} == {
+            a.learner_id: round(a.weight, 6) for a in record.accepted}
+        assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
+        assert any(a.type == "markdown" and f"# Round {n} of {ROUNDS}" in str(a.data) for a in arts)
 
 
 def _alive(store: Any, learner_id: str, *, newer_than: int = 0) -> Any:
