@@ -136,11 +136,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _add_orchestration(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start the local stack: Prefect server (SQLite) + a process worker per pool")
+    p = sub.add_parser("up", help="start the local stack: Prefect server (SQLite or PostgreSQL) + a process "
+                       "worker per pool")
     p.add_argument("--port", type=int, default=4200, help="server port (default 4200, or a free one)")
     p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"], help="local process pools")
     p.add_argument("--home", default=None, help="PREFECT_HOME for the stack (default: your Prefect home)")
     p.add_argument("--no-deploy", action="store_true", help="do not register atoll's deployments")
+    p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite",
+                   help="the server's database: SQLite in its home, or a private PostgreSQL cluster started "
+                   "under <home>/postgres and stopped with the stack (needs the server binaries: "
+                   "apt-get install postgresql, or ATOLL_POSTGRES_BIN)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="run the server on a database you run yourself: postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB")
     p.set_defaults(handler=_up)
 
     p = sub.add_parser("deploy", help="register the training-run deployment and one learner deployment per pool")
@@ -227,7 +234,8 @@ def _kv(pairs: Sequence[str]) -> dict[str, str]:
 def _up(args: argparse.Namespace) -> int:
     from atoll.ops.stack import run_stack_forever
 
-    return run_stack_forever(port=args.port, pools=args.pools, home=args.home, deploy=not args.no_deploy)
+    return run_stack_forever(port=args.port, pools=args.pools, home=args.home, deploy=not args.no_deploy,
+                             database=args.database, database_url=args.database_url)
 
 
 def _deploy(args: argparse.Namespace) -> int:

@@ -136,7 +136,17 @@ def test_up_passes_its_flags_and_returns_the_stack_status(monkeypatch: pytest.Mo
     stack = Recorder(rc=130)
     monkeypatch.setattr("atoll.ops.stack.run_stack_forever", stack)
     assert main(["up", "--port", "4300", "--pools", "a", "b", "c", "--home", "/tmp/h", "--no-deploy"]) == 130
-    assert stack.calls == [((), {"port": 4300, "pools": ["a", "b", "c"], "home": "/tmp/h", "deploy": False})]
+    assert stack.calls == [((), {"port": 4300, "pools": ["a", "b", "c"], "home": "/tmp/h", "deploy": False,
+                                 "database": "sqlite", "database_url": None})]
+
+
+def test_up_passes_the_database_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    stack = Recorder(rc=0)
+    monkeypatch.setattr("atoll.ops.stack.run_stack_forever", stack)
+    assert main(["up", "--database", "postgres"]) == 0
+    assert main(["up", "--database-url", "postgresql+asyncpg://u:p@db:5432/prefect"]) == 0
+    assert [c[1]["database"] for c in stack.calls] == ["postgres", "sqlite"]
+    assert [c[1]["database_url"] for c in stack.calls] == [None, "postgresql+asyncpg://u:p@db:5432/prefect"]
 
 
 def test_learner_runs_the_learner_flow_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,12 @@
-"""The embedded local stack: a Prefect server (SQLite) and one process worker per local pool.
+"""The embedded local stack: a Prefect server (SQLite or PostgreSQL) and one process worker per local pool.
 
 Used by ``atoll up``, ``make demo``, the integration test and the overhead benchmark. Every
 process is started with :class:`subprocess.Popen` in its own session, so :meth:`LocalStack.stop`
 can stop it and everything it started (learner flow processes included), also on Ctrl-C.
+
+The server's database: SQLite in its Prefect home (the default), PostgreSQL at a URL you give
+(``database_url``), or a private PostgreSQL cluster the stack starts and stops itself
+(``database="postgres"``, :mod:`atoll.ops.postgres`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from atoll.ops.postgres import LocalPostgres, normalize_database_url
 
 __all__ = ["LocalStack", "free_port", "prefect_env", "descendants", "QUIET_PREFECT_ENV"]
 
@@ -68,7 +74,14 @@ class LocalStack:
         log_dir: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
+        database: str = "sqlite",
+        database_url: str | None = None,
     ) -> None:
+        """``database``: ``"sqlite"`` (the server's own file in its home) or ``"postgres"`` (a private
+        cluster under ``<home>/postgres``, started with the server and stopped with it);
+        ``database_url``: a database you run yourself (``postgresql+asyncpg://…``), which wins."""
+        if database not in ("sqlite", "postgres"):
+            raise ValueError(f"database must be 'sqlite' or 'postgres', not {database!r}")
         self.home = Path(home) if home else None
         self.host = host
         self.port = port or free_port(4200)
@@ -78,6 +91,9 @@ class LocalStack:
         self.server: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[Any] = []
+        self.database = "postgres" if database_url else database
+        self.database_url = normalize_database_url(database_url) if database_url else None
+        self.postgres: LocalPostgres | None = None
 
     @property
     def ui_url(self) -> str:
@@ -99,10 +115,29 @@ class LocalStack:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def prefect_home(self) -> Path:
+        if self.home is not None:
+            return self.home
+        return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+
+    def start_database(self) -> str | None:
+        """The server's connection URL: ``None`` for SQLite; starts the private cluster if asked."""
+        if self.database_url is not None:
+            return self.database_url
+        if self.database == "postgres":
+            self.postgres = LocalPostgres(self.prefect_home() / "postgres", env=self.env())
+            self.postgres.start()
+            return self.postgres.url
+        return None
+
     def start_server(self, timeout_s: float = 120.0) -> None:
         env = self.env()
         env.pop("PREFECT_API_URL", None)
         env["PREFECT_UI_API_URL"] = self.api_url
+        url = self.start_database()
+        if url is not None:
+            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the legacy name would be read first
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = url
         self.server = self._popen([sys.executable, "-m", "prefect", "server", "start", "--host", self.host,
                                    "--port", str(self.port)], "server", env)
         deadline = time.monotonic() + timeout_s
@@ -171,6 +206,8 @@ class LocalStack:
             _signal_group(p, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+        if self.postgres is not None:  # after the server: it holds connections until it exits
+            self.postgres.stop()
         for f in self._logs:
             f.close()
         self._logs.clear()
@@ -225,10 +262,12 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "cpu-slow"),
-                      home: str | None = None, deploy: bool = True) -> int:
+                      home: str | None = None, deploy: bool = True, database: str = "sqlite",
+                      database_url: str | None = None) -> int:
     """``atoll up``: start the stack, register the deployments, print where to look, stop on Ctrl-C."""
     stack = LocalStack(home=home, port=free_port(port), pools=pools,
-                       log_dir=Path(home) / "logs" if home else Path("out") / "stack-logs")
+                       log_dir=Path(home) / "logs" if home else Path("out") / "stack-logs",
+                       database=database, database_url=database_url)
     stop = {"now": False}
 
     def on_term(signum: int, frame: Any) -> None:
@@ -238,6 +277,11 @@ def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "
     print(f"starting Prefect server on {stack.ui_url} (logs in {stack.log_dir}) ...", flush=True)
     try:
         stack.start()
+        if stack.postgres is not None:
+            print(f"database: private PostgreSQL on 127.0.0.1:{stack.postgres.port} "
+                  f"(cluster in {stack.postgres.root}, log {stack.postgres.log_file})", flush=True)
+        elif stack.database_url is not None:
+            print(f"database: {stack.database_url.split('@')[-1]}", flush=True)
         if deploy:
             from atoll.ops.deploy import deploy_all
 
