@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # pytest parallelism is off by default: CI has 2 cores and the servers share them.
 PYTEST_ARGS ?=
 
-.PHONY: test check demo venv clean
+.PHONY: test check demo venv clean postgres
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ check: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict src/atoll/core src/atoll/storage
 
-test: check
+# PostgreSQL server binaries for tests/integration/test_postgres.py: apt-get install postgresql only
+# when they are missing (as root or with passwordless sudo); elsewhere that test skips and says why.
+postgres: venv
+	@sh .ci/ensure-postgres $(BIN)/python
+
+test: check postgres
 	PREFECT_HOME=$$(mktemp -d) PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=90 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
