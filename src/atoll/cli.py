@@ -392,10 +392,12 @@ MAX_ERROR_CHARS = 500
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What atoll raises on purpose for bad runs, input, config or arguments (no traceback)."""
     from atoll.core.config import ConfigError
+    from atoll.ops.postgres import PostgresError
     from atoll.storage.validation import InvalidInput, StorageError
 
     # OSError: a missing file, no permission, a broken mount: the machine's state, not a bug.
-    return (StorageError, InvalidInput, ConfigError, ValueError, OSError)
+    # PostgresError: `atoll up --database postgres` without server binaries, or a cluster that won't start.
+    return (StorageError, InvalidInput, ConfigError, ValueError, OSError, PostgresError)
 
 
 def error_line(exc: BaseException) -> str:

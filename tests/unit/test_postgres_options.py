@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from atoll.ops.postgres import PostgresNotFound, find_postgres_bin, normalize_database_url, run_as_user
+from atoll.cli import main
+from atoll.ops.postgres import PostgresError, PostgresNotFound, find_postgres_bin, normalize_database_url, run_as_user
 from atoll.ops.stack import LocalStack
 
 
@@ -58,8 +59,17 @@ def test_root_runs_postgres_as_someone_else(monkeypatch: pytest.MonkeyPatch) -> 
         assert run_as_user() is None
         return
     monkeypatch.setenv("ATOLL_POSTGRES_USER", "root")
-    with pytest.raises(RuntimeError, match="refuses to run as root"):
+    with pytest.raises(PostgresError, match="refuses to run as root"):
         run_as_user()
     monkeypatch.setenv("ATOLL_POSTGRES_USER", "nobody")
     user = run_as_user()
     assert user is not None and user.pw_name == "nobody"
+
+
+def test_atoll_up_without_binaries_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ATOLL_POSTGRES_BIN", str(tmp_path))
+    assert main(["up", "--database", "postgres", "--home", str(tmp_path / "home"), "--no-deploy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("atoll: error:") and "apt-get install postgresql" in err and "Traceback" not in err
+    assert not (tmp_path / "home" / "postgres").exists()  # nothing was started or made

@@ -41,7 +41,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LocalPostgres", "PostgresNotFound", "find_postgres_bin", "normalize_database_url", "run_as_user"]
+__all__ = ["LocalPostgres", "PostgresError", "PostgresNotFound", "find_postgres_bin", "normalize_database_url",
+           "run_as_user"]
 
 BINARIES = ("initdb", "pg_ctl", "postgres")
 INSTALL_HINT = ("install the PostgreSQL server binaries (Debian/Ubuntu: `apt-get install postgresql`) or point "
@@ -49,7 +50,11 @@ INSTALL_HINT = ("install the PostgreSQL server binaries (Debian/Ubuntu: `apt-get
                 "database you run yourself with --database-url postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB")
 
 
-class PostgresNotFound(RuntimeError):
+class PostgresError(RuntimeError):
+    """The private cluster cannot be set up or started (the message says why and what to do)."""
+
+
+class PostgresNotFound(PostgresError):
     """No PostgreSQL server binaries on this machine."""
 
 
@@ -114,9 +119,9 @@ def run_as_user() -> pwd.struct_passwd | None:
         except KeyError:
             continue
         if user.pw_uid == 0:
-            raise RuntimeError(f"ATOLL_POSTGRES_USER={name} is root; PostgreSQL refuses to run as root")
+            raise PostgresError(f"ATOLL_POSTGRES_USER={name} is root; PostgreSQL refuses to run as root")
         return user
-    raise RuntimeError(f"running as root and no unprivileged user {' or '.join(names)} to run PostgreSQL as: "
+    raise PostgresError(f"running as root and no unprivileged user {' or '.join(names)} to run PostgreSQL as: "
                        "create one (`useradd --system postgres`) or set ATOLL_POSTGRES_USER")
 
 
@@ -165,7 +170,7 @@ class LocalPostgres:
         proc = subprocess.run(list(args), env=self._env(), cwd=self.root, capture_output=True, text=True,
                               timeout=timeout, start_new_session=True, check=False, **kwargs)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(args[:2])} failed ({proc.returncode}): "
+            raise PostgresError(f"{' '.join(args[:2])} failed ({proc.returncode}): "
                                f"{(proc.stderr or proc.stdout).strip()[-2000:]} (log: {self.log_file})")
         return proc
 
@@ -196,7 +201,7 @@ class LocalPostgres:
             if self._reachable(want):
                 return want
             if any(want.iterdir()):
-                raise RuntimeError(f"{want} is not reachable by user {self.run_as.pw_name if self.run_as else '?'} "
+                raise PostgresError(f"{want} is not reachable by user {self.run_as.pw_name if self.run_as else '?'} "
                                    "that runs PostgreSQL (an ancestor folder is private); move the stack home")
             want.rmdir()
             digest = hashlib.sha256(str(want.resolve()).encode()).hexdigest()[:12]
@@ -204,10 +209,10 @@ class LocalPostgres:
         target.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(target)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, self.run_as.pw_uid if self.run_as else os.getuid()):
-            raise RuntimeError(f"{target} exists and is not a folder of ours; remove it")
+            raise PostgresError(f"{target} exists and is not a folder of ours; remove it")
         self._own(target, 0o700)
         if not self._reachable(target):
-            raise RuntimeError(f"{target} is not reachable by the user that runs PostgreSQL")
+            raise PostgresError(f"{target} is not reachable by the user that runs PostgreSQL")
         if not want.is_symlink():
             want.symlink_to(target, target_is_directory=True)
         return target

@@ -273,7 +273,7 @@ def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "
     def on_term(signum: int, frame: Any) -> None:
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_term)
+    previous = signal.signal(signal.SIGTERM, on_term)
     print(f"starting Prefect server on {stack.ui_url} (logs in {stack.log_dir}) ...", flush=True)
     try:
         stack.start()
@@ -302,4 +302,5 @@ def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "
     finally:
         print("stopping the local stack ...", flush=True)
         stack.stop()
+        signal.signal(signal.SIGTERM, previous)
     return 0
