@@ -186,6 +186,9 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learner-id", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--device", default=None,
+                   help="auto, cpu, cuda, cuda:N or mps (default: the recipe's LearnerSpec.device)")
+    p.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's LearnerSpec.autocast)")
     p.set_defaults(handler=_learner)
 
     p = sub.add_parser("demo", help="what `make demo` runs: local stack, deploy, train the demo preset")
@@ -289,7 +292,7 @@ def _learner(args: argparse.Namespace) -> int:
     from atoll.flows.learner import learner_flow
 
     learner_flow(args.run_url, args.learner_id, storage_options=_kv(args.storage_option) or None,
-                 threads=args.threads)
+                 threads=args.threads, device=args.device, autocast=args.autocast)
     return 0
 
 

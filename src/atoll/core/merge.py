@@ -12,7 +12,8 @@ Cancellation: the mean of unit directions has a norm in [0, 1] that measures agr
 falls below ``RDA_CANCEL_TOL`` (1e-6) the learners' directions have (numerically) cancelled and
 the update is **zero**. Normalising such a residue would blow rounding noise up to the full
 radius and concentrate it on a few entries (e.g. v and -v one ulp apart), so it is not done. Embeddings use the plain weighted mean (their rows are sparse and mostly disjoint across
-learners, so norms are not comparable). Everything is accumulated in fp32.
+learners, so norms are not comparable). Everything is accumulated in fp32, on the device of the
+inputs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     """sum w v / sum w, in fp32."""
     _check(tensors, weights)
     total = float(sum(weights))
-    out = torch.zeros(tensors[0].shape, dtype=torch.float32)
+    out = torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device)
     for t, w in zip(tensors, weights, strict=True):
         if w:
             out.add_(t.float(), alpha=w / total)
@@ -68,7 +69,7 @@ def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
     """Radial-directional average of one tensor's outer gradients, in fp32."""
     _check(tensors, weights)
     total = float(sum(weights))
-    direction = torch.zeros(tensors[0].shape, dtype=torch.float32)
+    direction = torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device)
     radius = 0.0
     for t, w in zip(tensors, weights, strict=True):
         if not w:

@@ -36,8 +36,13 @@ def learner_flow(
     poll_interval_s: float = 0.2,
     log_every_steps: int = 50,
     max_steps: int | None = None,
+    device: str | None = None,
+    autocast: str | None = None,
 ) -> dict[str, Any]:
-    """Train as ``learner_id`` of the run at ``run_url`` until the run is finished."""
+    """Train as ``learner_id`` of the run at ``run_url`` until the run is finished.
+
+    ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
+    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's)."""
     logger = get_run_logger()
     store = open_run(run_url, storage_options)
     recipe = load_recipe(store)
@@ -62,7 +67,7 @@ def learner_flow(
     summary = run_learner(
         store, learner_id, log=log,
         options=LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
-                               max_steps=max_steps),
+                               max_steps=max_steps, device=device, autocast=autocast),
     )
     create_markdown_artifact(
         key=f"{slug(store.manifest.run_id)}-{slug(learner_id)}",

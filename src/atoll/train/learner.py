@@ -16,6 +16,10 @@ Read top to bottom, this is the whole of what a learner does:
    publishing, for the version that merges its contribution: that is synchronous DiLoCo.
 5. Every ``save_every_steps`` it saves its inner state for rejoin; it stops once the run has
    committed its last round.
+
+Model, batches and AdamW state live on the learner's device (``LearnerSpec.device`` or the
+launch's ``device``; ``auto``: CUDA, then MPS, then CPU), optionally with a bf16 autocast of the
+forward pass; bases and deltas stay fp32, and each publish moves its delta to the host in one copy.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
+from atoll.train.device import autocast as autocast_context
+from atoll.train.device import check_autocast, fragment_to_device, fragment_to_host, resolve_device
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
@@ -64,6 +70,12 @@ class LearnerOptions:
 
     fetch_retry: RetryPolicy = FETCH_RETRY
     """Backoff and bound for failed polls of the run's commits (core.retry); then FetchError."""
+
+    device: str | None = None
+    """Where to train: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' (None: the recipe's LearnerSpec.device)."""
+
+    autocast: str | None = None
+    """'' (off) or 'bf16' autocast of the inner forward pass (None: the recipe's LearnerSpec.autocast)."""
 
 
 @dataclass
@@ -153,9 +165,9 @@ def _save_inner_state(store: RunStore, learner_id: str, model: torch.nn.Module, 
     for name, p in model.named_parameters():
         st = opt.state.get(p)
         if st:
-            tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous()
-            tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous()
-            tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+            tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous().cpu()
+            tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous().cpu()
+            tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
     store.save_learner_state(learner_id, tensors, {"step": step, "cursor": cursor, "tokens": tokens})
 
 
@@ -165,8 +177,8 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
             continue
         opt.state[p] = {
             "step": tensors[f"adamw.{name}.step"].reshape(()).clone(),
-            "exp_avg": tensors[f"adamw.{name}.exp_avg"].to(p.dtype).reshape(p.shape).clone(),
-            "exp_avg_sq": tensors[f"adamw.{name}.exp_avg_sq"].to(p.dtype).reshape(p.shape).clone(),
+            "exp_avg": tensors[f"adamw.{name}.exp_avg"].to(p.device, p.dtype).reshape(p.shape).clone(),
+            "exp_avg_sq": tensors[f"adamw.{name}.exp_avg_sq"].to(p.device, p.dtype).reshape(p.shape).clone(),
         }
 
 
@@ -178,15 +190,20 @@ class Learner:
     """
 
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
-                 lockstep: bool | None = None) -> None:
+                 lockstep: bool | None = None, device: str | None = None, autocast: str | None = None) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
         self.index, self.spec = self.recipe.learner(learner_id)
         self.lockstep = lockstep if lockstep is not None else self.config.min_quorum == self.config.num_learners
         self.summary = LearnerSummary(learner_id=learner_id)
 
-        # 1. Model, data shard, global state, own inner state.
-        self.model = self.recipe.model_factory()()
+        # Where it trains: the launch's setting (flow parameter / LearnerOptions) or the recipe's.
+        knob = "device (LearnerOptions.device, the learner flow's `device` parameter)" if device is not None else f"LearnerSpec.device of {learner_id}"
+        self.device = resolve_device(device if device is not None else self.spec.device, knob=knob)
+        self.autocast = check_autocast(autocast if autocast is not None else self.spec.autocast)
+
+        # 1. Model, data shard, global state, own inner state (all on self.device).
+        self.model = self.recipe.model_factory()().to(self.device)
         self.params = dict(self.model.named_parameters())
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
@@ -201,7 +218,8 @@ class Learner:
             for name, p in self.params.items():
                 p.copy_(state.params[name])
         self.versions = list(state.versions)
-        self.bases = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
+        self.bases = [fragment_to_device(self.plan.select(state.params, p), self.device)
+                      for p in range(self.plan.num_fragments)]
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
         for p, v in enumerate(self.versions):
             self.counters.fragments[p].base_version = v
@@ -221,7 +239,7 @@ class Learner:
         self.model.train()
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
             f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
-            f"slowdown {self.spec.slowdown:g}x")
+            f"slowdown {self.spec.slowdown:g}x, device {self.device}{' bf16 autocast' if self.autocast else ''}")
 
     def step(self, *, step_time_s: float | None = None) -> None:
         """One inner step, then publish the fragment that is due (if any).
@@ -236,7 +254,9 @@ class Learner:
         for group in self.opt.param_groups:
             group["lr"] = lr_at_step(self.recipe.inner, step, self.run_progress())
         x, y = self.stream.next_batch(self.spec.batch_size)
-        loss = loss_fn(self.model, x, y)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast_context(self.device, self.autocast):
+            loss = loss_fn(self.model, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.recipe.inner.grad_clip:
@@ -260,8 +280,10 @@ class Learner:
         if p is not None and self.counters.fragments[p].c_steps > 0:
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
+            # The delta is computed where the model lives and reaches the host in one copy.
+            delta = fragment_to_host(learner_delta(self.bases[p], self.plan.select(self.params, p)))
             self.store.publish_contribution(
-                self.learner_id, p, fc.base_version, fc, learner_delta(self.bases[p], self.plan.select(self.params, p)),
+                self.learner_id, p, fc.base_version, fc, delta,
                 info={"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
                       "loss": round(loss_now, 6) if math.isfinite(loss_now) else None},
             )
@@ -281,8 +303,8 @@ class Learner:
         """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
         if round_ <= self.versions[fragment]:
             return False
-        self.bases[fragment] = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment,
-                                              version=round_)
+        base = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment, version=round_)
+        self.bases[fragment] = fragment_to_device(base, self.device)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
@@ -320,7 +342,8 @@ def run_learner(
     options = options or LearnerOptions()
     if options.threads:
         torch.set_num_threads(options.threads)
-    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep)
+    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, device=options.device,
+                      autocast=options.autocast)
     recipe = learner.recipe
     fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
     fetcher.start()

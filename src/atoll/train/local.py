@@ -111,7 +111,8 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     store = RunStore.open(args.url)
     run_learner(store, args.learner_id, should_stop=_terminate_gracefully(),
                 options=LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
-                                       poll_interval_s=args.poll_interval_s))
+                                       poll_interval_s=args.poll_interval_s, device=args.device,
+                                       autocast=args.autocast))
     return 0
 
 
@@ -119,7 +120,7 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s)
+    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu")
     evaluate = make_evaluator(store)
     run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
                      log=lambda s: print(s, flush=True))
@@ -207,10 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.add_argument("url")
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--poll-interval-s", type=float, default=0.1)
+        s.add_argument("--device", default=None,
+                       help="auto, cpu, cuda[:N], mps (learner default: the recipe's; synchronizer: cpu)")
         if name == "learner":
             s.add_argument("--learner-id", required=True)
             s.add_argument("--log-every", type=int, default=20)
             s.add_argument("--max-steps", type=int, default=None)
+            s.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's)")
         s.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     return int(args.fn(args))
