@@ -19,6 +19,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
 from atoll.train.learner import LearnerOptions, run_learner
@@ -44,6 +45,8 @@ def learner_flow(
     ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
     recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's)."""
     logger = get_run_logger()
+    if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
+        logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
     store = open_run(run_url, storage_options)
     recipe = load_recipe(store)
     _, spec = recipe.learner(learner_id)
