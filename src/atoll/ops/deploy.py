@@ -119,6 +119,8 @@ def start_training(options: TrainingRunOptions, *, deployment: str = TRAINING_DE
 
 _CREDENTIAL_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "ATOLL_KEYRING",
                      "GOOGLE_APPLICATION_CREDENTIALS_JSON", "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING")
+_NOT_CREDENTIALS = ("ENV", "PREFECT_API_KEY", "ATOLL_SECRET_BLOCK", "CREDENTIALS_SECRET")
+"""Names that only *name* where a secret lives (or Prefect's own key, which workers inject)."""
 _CREDENTIAL_WORDS = ("SECRET", "PASSWORD", "TOKEN", "PRIVATE_KEY", "API_KEY", "ACCESS_KEY")
 
 
@@ -127,14 +129,15 @@ def plaintext_credentials(job_variables: Mapping[str, Any]) -> list[str]:
 
     Job variables are stored in the Prefect database in plaintext and shown in the UI; bucket
     credentials belong in a Prefect Secret block (``ATOLL_SECRET_BLOCK``) or the pool's secret
-    mounts (kubernetes ``credentials_secret``). ``PREFECT_API_KEY`` is Prefect's own and allowed.
+    mounts (kubernetes ``credentials_secret``). ``PREFECT_API_KEY`` is Prefect's own and allowed, and
+    ``ATOLL_SECRET_BLOCK`` / ``credentials_secret`` hold only names.
     """
     found = []
     raw_env = job_variables.get("env")
     env: Mapping[str, Any] = raw_env if isinstance(raw_env, Mapping) else {}
     for name in [*job_variables, *env]:
         upper = str(name).upper()
-        if upper == "PREFECT_API_KEY" or upper == "ENV":
+        if upper in _NOT_CREDENTIALS:
             continue
         if upper in _CREDENTIAL_NAMES or any(w in upper for w in _CREDENTIAL_WORDS):
             found.append(str(name))
