@@ -399,9 +399,10 @@ def merge_on_device(device: torch.device, *, current: Mapping[str, torch.Tensor]
         return synchronize_fragment(current=current, bases=bases, contributions=contributions,
                                     optimizer=optimizer, **kwargs)
     optimizer.buffers = fragment_to_device(optimizer.buffers, device)
+    current_on = fragment_to_device(current, device)
     result = synchronize_fragment(
-        current=fragment_to_device(current, device),
-        bases={v: fragment_to_device(b, device) for v, b in bases.items()},
+        current=current_on,  # the current version as a base is the same mapping (no re-anchoring needed)
+        bases={v: current_on if b is current else fragment_to_device(b, device) for v, b in bases.items()},
         contributions=[dataclasses.replace(c, delta=fragment_to_device(c.delta, device)) for c in contributions],
         optimizer=optimizer, **kwargs,
     )
