@@ -214,3 +214,34 @@ def test_synchronizer_device_option(tmp_path: Path, no_accelerator: None) -> Non
     assert Synchronizer(store, options=SynchronizerOptions(device="auto")).device == torch.device("cpu")
     with pytest.raises(DeviceError, match="SynchronizerOptions.device"):
         Synchronizer(store, options=SynchronizerOptions(device="cuda"))
+
+
+# -- publishing in the background -----------------------------------------------------------------
+
+def test_background_publishing_writes_the_same_contributions(tmp_path: Path) -> None:
+    stores = [_run(tmp_path / "sync"), _run(tmp_path / "background")]
+    sync = Learner(stores[0], "learner-0", log=lambda _: None)
+    background = Learner(stores[1], "learner-0", log=lambda _: None, publish_in_background=True)
+    for _ in range(7):
+        sync.step()
+        background.step()
+    background.flush()
+    for p in (0, 1):
+        a, b = (sorted((r.base_version, r.c_steps, r.c_tokens, r.payload.sha256, r.info["step"])
+                       for r in s.list_contributions(p, {0}).records) for s in stores)
+        assert a == b and len(a) >= 3
+
+
+def test_a_failed_background_write_stops_the_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = Learner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    assert learner.publisher is not None
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("bucket unreachable")
+
+    monkeypatch.setattr(learner.publisher.store, "publish_contribution", broken)
+    learner.step()  # submitted; the write fails in the background
+    with pytest.raises(OSError, match="bucket unreachable"):
+        learner.flush()
+    with pytest.raises(OSError, match="bucket unreachable"):
+        learner.step()

@@ -77,6 +77,11 @@ class LearnerOptions:
     autocast: str | None = None
     """'' (off) or 'bf16' autocast of the inner forward pass (None: the recipe's LearnerSpec.autocast)."""
 
+    publish_in_background: bool = True
+    """Encode, hash and write each contribution on a background thread, in order, so the next
+    inner steps overlap the bucket I/O (the delta itself is taken, and copied to the host, in the
+    step). At most two contributions wait; a failed write is raised from the next step."""
+
 
 @dataclass
 class LearnerSummary:
@@ -89,6 +94,48 @@ class LearnerSummary:
     started_from_round: int = 0
     resumed_inner_state: bool = False
     losses: list[float] = field(default_factory=list)
+
+
+class _Publisher(threading.Thread):
+    """Background writer of a learner's contributions: one at a time, in the order submitted.
+
+    The training loop hands over host tensors and counter snapshots (nothing it mutates later);
+    this thread encodes, hashes and writes them. The queue is bounded (backpressure when the
+    bucket is slower than training); the first failure is kept and re-raised in the training
+    thread by :meth:`check` (from the next submit or flush), and nothing after it is written.
+    """
+
+    def __init__(self, store: RunStore, *, depth: int = 2) -> None:
+        super().__init__(daemon=True, name="atoll-publisher")
+        self.store = store.sibling()  # own caches; the object store itself is shared
+        self.jobs: queue.Queue[tuple[tuple[Any, ...], dict[str, Any]] | None] = queue.Queue(maxsize=depth)
+        self.failed: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.failed is None:
+                    self.store.publish_contribution(*job[0], **job[1])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by check()
+                self.failed = e
+            finally:
+                self.jobs.task_done()
+
+    def submit(self, *args: Any, **kwargs: Any) -> None:
+        self.check()
+        self.jobs.put((args, kwargs))
+
+    def flush(self) -> None:
+        """Wait until everything submitted is written (or failed); raise the failure."""
+        self.jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise self.failed
 
 
 class FetchError(RuntimeError):
@@ -190,7 +237,8 @@ class Learner:
     """
 
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
-                 lockstep: bool | None = None, device: str | None = None, autocast: str | None = None) -> None:
+                 lockstep: bool | None = None, device: str | None = None, autocast: str | None = None,
+                 publish_in_background: bool = False) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
         self.index, self.spec = self.recipe.learner(learner_id)
@@ -235,6 +283,9 @@ class Learner:
             self.summary.resumed_inner_state = True
         self.summary.started_from_round = self.start_round
         self.step_ema: float | None = None
+        self.publisher = _Publisher(store) if publish_in_background else None
+        if self.publisher is not None:
+            self.publisher.start()
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
         self.model.train()
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
@@ -247,6 +298,8 @@ class Learner:
         ``step_time_s`` overrides the measured step time (the virtual-clock driver); otherwise
         the step is timed, and stretched by the learner's ``slowdown``.
         """
+        if self.publisher is not None:
+            self.publisher.check()  # a background write failed: stop here, loudly
         t0 = time.perf_counter()
         self.step_count += 1
         step = self.step_count
@@ -282,11 +335,12 @@ class Learner:
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives and reaches the host in one copy.
             delta = fragment_to_host(learner_delta(self.bases[p], self.plan.select(self.params, p)))
-            self.store.publish_contribution(
-                self.learner_id, p, fc.base_version, fc, delta,
-                info={"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
-                      "loss": round(loss_now, 6) if math.isfinite(loss_now) else None},
-            )
+            info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
+                    "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
+            if self.publisher is not None:  # written in the background; the counters as of now
+                self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info)
+            else:
+                self.store.publish_contribution(self.learner_id, p, fc.base_version, fc, delta, info=info)
             self.summary.published += 1
             if self.lockstep:
                 self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
@@ -319,8 +373,17 @@ class Learner:
             return p, base
         return None
 
+    def flush(self) -> None:
+        """Wait for contributions still being written in the background (raises a failed write)."""
+        if self.publisher is not None:
+            self.publisher.flush()
+
     def save(self) -> None:
-        """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin."""
+        """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin.
+
+        Contributions still being written go first: a saved step never runs ahead of what the
+        bucket holds from this learner."""
+        self.flush()
         _save_inner_state(self.store, self.learner_id, self.model, self.opt, self.step_count,
                           self.stream.state_dict(), self.tokens_total)
 
@@ -343,7 +406,7 @@ def run_learner(
     if options.threads:
         torch.set_num_threads(options.threads)
     learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, device=options.device,
-                      autocast=options.autocast)
+                      autocast=options.autocast, publish_in_background=options.publish_in_background)
     recipe = learner.recipe
     fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
     fetcher.start()
