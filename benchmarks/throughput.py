@@ -137,36 +137,54 @@ class BareLoop:
         return int(x.numel())
 
 
-def timed_block(step: Callable[[], int], steps: int, device: torch.device) -> float:
+def timed_block(step: Callable[[], int], steps: int, device: torch.device,
+                flush: Callable[[], None] | None = None) -> float:
+    """tokens/s of ``steps`` steps; ``flush`` (the background writer's) is inside the timing, so
+    writes that have not finished by the end of the block count against the block."""
     sync(device)
     t0 = time.perf_counter()
     tokens = sum(step() for _ in range(steps))
+    if flush is not None:
+        flush()
     sync(device)
     return tokens / (time.perf_counter() - t0)
 
 
-def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[LoopResult, LoopResult, int]:
-    url, recipe = make_run(root, args)
+def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[list[LoopResult], int]:
+    """Bare loop, the learner as run_learner runs it (contributions written in the background),
+    and the learner writing each contribution inside its step; blocks interleaved."""
     from atoll.storage.bucket import RunStore
 
-    learner = Learner(RunStore.open(url), "learner-0", log=lambda _: None)
-    bare = BareLoop(recipe, device, args.autocast)
+    bare = None
+    learners = {}
+    for background in (True, False):
+        url, recipe = make_run(root / ("bg" if background else "fg"), args)
+        learners[background] = Learner(RunStore.open(url), "learner-0", log=lambda _: None,
+                                       publish_in_background=background)
+        bare = bare or BareLoop(recipe, device, args.autocast)
+    assert bare is not None
 
-    def learner_step() -> int:
-        before = learner.tokens_total
-        learner.step()
-        if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
-            learner.save()
-        return learner.tokens_total - before
+    def stepper(learner: Learner) -> Callable[[], int]:
+        def step() -> int:
+            before = learner.tokens_total
+            learner.step()
+            if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
+                learner.save()  # also waits for the contributions still being written
+            return learner.tokens_total - before
+        return step
 
+    loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
+             ("atoll learner, writes in the step", stepper(learners[False]))]
     for _ in range(args.warmup):  # compile kernels, fill caches, allocate
-        bare.step()
-        learner_step()
-    results = (LoopResult("bare PyTorch loop"), LoopResult("atoll learner"))
+        for _, step in loops:
+            step()
+    learners[True].flush()
+    results = [LoopResult(name) for name, _ in loops]
     for _ in range(args.blocks):
-        results[0].blocks.append(timed_block(bare.step, args.block_steps, device))
-        results[1].blocks.append(timed_block(learner_step, args.block_steps, device))
-    return results[0], results[1], count_parameters(bare.model)
+        for res, (name, step) in zip(results, loops, strict=True):
+            flush = learners[True].flush if name == "atoll learner" else None
+            res.blocks.append(timed_block(step, args.block_steps, device, flush=flush))
+    return results, count_parameters(bare.model)
 
 
 def flops_per_token(model_spec: Any, params: int) -> float:
@@ -250,12 +268,15 @@ def bench_merge(args: argparse.Namespace, device: torch.device) -> list[MergeRes
 
 # -- report ----------------------------------------------------------------------------------------
 
-def table(bare: LoopResult, learner: LoopResult, merges: list[MergeResult], *, mfu: tuple[float, float] | None) -> str:
+def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[float, float] | None) -> str:
     lines = [f"{'measure':<44} {'value':>14} {'baseline':>14} {'ratio':>7} {'goal':>7}"]
     lines.append("-" * len(lines[0]))
+    bare, learner, inline = loops
     ratio = learner.tokens_per_s / bare.tokens_per_s
     lines.append(f"{'(a) learner tokens/s vs bare PyTorch loop':<44} {learner.tokens_per_s:>14,.0f} "
                  f"{bare.tokens_per_s:>14,.0f} {ratio:>7.3f} {'>=0.97':>7}")
+    lines.append(f"{'    same, writing contributions in the step':<44} {inline.tokens_per_s:>14,.0f} "
+                 f"{bare.tokens_per_s:>14,.0f} {inline.tokens_per_s / bare.tokens_per_s:>7.3f}")
     if mfu is not None:
         lines.append(f"{'    MFU (learner / bare)':<44} {mfu[1]:>13.1%} {mfu[0]:>13.1%}")
     for m in merges:
@@ -265,14 +286,15 @@ def table(bare: LoopResult, learner: LoopResult, merges: list[MergeResult], *, m
     return "\n".join(lines)
 
 
-def plot(bare: LoopResult, learner: LoopResult, merges: list[MergeResult], out: Path) -> Path:
+def plot(loops: list[LoopResult], merges: list[MergeResult], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.boxplot([bare.blocks, learner.blocks], tick_labels=["bare loop", "atoll learner"])
+    bare, learner = loops[0], loops[1]
+    a.boxplot([x.blocks for x in loops], tick_labels=["bare loop", "learner", "learner,\nwrites in step"])
     a.set_ylabel("tokens/s per block")
     a.set_title(f"(a) learner / bare = {learner.tokens_per_s / bare.tokens_per_s:.3f} (goal >= 0.97)")
     names = ["memcpy"] + [m.name.split("(")[1].split(",")[0] for m in merges]
@@ -325,13 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     args.fragment_mb = args.fragment_mb or (256.0 if cuda else 64.0)
 
     with tempfile.TemporaryDirectory(prefix="atoll-throughput-") as tmp:
-        bare, learner, params = bench_learner(Path(tmp), args, device)
+        loops, params = bench_learner(Path(tmp), args, device)
     merges = bench_merge(args, device)
     peak = peak_tflops(device, args.peak_tflops)
     mfu = None
     if peak:
         fpt = flops_per_token(args.model, params)
-        mfu = (bare.tokens_per_s * fpt / (peak * 1e12), learner.tokens_per_s * fpt / (peak * 1e12))
+        mfu = (loops[0].tokens_per_s * fpt / (peak * 1e12), loops[1].tokens_per_s * fpt / (peak * 1e12))
     name = torch.cuda.get_device_name(device) if cuda else f"{device.type} ({torch.get_num_threads()} threads, "\
                                                           f"{os.cpu_count()} CPUs)"
     print()
@@ -339,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
           f"autocast {args.autocast or 'off'}, P = H = {args.fragments} (a publish every step); "
           f"medians of {args.blocks} blocks x {args.block_steps} steps; fragment {args.fragment_mb:g} MB, "
           f"M = {args.contributions}")
-    print(table(bare, learner, merges, mfu=mfu))
-    print(f"plot: {plot(bare, learner, merges, Path(args.out))}")
+    print(table(loops, merges, mfu=mfu))
+    print(f"plot: {plot(loops, merges, Path(args.out))}")
     return 0
 
 
