@@ -83,7 +83,8 @@ class RunContext:
 
     def reload(self) -> Synchronizer:
         """Rebuild the synchronizer from the bucket's latest commit (after a failed round)."""
-        self._sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s),
+        self._sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
+                                                                          device=self.options.merge_device),
                                   evaluate=self._evaluate)
         return self._sync
 
