@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
+from atoll.train.island import run_island
 from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
 
@@ -67,11 +68,12 @@ def learner_flow(
         except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
             pass
 
-    summary = run_learner(
-        store, learner_id, log=log,
-        options=LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
-                               max_steps=max_steps, device=device, autocast=autocast),
-    )
+    options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
+                             max_steps=max_steps, device=device, autocast=autocast)
+    if spec.ranks > 1:  # an island: spec.ranks processes doing DDP, rank 0 doing the bucket I/O
+        summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
+    else:
+        summary = run_learner(store, learner_id, log=log, options=options)
     create_markdown_artifact(
         key=f"{slug(store.manifest.run_id)}-{slug(learner_id)}",
         description=f"learner {learner_id} of run {store.manifest.run_id}",

@@ -238,7 +238,7 @@ class Learner:
 
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
                  lockstep: bool | None = None, device: str | None = None, autocast: str | None = None,
-                 publish_in_background: bool = False) -> None:
+                 publish_in_background: bool = False, rank: int = 0, world: int = 1) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
         self.index, self.spec = self.recipe.learner(learner_id)
@@ -252,6 +252,11 @@ class Learner:
 
         # 1. Model, data shard, global state, own inner state (all on self.device).
         self.model = self.recipe.model_factory()().to(self.device)
+        # An island of ``world`` ranks (atoll.train.island): this is rank ``rank``; the island
+        # wraps ``forward_model`` in DDP, every rank trains on its slice of the island's batch and
+        # only rank 0 publishes.
+        self.rank, self.world = rank, world
+        self.forward_model: torch.nn.Module = self.model
         self.params = dict(self.model.named_parameters())
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
@@ -306,16 +311,19 @@ class Learner:
         # 2. One inner step: warmup on this learner's steps, cosine over the run's progress.
         for group in self.opt.param_groups:
             group["lr"] = lr_at_step(self.recipe.inner, step, self.run_progress())
-        x, y = self.stream.next_batch(self.spec.batch_size)
+        b = self.spec.batch_size
+        x, y = self.stream.next_batch(b * self.world)  # every rank draws the island's batch ...
+        if self.world > 1:  # ... and trains on its own slice of it
+            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with autocast_context(self.device, self.autocast):
-            loss = loss_fn(self.model, x, y)
+            loss = loss_fn(self.forward_model, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.recipe.inner.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.inner.grad_clip)
         self.opt.step()
-        n_tokens = int(x.numel())
+        n_tokens = int(x.numel()) * self.world  # the island's tokens
         self.counters.record_step(n_tokens)
         self.tokens_total += n_tokens
         self.summary.steps += 1
@@ -330,7 +338,7 @@ class Learner:
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
-        if p is not None and self.counters.fragments[p].c_steps > 0:
+        if p is not None and self.rank == 0 and self.counters.fragments[p].c_steps > 0:
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives and reaches the host in one copy.

@@ -109,10 +109,15 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    run_learner(store, args.learner_id, should_stop=_terminate_gracefully(),
-                options=LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
-                                       poll_interval_s=args.poll_interval_s, device=args.device,
-                                       autocast=args.autocast))
+    options = LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
+                             poll_interval_s=args.poll_interval_s, device=args.device, autocast=args.autocast,
+                             threads=args.threads or None)
+    if load_recipe(store).learner(args.learner_id)[1].ranks > 1:  # an island: N ranks, DDP
+        from atoll.train.island import run_island
+
+        run_island(store, args.learner_id, options=options, log=lambda s: print(s, flush=True))
+        return 0
+    run_learner(store, args.learner_id, should_stop=_terminate_gracefully(), options=options)
     return 0
 
 
