@@ -17,8 +17,11 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
   the synchronizer calls it; half the deltas against an older base), its bytes counted as every
   fp32 tensor the round has to read (M deltas, the current fragment, the older base, the momentum),
   against ``dst.copy_(src)`` of that many bytes on the same device. Goal: >= 0.5x memcpy.
-* **(c) island scaling 1 -> 2 ranks**: needs a learner as a torch.distributed group (issue 13
-  part 2), which is not built yet; the row says so.
+* **(c) island scaling 1 -> 2 ranks**: the same learner as an island of 1 and of 2 ranks
+  (:mod:`atoll.train.island`: DDP inner steps, gloo on CPU, NCCL on CUDA; rank 0 publishes), each
+  rank with the same per-rank batch, timed inside the ranks after warm-up; scaling efficiency =
+  tokens/s(2 ranks) / (2 x tokens/s(1 rank)). On CUDA it needs 2 GPUs; on a CPU box each rank has
+  ``--threads`` threads, so it needs 2 free cores to mean anything.
 
 On CUDA it also reports MFU (model FLOPs utilisation: 6 N + 12 L d T FLOPs per token against the
 chip's dense bf16 peak; ``--peak-tflops`` for chips not in the table). Prints a table and writes
@@ -200,6 +203,65 @@ def flops_per_token(model_spec: Any, params: int) -> float:
     return 6.0 * params + 12.0 * cfg.num_layers * cfg.embed_dim * cfg.context_tokens
 
 
+# -- (c) island scaling ---------------------------------------------------------------------------
+
+def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps: int, warmup: int,
+                 threads: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from atoll.storage.bucket import RunStore
+    from atoll.train.island import island_device
+
+    torch.set_num_threads(threads)
+    dev = island_device(device, rank)
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(dev))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        learner = Learner(RunStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank, world=world,
+                          lockstep=False, publish_in_background=rank == 0)
+        learner.forward_model = DistributedDataParallel(
+            learner.model, device_ids=[learner.device.index] if learner.device.type == "cuda" else None)
+        for _ in range(warmup):
+            learner.step()
+        learner.flush()
+        dist.barrier()
+        sync(learner.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            learner.step()
+        learner.flush()
+        sync(learner.device)
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            Path(out).write_text(str(steps * learner.spec.batch_size * world * learner.recipe.context_for(learner.model)
+                                     / elapsed))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_island(root: Path, args: argparse.Namespace, device: torch.device) -> list[tuple[int, float]]:
+    """tokens/s of the learner as an island of 1 and of ``--island-ranks`` ranks (same per-rank batch)."""
+    import torch.multiprocessing as mp
+
+    from atoll.train.island import free_port
+
+    results = []
+    for world in (1, args.island_ranks):
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            break
+        url, _ = make_run(root / f"island-{world}", args)
+        out = root / f"island-{world}.txt"
+        mp.spawn(_island_rank, nprocs=world, join=True,
+                 args=(world, url, str(device), free_port(), args.block_steps * 2, args.warmup, args.threads,
+                       str(out)))
+        results.append((world, float(out.read_text())))
+    return results
+
+
 # -- (b) merge vs memcpy -------------------------------------------------------------------------
 
 @dataclass
@@ -268,7 +330,8 @@ def bench_merge(args: argparse.Namespace, device: torch.device) -> list[MergeRes
 
 # -- report ----------------------------------------------------------------------------------------
 
-def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[float, float] | None) -> str:
+def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[float, float] | None,
+          island: list[tuple[int, float]]) -> str:
     lines = [f"{'measure':<44} {'value':>14} {'baseline':>14} {'ratio':>7} {'goal':>7}"]
     lines.append("-" * len(lines[0]))
     bare, learner, inline = loops
@@ -282,7 +345,13 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
     for m in merges:
         lines.append(f"{'(b) ' + m.name + ' GB/s':<44} {m.gb_per_s:>14.2f} {m.memcpy_gb_per_s:>14.2f} "
                      f"{m.ratio:>7.3f} {'>=0.5':>7}")
-    lines.append(f"{'(c) island 1 -> 2 ranks':<44} {'n/a: a learner as a torch.distributed group is not built yet':>46}")
+    if len(island) == 2:
+        (_, one), (n, many) = island
+        lines.append(f"{f'(c) island tokens/s, {n} ranks vs 1 rank':<44} {many:>14,.0f} {one:>14,.0f} "
+                     f"{many / one:>7.3f} {f'~{n}':>7}")
+        lines.append(f"{'    scaling efficiency':<44} {many / (n * one):>14.1%}")
+    else:
+        lines.append(f"{'(c) island scaling':<44} {'not measured (--island-ranks < 2, or too few GPUs)':>46}")
     return "\n".join(lines)
 
 
@@ -329,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: like one learner process)")
     p.add_argument("--peak-tflops", type=float, default=None, help="chip's dense bf16 peak, for MFU")
+    p.add_argument("--island-ranks", type=int, default=2, help="(c): ranks of the larger island (< 2: skip)")
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -348,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="atoll-throughput-") as tmp:
         loops, params = bench_learner(Path(tmp), args, device)
+        island = bench_island(Path(tmp), args, device) if args.island_ranks >= 2 else []
     merges = bench_merge(args, device)
     peak = peak_tflops(device, args.peak_tflops)
     mfu = None
@@ -361,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
           f"autocast {args.autocast or 'off'}, P = H = {args.fragments} (a publish every step); "
           f"medians of {args.blocks} blocks x {args.block_steps} steps; fragment {args.fragment_mb:g} MB, "
           f"M = {args.contributions}")
-    print(table(loops, merges, mfu=mfu))
+    print(table(loops, merges, mfu=mfu, island=island))
     print(f"plot: {plot(loops, merges, Path(args.out))}")
     return 0
 
