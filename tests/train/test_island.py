@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -113,3 +114,56 @@ def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp
             assert w["pair"] / w["solo"] == pytest.approx(raw["pair"] / raw["solo"])
     assert both >= 1, [[(a.learner_id, a.c_tokens) for a in r.accepted] for r in history]
     assert any(a.learner_id == "pair" for r in history for a in r.accepted)
+
+
+def _children(pid: int) -> list[int]:
+    """Spawned rank processes of ``pid`` (from /proc; Linux)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+@pytest.mark.slow  # ~45 s on 2 quiet cores: two island starts
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the rank processes through /proc")
+def test_sigkill_one_rank_fails_the_island_which_is_relaunched_and_merged_again(tmp_path: Path) -> None:
+    import signal
+
+    from atoll.train.local import LearnerRestarts
+
+    store = _run(tmp_path, (LearnerSpec(learner_id="solo", batch_size=2),
+                            LearnerSpec(learner_id="pair", batch_size=2, ranks=2)), rounds=100_000)
+    logs = tmp_path / "logs"
+    with LocalRun(store.url, log_dir=logs) as run:
+        run.start_learner("solo")
+        pair = run.start_learner("pair")
+        run.start_synchronizer()
+        deadline = time.monotonic() + 120
+        while len(ranks := _children(pair.pid)) < 2 or not any(
+                a.learner_id == "pair" for r in store.history(max(1, store.latest_round() - 8)) for a in r.accepted):
+            assert time.monotonic() < deadline, (logs / "pair.log").read_text()[-3000:]
+            time.sleep(0.2)
+        merged_before = store.latest_round()
+        os.kill(ranks[-1], signal.SIGKILL)  # one rank dies like a lost GPU node
+        assert pair.wait(timeout=90) != 0  # ... and the whole island fails with it
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text().split()[2]
+                  for r in ranks):
+            assert time.monotonic() < deadline, "a rank of the failed island is still running"
+            time.sleep(0.2)
+        restarts = LearnerRestarts(run, log=lambda _: None)
+        assert restarts.dead_learners() == ["pair"]  # relaunched as a unit; it rejoins from the bucket
+        deadline = time.monotonic() + 150
+        while not any(a.learner_id == "pair" for r in store.history(max(merged_before + 1, store.latest_round() - 8))
+                      for a in r.accepted):
+            assert time.monotonic() < deadline, (logs / "pair.log").read_text()[-3000:]
+            assert run.learners["pair"].poll() is None, (logs / "pair.log").read_text()[-3000:]
+            time.sleep(0.5)
