@@ -131,7 +131,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- orchestration (Prefect): up, deploy, train, resume, status, learner, demo ----------------------
+# -- orchestration (Prefect): up, deploy, train, resume, status, stop, supervise, learner, demo ----------------------
 # Each handler parses flags and calls atoll.ops / atoll.flows / atoll.runs; `status` never imports Prefect.
 
 
@@ -203,6 +203,23 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
                    help="auto, cpu, cuda, cuda:N or mps (default: the recipe's LearnerSpec.device)")
     p.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's LearnerSpec.autocast)")
     p.set_defaults(handler=_learner)
+
+    p = sub.add_parser("stop", help="stop a run: mark it stopped in its bucket, let learners save and exit, "
+                                    "cancel its flow runs")
+    p.add_argument("run_url")
+    p.add_argument("--reason", default="atoll stop", help="recorded in the bucket's stop marker")
+    p.add_argument("--grace-s", type=float, default=20.0,
+                   help="wait this long for learners to save and exit before cancelling flow runs (default 20)")
+    p.add_argument("--no-prefect", action="store_true", help="only mark the bucket (learners and the training run "
+                   "read it and exit by themselves); no Prefect API calls")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_stop)
+
+    p = sub.add_parser("supervise", help="run the supervisor here: relaunch crashed or zombie training runs")
+    p.add_argument("--check-every-s", type=float, default=5.0)
+    p.add_argument("--lifetime-s", type=float, default=float("inf"), help="stop after this long (default: never)")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=60.0)
+    p.set_defaults(handler=_supervise)
 
     p = sub.add_parser("demo", help="what `make demo` runs: local stack, deploy, train the demo preset")
     p.add_argument("--dir", default="out/demo", help="where the bucket, Prefect home and logs go")
@@ -297,7 +314,14 @@ def _train(args: argparse.Namespace) -> int:
         # one-line error here, not a failed flow run later.
         from atoll.runs.report import check_run
 
-        check_run(_open_existing(args.run_url, common["storage_options"]))
+        source = _open_existing(args.run_url, common["storage_options"])
+        check_run(source)
+        marker = source.stop_marker()
+        if marker is not None and marker.stopped and args.fork_round is None:
+            from atoll.runs.manage import open_run
+
+            open_run(args.run_url, common["storage_options"]).clear_stopped()
+            print(f"the run was stopped ({marker.reason}); cleared", flush=True)
 
     from atoll.ops.client import launch_training
     from atoll.runs.options import TrainingRunOptions
@@ -355,6 +379,60 @@ def _learner(args: argparse.Namespace) -> int:
 
     learner_flow(args.run_url, args.learner_id, storage_options=_kv(args.storage_option) or None,
                  threads=args.threads, device=args.device, autocast=args.autocast)
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    import getpass
+    import socket
+
+    from atoll.runs.manage import open_run
+    from atoll.tasks.stop import mark_stopped_and_wait
+
+    storage_options = _kv(args.storage_option) or None
+    _open_existing(args.run_url, storage_options)  # a one-line error if there is no run there
+    store = open_run(args.run_url, storage_options)
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    print(f"marking {store.url} stopped ({args.reason}); learners save and exit within seconds", flush=True)
+    report = mark_stopped_and_wait(store, reason=args.reason, by=by, grace_s=args.grace_s)
+    for lid, why in sorted(report.exited.items()):
+        print(f"  {lid}: exited ({why})")
+    for lid in report.still_alive:
+        print(f"  {lid}: still alive after {args.grace_s:g}s")
+    if args.no_prefect:
+        return 0
+    from prefect.client.orchestration import get_client
+
+    from atoll.tasks.learners import run_tag
+    from atoll.tasks.stop import cancel_flow_runs_of_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            cancelled = cancel_flow_runs_of_run(client, run_tag(store.manifest.run_id), reason=f"run stopped: {args.reason}")
+    except Exception as e:  # noqa: BLE001 - the bucket marker already stops everything that reads it
+        print(f"the run is stopped in its bucket, but its flow runs could not be cancelled through Prefect ({e!r}); "
+              "they exit by themselves when they next read the bucket")
+        return 1
+    print(f"cancelled {len(cancelled)} flow run(s)" + (": " + ", ".join(cancelled) if cancelled else ""))
+    print(f"`atoll resume {args.run_url}` continues it from its last committed round")
+    return 0
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from atoll.flows.supervisor import supervise_once
+    from atoll.runs.supervision import SupervisionPolicy
+
+    policy = SupervisionPolicy(heartbeat_timeout_s=args.heartbeat_timeout_s)
+    deadline = time.monotonic() + args.lifetime_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            for v in supervise_once(client, policy):
+                print(f"{v.run_id}: {v.action} ({v.flow_run}): {v.reason}", flush=True)
+            time.sleep(args.check_every_s)
     return 0
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -42,7 +43,8 @@ def deployed(prefect_harness: None) -> dict[str, str]:
 
 
 def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str, str]) -> None:
-    assert set(deployed) == {"atoll-learner/pool-a", "atoll-learner/pool-b", "atoll-training-run/default"}
+    assert set(deployed) == {"atoll-learner/pool-a", "atoll-learner/pool-b", "atoll-training-run/default",
+                             "atoll-supervisor/default"}
     with _client() as client:
         for pool in ("pool-a", "pool-b"):
             dep = client.read_deployment_by_name(f"atoll-learner/{pool}")
@@ -63,6 +65,12 @@ def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str
         for model in ("TrainingRunOptions", "FleetOptions"):
             fields = schema["definitions"][model]["properties"]
             assert all(f.get("description") for f in fields.values()), model
+        # The supervisor: on the control pool, on a schedule, each flow run living just under the interval.
+        sup = client.read_deployment_by_name("atoll-supervisor/default")
+        assert sup.work_pool_name == "pool-a" and sup.entrypoint == "atoll.flows.supervisor.supervisor"
+        [schedule] = sup.schedules
+        assert schedule.schedule.interval.total_seconds() == 600 and schedule.active
+        assert sup.parameters["lifetime_s"] == 570
 
 
 def test_entrypoints_load() -> None:
@@ -72,41 +80,72 @@ def test_entrypoints_load() -> None:
     assert load_flow_from_entrypoint(str(ROOT / "src/atoll/flows/training.py:training_run")).name == "atoll-training-run"
 
 
-def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str]) -> None:
+def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path: Path) -> None:
+    """Liveness comes from a real bucket's leases and heartbeats; flow runs from the Prefect API."""
     from prefect.states import Cancelled, Crashed, Running
 
-    learners = [{"learner_id": "l0", "pool": "pool-a"}, {"learner_id": "l1", "pool": "pool-b"},
-                {"learner_id": "l2", "pool": "pool-b"}]
-    fleet = LearnerFleet(run_url="file:///nowhere/run-f", run_id="run-f", learners=learners,
-                         policy=HealingPolicy(relaunch_backoff_s=0.0))
-    first = {a.learner_id: a for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
-    assert first["l0"].action == "launched" and first["l1"].action == "launched"
-    assert first["l2"].action == "external"  # contributing from outside Prefect: adopted, not duplicated
+    from atoll.runs.manage import open_run, prepare_run
+    from atoll.storage.lifecycle import take_lease, write_heartbeat
+    from atoll.storage.paths import to_url
+
+    url = to_url(str(tmp_path / "run-f"))
+    prepare_run(url, preset="smoke", learners=3, rounds=6)
+    store = open_run(url)
+    learners = [{"learner_id": "learner-0", "pool": "pool-a"}, {"learner_id": "learner-1", "pool": "pool-b"},
+                {"learner_id": "learner-2", "pool": "pool-b"}]
+
+    def live() -> dict[str, Any]:
+        return {s["learner_id"]: store.learner_liveness(s["learner_id"]) for s in learners}
+
+    # learner-2 runs by hand (no flow run): a lease with no flow run id, heartbeating.
+    write_heartbeat(store.store, take_lease(store.store, "learner-2"))
+    fleet = LearnerFleet(run_url=url, run_id=store.manifest.run_id, learners=learners,
+                         policy=HealingPolicy(relaunch_backoff_s=0.0, heartbeat_timeout_s=30.0))
+    tag = run_tag(store.manifest.run_id)
+    first = {a.learner_id: a for a in fleet.reconcile(liveness=live())}
+    assert first["learner-0"].action == "launched" and first["learner-1"].action == "launched"
+    assert first["learner-2"].action == "external"  # alive outside Prefect: adopted, not duplicated
     with _client() as client:
         runs = fleet.flow_runs(client)
-        assert len(runs["l0"]) == 1 and len(runs["l1"]) == 1
-        fr0 = runs["l0"][0]
-        assert {run_tag("run-f"), learner_tag("l0"), pool_tag("pool-a")} <= set(fr0.tags)
-        assert fr0.work_pool_name == "pool-a" and fr0.parameters["learner_id"] == "l0"
-        # Active runs are adopted, whoever started them.
-        again = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
-        assert again == {"l0": "adopted", "l1": "adopted", "l2": "external"}
+        assert len(runs["learner-0"]) == 1 and len(runs["learner-1"]) == 1
+        fr0 = runs["learner-0"][0]
+        assert {tag, learner_tag("learner-0"), pool_tag("pool-a")} <= set(fr0.tags)
+        assert fr0.work_pool_name == "pool-a" and fr0.parameters["learner_id"] == "learner-0"
+        assert fr0.parent_task_run_id is None  # top level, not a subflow of whatever launched it
+        # Scheduled runs are adopted; the same decision twice launches nothing new.
+        again = {a.learner_id: a.action for a in fleet.reconcile(liveness=live())}
+        assert again == {"learner-0": "adopted", "learner-1": "adopted", "learner-2": "external"}
         # A crashed learner is relaunched on its own pool; one a person cancelled stays cancelled.
         client.set_flow_run_state(fr0.id, Crashed(message="process exited -9"), force=True)
-        client.set_flow_run_state(runs["l1"][0].id, Cancelled(), force=True)
-        healed = {a.learner_id: a for a in fleet.reconcile(last_seen_age_s={"l2": 1.0})}
-        assert healed["l0"].action == "relaunched" and healed["l1"].action == "cancelled-by-user"
+        client.set_flow_run_state(runs["learner-1"][0].id, Cancelled(), force=True)
+        healed = {a.learner_id: a for a in fleet.reconcile(liveness=live())}
+        assert healed["learner-0"].action == "relaunched" and healed["learner-1"].action == "cancelled-by-user"
         runs = fleet.flow_runs(client)
-        assert len(runs["l0"]) == 2 and runs["l0"][0].work_pool_name == "pool-a"
-        assert runs["l0"][0].state.is_scheduled()
-        # A learner that stopped contributing (and has been running longer than stale_after_s) is
-        # stale: cancelled and replaced.
-        client.set_flow_run_state(runs["l0"][0].id, Running(), force=True)
-        fleet.policy = HealingPolicy(relaunch_backoff_s=0.0, stale_after_s=0.5)
-        time.sleep(0.6)
-        stale = {a.learner_id: a.action for a in fleet.reconcile(last_seen_age_s={"l0": 1e6, "l2": 0.1})}
-        assert stale["l0"] == "stale-relaunched"
-        assert len(fleet.flow_runs(client)["l0"]) == 3
+        assert len(runs["learner-0"]) == 2 and runs["learner-0"][0].work_pool_name == "pool-a"
+        assert runs["learner-0"][0].state.is_scheduled()
+        # A zombie: Prefect says Running, but the lease it holds has a heartbeat 100 s old.
+        newest = runs["learner-0"][0]
+        client.set_flow_run_state(newest.id, Running(), force=True)
+        write_heartbeat(store.store, take_lease(store.store, "learner-0", flow_run_id=str(newest.id)),
+                        clock=lambda: time.time() - 100.0)
+        zombie = {a.learner_id: a for a in fleet.reconcile(liveness=live())}
+        assert zombie["learner-0"].action == "zombie-relaunched", zombie["learner-0"].reason
+        state = client.read_flow_run(newest.id).state
+        assert state.type.value in ("CANCELLING", "CANCELLED") and state.message.startswith("atoll:")
+        assert len(fleet.flow_runs(client)["learner-0"]) == 3
+        # More than one page of the run's flow runs (round flow runs carry the run tag too): the
+        # learners are still found, and nothing is launched twice.
+        from prefect import flow as prefect_flow
+
+        @prefect_flow(name="atoll-round")
+        def _round() -> None: ...
+
+        for i in range(230):
+            client.create_flow_run(_round, name=f"round-{i:06d}", tags=[tag, "atoll-round"])
+        before = {lid: len(v) for lid, v in fleet.flow_runs(client).items()}
+        after = {a.learner_id: a.action for a in fleet.reconcile(liveness=live())}
+        assert after["learner-0"] in ("adopted", "waiting") and after["learner-2"] == "external"
+        assert {lid: len(v) for lid, v in fleet.flow_runs(client).items()} == before
         # Once the run is finished nothing is launched.
         assert {a.action for a in fleet.reconcile(finished=True)} == {"finished"}
 

@@ -41,8 +41,9 @@ class FakePrefect:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def read_flow_runs(self, **kwargs: Any) -> list[FlowRun]:
-        return list(reversed(self.runs))
+    def read_flow_runs(self, *, limit: int | None = None, offset: int = 0, **kwargs: Any) -> list[FlowRun]:
+        rows = list(reversed(self.runs))
+        return rows[offset:offset + limit] if limit else rows[offset:]
 
     def set_flow_run_state(self, flow_run_id: Any, state: State, force: bool = False) -> None:
         self.set_state(flow_run_id, state)

@@ -63,6 +63,7 @@ def plant_contribution(
     nbytes: int | None = None,
     schema_version: int | None = None,
     write_payload: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """Write a contribution (payload + record) behind the protocol's back; returns its key."""
     if payload is None:
@@ -76,7 +77,7 @@ def plant_contribution(
     body = {
         "learner_id": learner_id, "fragment": fragment, "base_version": base_version, "c_steps": 2,
         "c_tokens": 64, "payload": {"sha256": sha, "nbytes": len(payload) if nbytes is None else nbytes},
-        "tensors": meta, "created_at": time.time(), "info": {},
+        "tensors": meta, "created_at": time.time(), "info": {}, **(extra or {}),
     }
     # A rogue writer can compute a record's digest: planted records are sealed like real ones, so
     # that the checks behind the digest (payload, layout, ids ...) are what the tests exercise.

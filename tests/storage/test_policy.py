@@ -64,6 +64,8 @@ LEARNER_WRITES = {  # key -> written create-once?
     paths.contribution_key(3, 12, "l0", 24, SHA): True,
     paths.blob_key(SHA, "l0"): False,
     paths.learner_state_key("l0"): False,
+    paths.learner_lease_key("l0", 3): True,
+    paths.learner_heartbeat_key("l0", 3): False,
     paths.probe_key("abc123"): True,
 }
 SYNC_WRITES = {
@@ -74,6 +76,9 @@ SYNC_WRITES = {
     paths.HEAD: False,
     paths.checkpoint_model_key(100): False,
     paths.checkpoint_config_key(100): False,
+    paths.sync_lease_key(2): True,
+    paths.sync_heartbeat_key(2): False,
+    paths.STOP: False,
     paths.probe_key("abc123"): True,
 }
 

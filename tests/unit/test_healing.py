@@ -1,4 +1,6 @@
-"""The learner-healing policy against a table: observation in, action (and whether to cancel/launch) out."""
+"""The learner-healing policy against a table: observation in, action (and whether to cancel/launch) out.
+
+Liveness comes from the bucket (lease + heartbeat), never from Prefect's state alone."""
 
 from __future__ import annotations
 
@@ -13,50 +15,68 @@ from atoll.runs.healing import (
 )
 
 A = HealingAction
-POLICY = HealingPolicy(stale_after_s=300.0, relaunch_backoff_s=5.0, max_launches=3, external_within_s=60.0)
+POLICY = HealingPolicy(heartbeat_timeout_s=60.0, startup_grace_s=300.0, relaunch_backoff_s=5.0, max_launches=3)
 
 
 def obs(**kw) -> LearnerObservation:
     return LearnerObservation(**kw)
 
 
+ALIVE = {"holds_lease": True, "heartbeat_age_s": 3.0}
+DEAD = {"holds_lease": True, "heartbeat_age_s": 400.0}
+
 # (case, observation, action, cancel, launch)
 TABLE = [
-    # -- the run is over: nothing is launched, whatever the state ---------------------------------
+    # -- the run is over or stopped: nothing is launched, whatever the state ----------------------
     ("finished, crashed", obs(state="CRASHED", launches=1, since_launch_s=900, finished=True), A.FINISHED,
      False, False),
     ("finished, no flow run", obs(finished=True), A.FINISHED, False, False),
+    ("stopped, crashed", obs(state="CRASHED", stopped=True), A.STOPPED, False, False),
+    ("stopped, zombie", obs(state="RUNNING", running_for_s=900, stopped=True, **DEAD), A.STOPPED, False, False),
     # -- no flow run yet -----------------------------------------------------------------------------
     ("first launch", obs(), A.LAUNCHED, False, True),
-    ("external: contributing outside Prefect", obs(last_seen_age_s=12.0), A.EXTERNAL, False, False),
-    ("external is bounded by external_within_s", obs(last_seen_age_s=61.0), A.LAUNCHED, False, True),
+    ("external: alive under a lease no flow run of ours holds", obs(heartbeat_age_s=12.0), A.EXTERNAL, False, False),
+    ("a stale outside learner is replaced", obs(heartbeat_age_s=61.0), A.LAUNCHED, False, True),
+    ("an outside learner that exited is replaced", obs(heartbeat_age_s=2.0, exited="orphaned"), A.LAUNCHED,
+     False, True),
     ("no flow run, launched moments ago: back-off", obs(launches=1, since_launch_s=1.0), A.WAITING, False, False),
     ("no flow run, max_launches reached", obs(launches=3, since_launch_s=900), A.WAITING, False, False),
-    # -- active flow runs are adopted ----------------------------------------------------------------
+    # -- active flow runs --------------------------------------------------------------------------
     *[(f"adopt {s.lower()}", obs(state=s, launches=1, since_launch_s=1.0), A.ADOPTED, False, False)
-      for s in sorted(ACTIVE_STATES)],
-    ("running, contributed recently", obs(state="RUNNING", running_for_s=4000, last_seen_age_s=20), A.ADOPTED,
+      for s in sorted(ACTIVE_STATES - {"RUNNING"})],
+    ("pending for long is adopted (waiting for a worker)", obs(state="PENDING", heartbeat_age_s=9999), A.ADOPTED,
      False, False),
-    ("running, never seen, young", obs(state="RUNNING", running_for_s=120), A.ADOPTED, False, False),
-    ("pending long ago is not stale (only running ones are)", obs(state="PENDING", last_seen_age_s=9999), A.ADOPTED,
-     False, False),
-    # -- stale: running but silent -------------------------------------------------------------------
-    ("stale: silent since its last contribution", obs(state="RUNNING", running_for_s=4000, last_seen_age_s=400),
-     A.STALE_RELAUNCHED, True, True),
-    ("stale: running long, never contributed", obs(state="RUNNING", running_for_s=400), A.STALE_RELAUNCHED, True, True),
-    ("a fresh incarnation is not blamed for its predecessor's silence",
-     obs(state="RUNNING", running_for_s=30, last_seen_age_s=900, launches=2, since_launch_s=40), A.ADOPTED,
-     False, False),
-    ("stale at max_launches: cancelled, not relaunched",
-     obs(state="RUNNING", running_for_s=4000, last_seen_age_s=400, launches=3, since_launch_s=4000), A.WAITING,
-     True, False),
+    ("running and alive", obs(state="RUNNING", running_for_s=4000, **ALIVE), A.ADOPTED, False, False),
+    ("running, starting: no lease yet", obs(state="RUNNING", running_for_s=20), A.ADOPTED, False, False),
+    ("running, starting, predecessor's stale heartbeat is not its own",
+     obs(state="RUNNING", running_for_s=20, heartbeat_age_s=900), A.ADOPTED, False, False),
+    ("running, exiting by itself", obs(state="RUNNING", running_for_s=900, holds_lease=True, heartbeat_age_s=1.0,
+                                       exited="orphaned"), A.ADOPTED, False, False),
+    # -- zombies: Prefect says Running, the bucket says dead ----------------------------------------
+    ("zombie: heartbeat stale (process gone, adopted on resume)",
+     obs(state="RUNNING", running_for_s=4000, **DEAD), A.ZOMBIE_RELAUNCHED, True, True),
+    ("zombie: exited long ago but still Running", obs(state="RUNNING", running_for_s=4000, holds_lease=True,
+                                                      heartbeat_age_s=500.0, exited="sigterm"),
+     A.ZOMBIE_RELAUNCHED, True, True),
+    ("zombie: never took a lease within the startup grace", obs(state="RUNNING", running_for_s=400),
+     A.ZOMBIE_RELAUNCHED, True, True),
+    ("zombie at max_launches: cancelled, not relaunched",
+     obs(state="RUNNING", running_for_s=4000, launches=3, since_launch_s=4000, **DEAD), A.WAITING, True, False),
     # -- relaunch after the flow run ended while the run goes on -------------------------------------
     ("relaunch after Crashed", obs(state="CRASHED", launches=1, since_launch_s=60), A.RELAUNCHED, False, True),
+    ("relaunch after Crashed at once, though its last heartbeat is fresh",
+     obs(state="CRASHED", launches=1, since_launch_s=60, **ALIVE), A.RELAUNCHED, False, True),
     ("relaunch after Failed", obs(state="FAILED", launches=1, since_launch_s=60), A.RELAUNCHED, False, True),
-    ("relaunch after Completed", obs(state="COMPLETED", launches=1, since_launch_s=60), A.RELAUNCHED, False, True),
-    ("relaunch one started by someone else", obs(state="CRASHED"), A.RELAUNCHED, False, True),
-    ("relaunch one we cancelled as stale", obs(state="CANCELLED", cancelled_by_us=True, launches=1, since_launch_s=60),
+    ("relaunch after Completed (orphaned)", obs(state="COMPLETED", launches=1, since_launch_s=60, holds_lease=True,
+                                                heartbeat_age_s=100.0, exited="orphaned"),
      A.RELAUNCHED, False, True),
+    ("relaunch one started by someone else", obs(state="CRASHED"), A.RELAUNCHED, False, True),
+    ("crashed, but another copy is alive outside Prefect", obs(state="CRASHED", heartbeat_age_s=2.0), A.EXTERNAL,
+     False, False),
+    ("relaunch one atoll cancelled", obs(state="CANCELLED", cancelled_by_atoll=True, launches=1, since_launch_s=60),
+     A.RELAUNCHED, False, True),
+    ("relaunch one atoll is still cancelling (its worker may be gone)",
+     obs(state="CANCELLING", cancelled_by_atoll=True, launches=1, since_launch_s=60), A.RELAUNCHED, False, True),
     ("back-off: crashed right after its launch", obs(state="CRASHED", launches=1, since_launch_s=2.0), A.WAITING,
      False, False),
     ("back-off is over", obs(state="CRASHED", launches=1, since_launch_s=5.0), A.RELAUNCHED, False, True),
@@ -64,8 +84,8 @@ TABLE = [
     # -- a person's cancel is respected --------------------------------------------------------------
     ("cancelled by a person", obs(state="CANCELLED", launches=1, since_launch_s=600), A.CANCELLED_BY_USER, False,
      False),
-    ("cancelled by a person, even if it was contributing", obs(state="CANCELLED", last_seen_age_s=1.0),
-     A.CANCELLED_BY_USER, False, False),
+    ("cancelled by a person, even if it was alive", obs(state="CANCELLED", **ALIVE), A.CANCELLED_BY_USER, False,
+     False),
 ]
 
 
@@ -77,13 +97,7 @@ def test_decide_learner(case: str, observation: LearnerObservation, action: Heal
     assert decision.reason
 
 
-def test_external_window_never_exceeds_stale_after() -> None:
-    policy = HealingPolicy(stale_after_s=30.0, external_within_s=60.0)
-    assert decide_learner(obs(last_seen_age_s=40.0), policy).action == A.LAUNCHED
-    assert decide_learner(obs(last_seen_age_s=20.0), policy).action == A.EXTERNAL
-
-
 def test_actions_keep_their_names() -> None:
     """The fleet reports these strings (logs, the watch-learners task result, docs/prefect.md)."""
-    assert {str(a) for a in A} == {"finished", "adopted", "stale-relaunched", "cancelled-by-user", "external",
-                                   "launched", "relaunched", "waiting"}
+    assert {str(a) for a in A} == {"finished", "stopped", "adopted", "zombie-relaunched", "cancelled-by-user",
+                                   "external", "launched", "relaunched", "waiting"}

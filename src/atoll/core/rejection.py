@@ -43,6 +43,9 @@ class RejectionKind(StrEnum):
     """Counters no honest learner can report: more tokens than its steps could consume (steps x
     batch x context from the recipe), or more steps than are possible since its base version.
     Final."""
+    FENCED = "fenced"
+    """Published by an older incarnation of its learner: a newer copy has since taken the
+    learner's lease (``learners/<id>/leases/``), so the old copy's work is not merged. Final."""
     # -- bad input (storage validation; also raised as InvalidInput) -----------------------------
     TRUNCATED = "truncated"
     """Payload shorter than its record says."""

@@ -3,8 +3,11 @@
 Launched by the training run through ``run_deployment`` onto the learner's own work pool, or by
 hand anywhere (``atoll learner <run-url> --learner-id ID``). It runs
 :func:`atoll.train.learner.run_learner` unchanged: the learner rebuilds everything from the run
-URL, rejoins from the bucket (latest global state + its own saved inner state) and stops by
-itself once the run has committed its last round. Progress shows as log lines (steps, loss,
+URL, takes a new lease (fencing any older copy of itself), rejoins from the bucket (latest global
+state + its own saved inner state) and heartbeats in its own prefix. It exits by itself, saving its
+state first, once the run has committed its last round, when the run is marked stopped, when no
+round has been committed for ``orphan_timeout_s``, or on SIGTERM; a newer incarnation of the same
+learner makes it exit at once without saving (it is fenced). Progress shows as log lines (steps, loss,
 publishes, alignments), a progress artifact (rounds committed, as this learner sees them) and a
 summary artifact at the end.
 """
@@ -18,6 +21,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
@@ -38,6 +42,8 @@ def learner_flow(
     poll_interval_s: float = 0.2,
     log_every_steps: int = 50,
     max_steps: int | None = None,
+    orphan_timeout_s: float | None = 900.0,
+    heartbeat_interval_s: float = 5.0,
     device: str | None = None,
     autocast: str | None = None,
 ) -> dict[str, Any]:
@@ -69,7 +75,10 @@ def learner_flow(
             pass
 
     options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
-                             max_steps=max_steps, device=device, autocast=autocast)
+                             max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,
+                             heartbeat_interval_s=heartbeat_interval_s,
+                             flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
+                             device=device, autocast=autocast)
     if spec.ranks > 1:  # an island: spec.ranks processes doing DDP, rank 0 doing the bucket I/O
         summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
     else:
@@ -84,7 +93,9 @@ def learner_flow(
             f"| steps this flow run | {summary.steps} |\n| tokens this flow run | {summary.tokens:,} |\n"
             f"| contributions published | {summary.published} |\n| global versions aligned | {summary.aligned} |\n"
             f"| last training loss | {summary.last_loss:.4f} |\n"
+            f"| exit | {summary.exit_reason} |\n"
         ),
     )
     return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
-            "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss}
+            "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss,
+            "exit_reason": summary.exit_reason}

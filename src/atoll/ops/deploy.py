@@ -7,7 +7,11 @@ image, a kubernetes image); no source checkout is pulled.
 * ``atoll-learner/<pool>``: the learner flow, one deployment per work pool (heterogeneous
   hardware = heterogeneous pools), with that pool's job variables (env, image, resources);
 * ``atoll-training-run/default``: the training run, on the control pool; its one parameter is a
-  :class:`~atoll.runs.options.TrainingRunOptions` (:func:`start_training` sends it).
+  :class:`~atoll.runs.options.TrainingRunOptions` (:func:`start_training` sends it);
+* ``atoll-supervisor/default``: the supervisor (:mod:`atoll.flows.supervisor`), on the control
+  pool, scheduled every ``supervisor_interval_s`` with a lifetime just under it: it relaunches
+  crashed and zombie training runs from the bucket, and turns a Cancel of a training run in the
+  UI into a clean stop of the run.
 
 ``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``.
 """
@@ -27,16 +31,20 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.types.entrypoint import EntrypointType
 
 from atoll.flows.learner import learner_flow
+from atoll.flows.supervisor import DEFAULT_TRAINING_DEPLOYMENT, supervisor
 from atoll.flows.training import training_run
 from atoll.runs.options import TrainingRunOptions
-from atoll.tasks.learners import LEARNER_FLOW_NAME, pool_tag
+from atoll.tasks.learners import pool_tag
+from atoll.tasks.queries import LEARNER_FLOW_NAME
 
 __all__ = [
     "DEFAULT_POOLS",
     "TRAINING_DEPLOYMENT",
+    "SUPERVISOR_DEPLOYMENT",
     "ensure_pools",
     "deploy_all",
     "start_training",
+    "start_supervisor",
     "learner_job_env",
     "parse_job_variables",
     "plaintext_credentials",
@@ -47,7 +55,8 @@ __all__ = [
 DEFAULT_POOLS: tuple[str, ...] = ("cpu-fast", "cpu-slow")
 """The two local process pools of the embedded stack (standing in for two chip generations)."""
 
-TRAINING_DEPLOYMENT = "atoll-training-run/default"
+TRAINING_DEPLOYMENT = DEFAULT_TRAINING_DEPLOYMENT
+SUPERVISOR_DEPLOYMENT = "atoll-supervisor/default"
 
 
 def learner_job_env(threads: int = 1) -> dict[str, str]:
@@ -78,12 +87,16 @@ def deploy_all(
     pool_job_variables: Mapping[str, Mapping[str, Any]] | None = None,
     learner_concurrency: int | None = None,
     control_job_variables: Mapping[str, Any] | None = None,
+    supervisor_interval_s: float | None = 600.0,
+    supervisor_parameters: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """Register the learner deployment of every pool and the training-run deployment.
 
     ``env`` is added to every deployment's job environment (e.g. object-store endpoint and
     credentials for workers); ``pool_job_variables[pool]`` adds job variables per pool (image,
-    resources ...), ``control_job_variables`` to the training run's. Returns ``{deployment name: id}``.
+    resources ...), ``control_job_variables`` to the training run's and the supervisor's (e.g. their
+    image). ``supervisor_interval_s``: schedule of the supervisor (None: deploy it without a
+    schedule; start it by hand). Returns ``{deployment name: id}``.
     """
     out: dict[str, str] = {}
     base_env = {**learner_job_env(), **dict(env or {})}
@@ -104,15 +117,38 @@ def deploy_all(
         description="atoll training run: the synchronizer; one outer-round flow run per round",
     ))
     out[TRAINING_DEPLOYMENT] = str(dep.apply())
+    # Each supervisor flow run lives just under the interval, so one is (almost) always watching and
+    # a crashed one is replaced at the next tick.
+    params: dict[str, Any] = {}
+    if supervisor_interval_s is not None:
+        params["lifetime_s"] = max(1.0, supervisor_interval_s - 30.0)
+    params.update(dict(supervisor_parameters or {}))
+    dep = cast(RunnerDeployment, supervisor.to_deployment(  # sync call: not a coroutine
+        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        tags=["atoll", "atoll-supervisor"],
+        parameters=params, interval=supervisor_interval_s,
+        description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
+    ))
+    out[SUPERVISOR_DEPLOYMENT] = str(dep.apply())
     return out
 
 
 def start_training(options: TrainingRunOptions, *, deployment: str = TRAINING_DEPLOYMENT,
-                   flow_run_name: str | None = None, tags: Sequence[str] = ()) -> FlowRun:
+                   flow_run_name: str | None = None, tags: Sequence[str] = (),
+                   job_variables: Mapping[str, Any] | None = None) -> FlowRun:
     """Launch a training-run flow run on its deployment without waiting for it."""
     return run_deployment(deployment, parameters={"options": options.model_dump(mode="json")}, timeout=0,
-                          as_subflow=False, flow_run_name=flow_run_name,
-                          tags=list(tags))  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine
+                          as_subflow=False, flow_run_name=flow_run_name, tags=list(tags),
+                          job_variables=dict(job_variables) if job_variables else None,
+                          )  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine
+
+
+def start_supervisor(*, parameters: Mapping[str, Any] | None = None,
+                     deployment: str = SUPERVISOR_DEPLOYMENT) -> FlowRun:
+    """Launch a supervisor flow run now (besides its schedule), without waiting for it."""
+    return run_deployment(deployment, parameters=dict(parameters or {}), timeout=0,
+                          as_subflow=False)  # type: ignore[return-value]  # sync call: a FlowRun
 
 
 # -- image-based deployments: `atoll deploy --image ... --job-variable k=v --concurrency N` -------------

@@ -6,7 +6,7 @@ Only two kinds of thing live here:
   create is then frozen in the run's ``run.json`` (the DiLoCo config and the recipe: model, data,
   learners and their pools, inner optimizer, max rounds, eval and checkpoint cadence);
 * **how this training-run process orchestrates it**: learner deployments and their process
-  knobs, polling, how often learners are watched, when a silent learner counts as stale.
+  knobs, polling, how often learners are watched, when a learner counts as dead.
 
 Nothing here changes what is trained: to change the training, fork the run with a new config.
 No Prefect import (pydantic only), so the CLI and notebooks build options without a server.
@@ -41,21 +41,29 @@ class FleetOptions(BaseModel):
     watch_every_s: float = Field(
         default=10.0, gt=0,
         description="While a round waits, look after the learners this often (s); also after every 5 rounds.")
-    stale_after_s: float = Field(
+    heartbeat_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="A learner whose newest heartbeat in the bucket is older than this (s) is not alive: a Running "
+        "flow run of it is a zombie, cancelled and launched again.")
+    startup_grace_s: float = Field(
         default=300.0, gt=0,
-        description="A running learner silent for longer than this (s) is cancelled and launched again.")
+        description="A Running learner flow run that has taken no lease after this long (s) is a zombie.")
+    orphan_timeout_s: float = Field(
+        default=900.0, gt=0,
+        description="A learner exits by itself (saving its state) when no round has been committed for this long (s).")
     relaunch_backoff_s: float = Field(
         default=5.0, ge=0, description="Least time between two launches of one learner (s).")
     max_launches: int = Field(
         default=50, ge=1, description="Most flow runs launched per learner by one training run.")
 
     def policy(self) -> HealingPolicy:
-        return HealingPolicy(stale_after_s=self.stale_after_s, relaunch_backoff_s=self.relaunch_backoff_s,
-                             max_launches=self.max_launches)
+        return HealingPolicy(heartbeat_timeout_s=self.heartbeat_timeout_s, startup_grace_s=self.startup_grace_s,
+                             relaunch_backoff_s=self.relaunch_backoff_s, max_launches=self.max_launches)
 
     def learner_parameters(self) -> dict[str, Any]:
         """Learner-flow parameters set by these options (besides the run URL and learner id)."""
-        return {"threads": self.threads, "poll_interval_s": self.poll_interval_s}
+        return {"threads": self.threads, "poll_interval_s": self.poll_interval_s,
+                "orphan_timeout_s": self.orphan_timeout_s}
 
 
 class TrainingRunOptions(BaseModel):

@@ -12,6 +12,7 @@ from atoll.storage.bucket import (
     RunStore,
 )
 from atoll.storage.codec import SCHEMA_VERSION, sha256_hex
+from atoll.storage.lifecycle import Heartbeat, Lease, LeaseError, Liveness, StopMarker
 from atoll.storage.records import (
     AcceptedContribution,
     BlobRef,
@@ -44,9 +45,13 @@ __all__ = [
     "ContributionRecord",
     "FragmentState",
     "GlobalState",
+    "Heartbeat",
     "InvalidInput",
     "LearnerState",
     "LearnerStateRecord",
+    "Lease",
+    "LeaseError",
+    "Liveness",
     "ObjectStore",
     "REJECTION_KINDS",
     "RetryPolicy",
@@ -56,6 +61,7 @@ __all__ = [
     "RunNotFoundError",
     "RunStore",
     "SCHEMA_VERSION",
+    "StopMarker",
     "StorageError",
     "TransientStorageError",
     "UnsafeStoreError",

@@ -37,7 +37,7 @@ from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
-from atoll.storage import paths
+from atoll.storage import lifecycle, paths
 from atoll.storage.codec import (
     LAYOUT_SCHEMA_VERSION,
     bytes_to_encoded,
@@ -51,6 +51,7 @@ from atoll.storage.codec import (
     tensors_to_bytes,
 )
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
+from atoll.storage.lifecycle import SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
@@ -395,6 +396,7 @@ class RunStore:
         codec: str | None = None,
         block_size: int | None = None,
         info: Mapping[str, Any] | None = None,
+        incarnation: int = 0,
     ) -> ContributionRecord:
         """Write a learner's delta for ``fragment`` (payload first, then the record, create-once).
 
@@ -402,12 +404,16 @@ class RunStore:
         ``codec``, default the run's ``config.compression``) or an already encoded
         :class:`~atoll.core.compress.EncodedTensor`. ``counters`` is anything with ``c_steps`` and
         ``c_tokens`` (``core.weights.Counters`` or ``core.align.FragmentCounters``).
+        ``incarnation``: the publisher's lease incarnation (:meth:`take_learner_lease`; 0 = none),
+        stored in the record (and signed with it) so the synchronizer can fence older copies.
         """
         validate_id(learner_id, "learner id")
         self._check_writable()
         self._check_fragment(fragment)
         if not isinstance(base_version, int) or base_version < 0:
             raise ValueError(f"base_version must be an integer >= 0, got {base_version!r}")
+        if not isinstance(incarnation, int) or isinstance(incarnation, bool) or incarnation < 0:
+            raise ValueError(f"incarnation must be an integer >= 0, got {incarnation!r}")
         c_steps, c_tokens = int(counters.c_steps), int(counters.c_tokens)
         if c_steps < 0 or c_tokens < 0:
             raise ValueError(f"counters must be >= 0, got c_steps={c_steps}, c_tokens={c_tokens}")
@@ -436,7 +442,7 @@ class RunStore:
         key = paths.contribution_key(fragment, base_version, learner_id, c_steps, ref.sha256)
         record = ContributionRecord(key=key, learner_id=learner_id, fragment=fragment, base_version=base_version,
                                     c_steps=c_steps, c_tokens=c_tokens, payload=ref, tensors=meta,
-                                    created_at=time.time(), info=info)
+                                    created_at=time.time(), info=info, incarnation=incarnation)
         body = seal(KIND_CONTRIBUTION, record.to_dict(), self.keyring.key(learner_id))
         if not self.store.create(key, dump_record(KIND_CONTRIBUTION, body)):
             existing = self._read_contribution_record(key)
@@ -870,6 +876,7 @@ class RunStore:
         )
         data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self.keyring.key(SYNCHRONIZER_KEY_ID)))
         key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
+        lifecycle.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
         if self.store.create(key, data):
             self._commit_sha[round_] = sha256_hex(data)
             self._remember(record)
@@ -975,6 +982,62 @@ class RunStore:
             raise InvalidInput("schema", f"state at {key} belongs to {rec.learner_id!r}", url=self.store.key_url(key))
         tensors = bytes_to_tensors(self._read_blob_bytes(rec.payload, learner_id=learner_id))
         return LearnerState(tensors=tensors, meta=dict(rec.meta), saved_at=rec.saved_at)
+
+    # -- liveness: leases, heartbeats, stop marker (atoll.storage.lifecycle) --------------------
+    def take_learner_lease(self, learner_id: str, *, flow_run_id: str | None = None) -> Lease:
+        """Take the next incarnation of ``learner_id`` (create-once ``learners/<id>/leases/<n>.json``,
+        n = newest + 1; a lost race tries the next number). Every older incarnation is fenced from
+        now on. Raises :class:`~atoll.storage.lifecycle.LeaseError` if no number could be taken."""
+        validate_id(learner_id, "learner id")
+        self._check_writable()
+        return lifecycle.take_lease(self.store, learner_id, flow_run_id=flow_run_id)
+
+    def take_synchronizer_lease(self, *, flow_run_id: str | None = None) -> Lease:
+        """Take the next incarnation of the synchronizer (``sync/leases/<n>.json``)."""
+        self._check_writable()
+        return lifecycle.take_lease(self.store, SYNCHRONIZER_HOLDER, flow_run_id=flow_run_id)
+
+    def write_heartbeat(self, lease: Lease, *, status: str = "alive", reason: str = "",
+                        step: int | None = None, round: int | None = None) -> Heartbeat:
+        """Overwrite the heartbeat of ``lease``'s incarnation (``status`` "alive" or "exited")."""
+        self._check_writable()
+        return lifecycle.write_heartbeat(self.store, lease, status=status, reason=reason, step=step, round=round)
+
+    def learner_liveness(self, learner_id: str) -> Liveness:
+        """The learner's newest lease and its heartbeat (one LIST, two GETs; unusable objects are
+        ignored and named in ``problems``)."""
+        validate_id(learner_id, "learner id")
+        return lifecycle.read_liveness(self.store, learner_id)
+
+    def synchronizer_liveness(self) -> Liveness:
+        return lifecycle.read_liveness(self.store, SYNCHRONIZER_HOLDER)
+
+    def current_incarnation(self, learner_id: str) -> int:
+        """The learner's newest lease number (one LIST); 0 = never leased."""
+        validate_id(learner_id, "learner id")
+        return lifecycle.newest_incarnation(self.store, learner_id)
+
+    def current_synchronizer_incarnation(self) -> int:
+        return lifecycle.newest_incarnation(self.store, SYNCHRONIZER_HOLDER)
+
+    def mark_stopped(self, reason: str, by: str) -> StopMarker:
+        """Write ``sync/stop.json`` with ``stopped: true``: learners and the synchronizer exit."""
+        self._check_writable()
+        return lifecycle.write_stop_marker(self.store, stopped=True, reason=reason, by=by)
+
+    def clear_stopped(self, *, reason: str = "cleared", by: str = "") -> StopMarker:
+        """Overwrite the stop marker with ``stopped: false`` (nothing is ever deleted)."""
+        self._check_writable()
+        return lifecycle.write_stop_marker(self.store, stopped=False, reason=reason, by=by)
+
+    def stop_marker(self) -> StopMarker | None:
+        """The stop marker; None if there is none or it is unusable (use :meth:`read_stop_marker`
+        for the reason). None or ``stopped=False`` mean running."""
+        return self.read_stop_marker()[0]
+
+    def read_stop_marker(self) -> tuple[StopMarker | None, str | None]:
+        """(the stop marker or None, why an existing one was ignored or None)."""
+        return lifecycle.read_stop_marker(self.store)
 
     # -- consolidated checkpoints ------------------------------------------------------------
     def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:

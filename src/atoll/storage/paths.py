@@ -36,6 +36,17 @@ __all__ = [
     "checkpoint_model_key",
     "checkpoint_config_key",
     "probe_key",
+    "STOP",
+    "MAX_INCARNATION",
+    "learner_leases_prefix",
+    "learner_lease_key",
+    "learner_heartbeats_prefix",
+    "learner_heartbeat_key",
+    "sync_leases_prefix",
+    "sync_lease_key",
+    "sync_heartbeats_prefix",
+    "sync_heartbeat_key",
+    "parse_incarnation_key",
 ]
 
 RUN_MANIFEST = "run.json"
@@ -53,6 +64,12 @@ HEAD = "sync/head.json"
 
 PROBE_PREFIX = "_probe/"
 """Scratch objects of the create-once capability probe (random names, deleted after use)."""
+
+STOP = "sync/stop.json"
+"""The run's stop marker (overwritten): ``{"stopped": bool, "reason", "by", "time"}``."""
+
+MAX_INCARNATION = 99_999_999
+"""Largest lease incarnation number (8 digits, zero-padded)."""
 
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
@@ -181,3 +198,55 @@ def checkpoint_config_key(round_: int) -> str:
 
 def probe_key(token: str) -> str:
     return f"{PROBE_PREFIX}{validate_id(token, 'probe token')}"
+
+
+def _incarnation(n: int) -> int:
+    if not 1 <= _nonneg(n, "incarnation") <= MAX_INCARNATION:
+        raise InvalidInput("schema", f"incarnations are 1 .. {MAX_INCARNATION}, got {n}")
+    return n
+
+
+def learner_leases_prefix(learner_id: str) -> str:
+    """``learners/<id>/leases/``: one create-once lease per incarnation of the learner."""
+    return f"{learner_prefix(learner_id)}leases/"
+
+
+def learner_lease_key(learner_id: str, incarnation: int) -> str:
+    """``learners/<id>/leases/00000003.json`` (create-once)."""
+    return f"{learner_leases_prefix(learner_id)}{_incarnation(incarnation):08d}.json"
+
+
+def learner_heartbeats_prefix(learner_id: str) -> str:
+    return f"{learner_prefix(learner_id)}heartbeats/"
+
+
+def learner_heartbeat_key(learner_id: str, incarnation: int) -> str:
+    """``learners/<id>/heartbeats/00000003.json``: overwritten by incarnation 3 only, so a fenced
+    older copy never overwrites the newer one's heartbeat."""
+    return f"{learner_heartbeats_prefix(learner_id)}{_incarnation(incarnation):08d}.json"
+
+
+def sync_leases_prefix() -> str:
+    return f"{SYNC_PREFIX}leases/"
+
+
+def sync_lease_key(incarnation: int) -> str:
+    """``sync/leases/00000002.json``: the synchronizer's lease (create-once)."""
+    return f"{sync_leases_prefix()}{_incarnation(incarnation):08d}.json"
+
+
+def sync_heartbeats_prefix() -> str:
+    return f"{SYNC_PREFIX}heartbeats/"
+
+
+def sync_heartbeat_key(incarnation: int) -> str:
+    return f"{sync_heartbeats_prefix()}{_incarnation(incarnation):08d}.json"
+
+
+def parse_incarnation_key(name: str) -> int | None:
+    """Incarnation number from a lease or heartbeat key or file name; None for anything else."""
+    m = _COMMIT_RE.match(name.rsplit("/", 1)[-1])
+    if not m:
+        return None
+    n = int(m.group(1))
+    return n if 1 <= n <= MAX_INCARNATION else None

@@ -181,9 +181,14 @@ class ContributionRecord:
     created_at: float
     info: Mapping[str, Any] = field(default_factory=dict)
     """Learner's JSON-able extras (pool, loss, hostname ...); informational only."""
+    incarnation: int = 0
+    """The lease incarnation of the learner process that published it (0: no lease, as written
+    by the virtual driver, simulations and records older than leases). The synchronizer rejects
+    a contribution whose incarnation is below the learner's newest lease (``fenced``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "incarnation": self.incarnation,
             "learner_id": self.learner_id,
             "fragment": self.fragment,
             "base_version": self.base_version,
@@ -211,6 +216,7 @@ class ContributionRecord:
             tensors=tensors,
             created_at=_float(body, "created_at"),
             info=_dict(body, "info"),
+            incarnation=_int(body, "incarnation") if "incarnation" in body else 0,
         )
 
 

@@ -31,7 +31,9 @@ from atoll.runs.manage import RunInfo, open_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import GoodputTracker
 from atoll.storage.bucket import RunStore
+from atoll.storage.lifecycle import SYNCHRONIZER_HOLDER, Lease
 from atoll.tasks.learners import LearnerFleet
+from atoll.train.lifecycle import LeaseKeeper
 from atoll.train.run import make_evaluator
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
@@ -39,11 +41,15 @@ __all__ = ["RunContext"]
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
+STALL_TIMEOUT_S = 300.0
+"""The training-run process heartbeats only if some task asked for the synchronizer this recently."""
+
 
 class RunContext:
     """One run's live state in the training-run process (see the module docstring)."""
 
-    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync")
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync", "_lease",
+                 "_keeper")
 
     def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
         """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
@@ -61,6 +67,8 @@ class RunContext:
         self.progress_artifact_id: str | None = None
         self._evaluate: Evaluate | None = make_evaluator(self.store) if evaluate else None
         self._sync: Synchronizer | None = None
+        self._lease: Lease | None = None
+        self._keeper: LeaseKeeper | None = None
 
     def __repr__(self) -> str:
         return f"RunContext(run_id={self.run_id!r}, run_url={self.run_url!r})"
@@ -79,14 +87,39 @@ class RunContext:
         sync = self._sync
         if sync is None or (next_round is not None and sync.round != next_round - 1):
             sync = self.reload()
+        if self._keeper is not None:
+            self._keeper.tick(sync.round)  # every task asks for the synchronizer: this process makes progress
         return sync
 
     def reload(self) -> Synchronizer:
-        """Rebuild the synchronizer from the bucket's latest commit (after a failed round)."""
-        self._sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
-                                                                          device=self.options.merge_device),
-                                  evaluate=self._evaluate)
-        return self._sync
+        """Rebuild the synchronizer from the bucket's latest commit (after a failed round); it keeps
+        holding this process's synchronizer lease, if one was taken."""
+        sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
+                                                                    device=self.options.merge_device),
+                            evaluate=self._evaluate)
+        if self._lease is not None:
+            sync.hold_lease(lease=self._lease)
+        self._sync = sync
+        return sync
+
+    def hold_lease(self, flow_run_id: str | None = None) -> Lease:
+        """Take the run's next synchronizer lease (fencing any older training run of the run): from
+        now on every poll heartbeats in the bucket and checks the stop marker and the fence."""
+        self._lease = self.synchronizer().hold_lease(flow_run_id)
+        # Heartbeats also come from a background thread while the process makes progress (any task
+        # asking for the synchronizer within STALL_TIMEOUT_S): starting up, launching learners,
+        # merging or evaluating must not look like death to the supervisor. A frozen or killed
+        # process stops heartbeating at once; a hung one after STALL_TIMEOUT_S.
+        self._keeper = LeaseKeeper(self.store.sibling(), SYNCHRONIZER_HOLDER, self._lease, interval_s=5.0,
+                                   stall_timeout_s=STALL_TIMEOUT_S, log=lambda line: None)
+        self._keeper.start()
+        return self._lease
+
+    def release(self) -> None:
+        """Stop the background heartbeat (the training run is ending)."""
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
 
     @property
     def finished(self) -> bool:
@@ -95,9 +128,3 @@ class RunContext:
     @property
     def next_round(self) -> int:
         return self.synchronizer().round + 1
-
-    def last_seen_age_s(self) -> dict[str, float]:
-        """Seconds since the synchronizer first saw each learner's newest contribution."""
-        sync = self.synchronizer()
-        now = sync.clock()
-        return {lid: now - t for lid, t in sync.last_seen.items()}

@@ -1,12 +1,14 @@
 """Launching, watching and relaunching learner flow runs (the self-healing half of the training run).
 
-Each learner of a run is one long-lived flow run of the learner deployment of its work pool,
-tagged ``atoll-run:<run_id>`` and ``atoll-learner:<learner_id>``. :class:`LearnerFleet` is the thin
-Prefect side: it reads the learners' flow runs, turns each learner's newest one into a
-:class:`~atoll.runs.healing.LearnerObservation`, asks the pure policy
-(:func:`atoll.runs.healing.decide_learner`: adopt, launch, relaunch, leave alone, cancel a stale
-one, respect a person's cancel, adopt a learner running outside Prefect) and carries out the
-cancel and launch it decides. The policy's table is in :mod:`atoll.runs.healing`.
+Each learner of a run is one long-lived, **top-level** flow run of the learner deployment of its
+work pool (not a subflow: cancelling or finishing whatever launched it must not take it down),
+tagged ``atoll-run:<run_id>``, ``atoll-learner:<learner_id>`` and ``atoll-pool:<pool>``.
+:class:`LearnerFleet` is the thin Prefect side: it reads every learner flow run of the run (by
+flow name and run tag, all pages), joins each learner's newest one with the learner's liveness
+from the bucket (newest lease, heartbeat, exit), asks the pure policy
+(:func:`atoll.runs.healing.decide_learner`) and carries out the cancel and launch it decides.
+Alive means a fresh heartbeat in the bucket, never a Prefect state; a relaunched learner takes a
+newer lease, which fences any copy that is still around.
 
 Deadlines of rounds never depend on this: the synchronizer closes rounds on its own clock.
 """
@@ -21,14 +23,19 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 from prefect.client.schemas.objects import FlowRun
-from prefect.client.schemas.sorting import FlowRunSort
 from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
-from atoll.runs.healing import HealingAction, HealingPolicy, LearnerObservation, decide_learner
+from atoll.runs.healing import (
+    ATOLL_CANCEL_PREFIX,
+    HealingAction,
+    HealingPolicy,
+    LearnerObservation,
+    decide_learner,
+)
 from atoll.tasks.logs import task_logger
+from atoll.tasks.queries import LEARNER_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
 
 if TYPE_CHECKING:
     from atoll.tasks.context import RunContext
@@ -41,14 +48,13 @@ __all__ = [
     "learner_tag",
     "pool_tag",
     "learner_deployment_name",
+    "liveness_age_s",
     "watch_learners",
 ]
 
-LEARNER_FLOW_NAME = "atoll-learner"
-
 
 def run_tag(run_id: str) -> str:
-    return f"atoll-run:{run_id}"
+    return f"{RUN_TAG_PREFIX}{run_id}"
 
 
 def learner_tag(learner_id: str) -> str:
@@ -63,6 +69,16 @@ def learner_deployment_name(pool: str, deployments: Mapping[str, str] | None = N
     """``flow/deployment`` of the learner deployment for ``pool`` (default: ``atoll-learner/<pool>``)."""
     return (deployments or {}).get(pool) or f"{LEARNER_FLOW_NAME}/{pool}"
 
+
+
+def liveness_age_s(liveness: Any, now_unix: float) -> float | None:
+    """Seconds since the newest incarnation last showed life: its heartbeat, or, before its first
+    heartbeat, its lease (a lease taken a moment ago is a process starting, not a dead one)."""
+    age: float | None = liveness.heartbeat_age_s(now_unix)
+    lease = liveness.lease
+    if age is None and lease is not None:
+        age = max(0.0, now_unix - float(lease.started_at))
+    return age
 
 
 @dataclass
@@ -98,67 +114,74 @@ class LearnerFleet:
     launches: dict[str, int] = field(default_factory=dict)
     last_launch: dict[str, float] = field(default_factory=dict)
     history: list[LearnerAction] = field(default_factory=list)
-    cancelled_by_us: set[str] = field(default_factory=set)
 
     # -- Prefect queries -----------------------------------------------------------------------
     def flow_runs(self, client: Any) -> dict[str, list[FlowRun]]:
-        """Every learner flow run of this run, per learner, newest first."""
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(self.run_id)])),
-            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200,
-        )
+        """Every learner flow run of this run, per learner, newest first (all pages)."""
+        runs = read_flow_runs_paged(client, flow_names=[LEARNER_FLOW_NAME], tags=[run_tag(self.run_id)])
         out: dict[str, list[FlowRun]] = {s["learner_id"]: [] for s in self.learners}
-        for fr in runs:
+        for fr in runs:  # already newest first
             for t in fr.tags:
                 if t.startswith("atoll-learner:") and t.split(":", 1)[1] in out:
                     out[t.split(":", 1)[1]].append(fr)
-        for lst in out.values():
-            lst.sort(key=lambda fr: fr.created.timestamp() if fr.created else 0.0, reverse=True)
         return out
 
-    def launch(self, learner_id: str, pool: str) -> FlowRun:
+    def launch(self, learner_id: str, pool: str, *, after: FlowRun | None = None, incarnations: int = 0) -> FlowRun:
+        """Launch a flow run of the learner on its pool. ``after``: the newest flow run it replaces
+        (its id makes the launch idempotent: two training-run processes that both decide to replace
+        the same flow run create one new flow run between them); ``incarnations``: flow runs so far."""
         params = {"run_url": self.run_url, "learner_id": learner_id, **self.learner_parameters}
         if self.storage_options:
             params["storage_options"] = self.storage_options
         n = self.launches.get(learner_id, 0) + 1
         fr = run_deployment(
             learner_deployment_name(pool, self.deployments),
+            idempotency_key=f"atoll:{self.run_id}:{learner_id}:after:{after.id if after is not None else 'none'}",
             parameters=params,
             timeout=0,
             tags=[run_tag(self.run_id), learner_tag(learner_id), pool_tag(pool)],
-            flow_run_name=f"{learner_id}-{n}",
+            flow_run_name=f"{learner_id}-{max(n, incarnations + 1)}",
+            as_subflow=False,  # top level: outlives whatever launched it; `atoll stop` cancels it
         )
         self.launches[learner_id] = n
         self.last_launch[learner_id] = self.clock()
         return fr  # type: ignore[return-value]  # run_deployment is sync-compatible: a FlowRun here
 
-    def observe(self, learner_id: str, latest: FlowRun | None, *, last_seen_age_s: float | None,
-                finished: bool) -> LearnerObservation:
-        """The policy's view of one learner: its newest flow run, its silence, our launches."""
+    def observe(self, learner_id: str, latest: FlowRun | None, *, liveness: Any = None,
+                finished: bool = False, stopped: bool = False, now_unix: float | None = None) -> LearnerObservation:
+        """The policy's view of one learner: its newest flow run, its liveness in the bucket
+        (an ``atoll.storage`` ``Liveness``: newest lease and heartbeat), our launches."""
         state = latest.state.type.value if latest is not None and latest.state is not None else None
         running_for = None
         if latest is not None and state == "RUNNING" and latest.start_time is not None:
             running_for = time.time() - latest.start_time.timestamp()
+        message = (latest.state.message or "") if latest is not None and latest.state is not None else ""
+        lease = getattr(liveness, "lease", None)
+        holds = (latest is not None and lease is not None and lease.flow_run_id is not None
+                 and str(lease.flow_run_id) == str(latest.id))
         last = self.last_launch.get(learner_id)
         return LearnerObservation(
-            state=state, running_for_s=running_for, last_seen_age_s=last_seen_age_s,
-            cancelled_by_us=latest is not None and str(latest.id) in self.cancelled_by_us,
+            state=state, running_for_s=running_for,
+            cancelled_by_atoll=state in ("CANCELLED", "CANCELLING") and message.startswith(ATOLL_CANCEL_PREFIX),
+            heartbeat_age_s=None if liveness is None else liveness_age_s(liveness, now_unix or time.time()),
+            exited=None if liveness is None else liveness.exited_reason,
+            holds_lease=holds,
             launches=self.launches.get(learner_id, 0), since_launch_s=None if last is None else self.clock() - last,
-            finished=finished,
+            finished=finished, stopped=stopped,
         )
 
     # -- carrying out the policy ---------------------------------------------------------------
-    def reconcile(self, *, last_seen_age_s: Mapping[str, float] | None = None,
-                  finished: bool = False) -> list[LearnerAction]:
+    def reconcile(self, *, liveness: Mapping[str, Any] | None = None, finished: bool = False,
+                  stopped: bool = False) -> list[LearnerAction]:
         """Observe, decide (:func:`~atoll.runs.healing.decide_learner`) and act for each learner,
         sequentially (SQLite dislikes concurrent creates).
 
-        ``last_seen_age_s``: seconds since each learner's newest contribution was first seen (from the
-        synchronizer; absent = never seen by this process).
+        ``liveness``: each learner's ``Liveness`` from the bucket (absent: never leased).
         """
-        ages = dict(last_seen_age_s or {})
+        lives = dict(liveness or {})
         log = task_logger("atoll.learners")
         actions: list[LearnerAction] = []
+        now = time.time()
         with get_client(sync_client=True) as client:
             runs = self.flow_runs(client)
             for spec in self.learners:
@@ -166,15 +189,15 @@ class LearnerFleet:
                 mine = runs.get(lid, [])
                 latest = mine[0] if mine else None
                 sname = latest.state.name if latest is not None and latest.state is not None else None
-                decision = decide_learner(self.observe(lid, latest, last_seen_age_s=ages.get(lid), finished=finished),
-                                          self.policy)
+                decision = decide_learner(self.observe(lid, latest, liveness=lives.get(lid), finished=finished,
+                                                       stopped=stopped, now_unix=now), self.policy)
                 run_id, state = (str(latest.id), sname) if latest is not None else (None, None)
                 if decision.cancel and latest is not None:
                     log.warning(f"{lid}: flow run {latest.name}: {decision.reason}")
-                    self.cancelled_by_us.add(str(latest.id))
-                    client.set_flow_run_state(latest.id, Cancelling(message="atoll: stale learner"), force=True)
+                    client.set_flow_run_state(latest.id, Cancelling(message=f"{ATOLL_CANCEL_PREFIX} zombie learner"),
+                                              force=True)
                 if decision.launch:
-                    fr = self.launch(lid, pool)
+                    fr = self.launch(lid, pool, after=latest, incarnations=len(mine))
                     log.info(f"{lid}: launched flow run {fr.name} on pool {pool}: {decision.reason}")
                     run_id, state = str(fr.id), "Scheduled"
                 elif decision.action == HealingAction.WAITING:
@@ -190,4 +213,8 @@ def watch_learners(ctx: RunContext) -> list[dict[str, Any]]:
     if ctx.fleet is None:
         return []
     sync = ctx.synchronizer()
-    return [a.as_dict() for a in ctx.fleet.reconcile(last_seen_age_s=ctx.last_seen_age_s(), finished=sync.finished)]
+    store = ctx.store
+    liveness = {s["learner_id"]: store.learner_liveness(s["learner_id"]) for s in ctx.fleet.learners}
+    marker = store.stop_marker()
+    return [a.as_dict() for a in ctx.fleet.reconcile(liveness=liveness, finished=sync.finished,
+                                                     stopped=marker is not None and marker.stopped)]

@@ -26,11 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from atoll.storage.bucket import RunStore
 from atoll.train.device import resolve_device
-from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, _Fetcher
+from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, run_learner
 from atoll.train.run import load_recipe
 
 __all__ = ["island_device", "run_island", "free_port"]
@@ -73,15 +71,81 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+class _RankZeroLink:
+    """Rank 0's side of the island inside :func:`~atoll.train.learner.run_learner` (which takes the
+    lease, heartbeats, handles SIGTERM, publishes, polls, adopts and saves, as for any learner)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._versions: list[int] = []
+
+    def attach(self, learner: Learner) -> None:
+        # The other ranks build their learner only now, after rank 0 took the lease (an older copy
+        # is fenced and saves nothing more), so they load the inner state rank 0 loaded; they check.
+        dist.broadcast_object_list([(learner.step_count, learner.stream.state_dict(), list(learner.versions))], src=0)
+        _wrap_ddp(learner)  # DDP also broadcasts rank 0's weights
+        self._versions = list(learner.versions)
+
+    def before_step(self, learner: Learner) -> None:
+        adopted = [p for p, (v, seen) in enumerate(zip(learner.versions, self._versions, strict=True)) if v != seen]
+        self._versions = list(learner.versions)
+        _send(learner, adopted, stop=False)
+
+    def finish(self, learner: Learner) -> None:
+        try:
+            _send(learner, [], stop=True)
+        except Exception:  # noqa: BLE001 - a rank is gone already: spawn stops the others
+            pass
+
+
+def _wrap_ddp(learner: Learner) -> None:
+    ids = [learner.device.index] if learner.device.type == "cuda" else None
+    learner.forward_model = DistributedDataParallel(learner.model, device_ids=ids)
+
+
+def _send(learner: Learner, adopted: list[int], *, stop: bool) -> None:
+    """Rank 0 -> every rank: go or stop, the versions the lr schedule follows, and the fragments
+    rank 0 adopted since the last step (their tensors follow, in plan order)."""
+    dist.broadcast_object_list([(stop, adopted, list(learner.versions))], src=0)
+    _broadcast_fragments(learner, adopted)
+
+
+def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
+    with torch.no_grad():
+        for p in fragments:
+            for name in learner.plan.fragments[p]:
+                dist.broadcast(learner.params[name].data, src=0)
+
+
+def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
+            device: str) -> None:
+    """Ranks 1..N-1: the same learner without bucket I/O; each step as rank 0 says."""
+    ready: list[Any] = [None]
+    dist.broadcast_object_list(ready, src=0)  # rank 0 holds the lease and has built its learner
+    step, cursor, versions = ready[0]
+    learner = Learner(store, learner_id, log=lambda _: None, lockstep=False, device=device,
+                      autocast=options.autocast, rank=rank, world=world)
+    if learner.step_count != step or learner.stream.state_dict() != cursor:
+        raise RuntimeError(f"island rank {rank} loaded step {learner.step_count} but rank 0 is at step {step}: "
+                           "the learner's saved state changed while the island started; it is relaunched")
+    learner.versions = list(versions)
+    _wrap_ddp(learner)
+    while True:
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0)
+        stop, adopted, versions = msg[0]
+        _broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
+        if stop:
+            return
+        learner.versions = list(versions)  # the lr schedule follows the run's progress
+        learner.step()  # DDP: the gradients are averaged over the island's ranks
+
+
 def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] | None, learner_id: str,
                options: LearnerOptions, port: int, result_dir: str, parent_pid: int) -> None:
-    """One rank of the island (a spawned process)."""
+    """One rank of the island (a spawned process). Rank 0 handles SIGTERM (forwarded by the
+    launcher) like any learner: it finishes the step, saves, and the island stops with it."""
     _die_with_parent(parent_pid)
-    stop = {"flag": False}
-    if rank == 0:  # SIGTERM (forwarded by the launcher): stop after this step, save, exit cleanly
-        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
-    else:  # the other ranks follow rank 0's decision
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if options.threads:
         torch.set_num_threads(options.threads)
     store = RunStore.open(url, storage_options)
@@ -92,101 +156,16 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        summary = _island_loop(store, learner_id, options, rank=rank, world=world, device=device,
-                               should_stop=lambda: stop["flag"] or os.getppid() != parent_pid)
-        if rank == 0:
-            with open(os.path.join(result_dir, "summary.json"), "w") as f:
-                json.dump(dataclasses.asdict(summary), f)
+        if rank:
+            _follow(store, learner_id, options, rank=rank, world=world, device=device)
+            return
+        summary = run_learner(store, learner_id, options=dataclasses.replace(options, device=device),
+                              should_stop=lambda: os.getppid() != parent_pid, link=_RankZeroLink(world),
+                              log=lambda line: print(line, flush=True))
+        with open(os.path.join(result_dir, "summary.json"), "w") as f:
+            json.dump(dataclasses.asdict(summary), f)
     finally:
         dist.destroy_process_group()
-
-
-def _island_loop(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
-                 device: str, should_stop: Callable[[], bool] = lambda: False,
-                 log: Callable[[str], None] = print) -> LearnerSummary:
-    quiet: Callable[[str], None] = (lambda _: None) if rank else log
-    learner = Learner(store, learner_id, log=quiet, lockstep=options.lockstep, device=device,
-                      autocast=options.autocast, rank=rank, world=world,
-                      publish_in_background=options.publish_in_background and rank == 0)
-    ddp_devices = [learner.device.index] if learner.device.type == "cuda" else None
-    learner.forward_model = DistributedDataParallel(learner.model, device_ids=ddp_devices)
-    recipe = learner.recipe
-    plan = learner.plan
-    fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry,
-                       log=log) if rank == 0 else None
-    if fetcher is not None:
-        fetcher.start()
-
-    def decide() -> tuple[list[int], list[int], bool, str | None]:
-        """Rank 0: adopt what arrived, and whether the island stops (with an error to raise)."""
-        assert fetcher is not None
-        adopted: list[int] = []
-
-        def adopt_ready() -> None:
-            while True:
-                try:
-                    round_, fragment, tensors = fetcher.ready.get_nowait()
-                except queue.Empty:
-                    return
-                if learner.adopt(round_, fragment, tensors) and fragment not in adopted:
-                    adopted.append(fragment)
-
-        def finished() -> bool:
-            return fetcher.latest_round >= recipe.max_rounds
-
-        try:
-            fetcher.check()
-            adopt_ready()
-            while learner.waiting_for() is not None and not should_stop() and not finished():  # lock-step only
-                fetcher.check()
-                time.sleep(0.005)
-                adopt_ready()
-            if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
-                learner.save()
-            if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
-                log(learner.progress_line())
-        except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here
-            return adopted, learner.versions, True, repr(e)
-        stop = (should_stop() or finished()
-                or (options.max_steps is not None and learner.summary.steps >= options.max_steps))
-        return adopted, learner.versions, stop, None
-
-    error: BaseException | None = None
-    try:
-        while True:
-            learner.step()  # DDP: the gradients are averaged over the island's ranks
-            msg: list[Any] = [None]
-            if rank == 0:
-                try:
-                    msg = [decide()]
-                except BaseException as e:  # noqa: BLE001 - tell the other ranks, then raise
-                    error = e
-                    msg = [([], learner.versions, True, repr(e))]
-            dist.broadcast_object_list(msg, src=0)
-            adopted, versions, stop, failure = msg[0]
-            # Every rank takes rank 0's version of each adopted fragment (AdamW moments stay).
-            with torch.no_grad():
-                for p in adopted:
-                    for name in plan.fragments[p]:
-                        dist.broadcast(learner.params[name].data, src=0)  # same order on every rank
-            if rank:
-                learner.versions = list(versions)  # the lr schedule follows the run's progress
-            if failure is not None:
-                if error is not None:
-                    raise error
-                raise RuntimeError(f"island rank 0 failed: {failure}")
-            if stop:
-                break
-    finally:
-        if fetcher is not None:
-            fetcher.stop.set()
-            fetcher.join(timeout=5)
-    if rank == 0:
-        learner.save()
-        s = learner.summary
-        log(f"{learner_id}: island of {world} ranks stopped at step {learner.step_count} "
-            f"({s.published} published, {s.aligned} aligned)")
-    return learner.summary
 
 
 def run_island(store: RunStore, learner_id: str, *, options: LearnerOptions | None = None,

@@ -17,6 +17,13 @@ Read top to bottom, this is the whole of what a learner does:
 5. Every ``save_every_steps`` it saves its inner state for rejoin; it stops once the run has
    committed its last round.
 
+Its life in the bucket (:mod:`atoll.train.lifecycle`): :func:`run_learner` first takes the
+learner's next lease (fencing any older copy), then builds the learner (so it loads the state the
+old copy left), tags every contribution with its incarnation and heartbeats while the loop makes
+progress. It exits by itself when the run is finished or stopped (``sync/stop.json``), when no
+commit has appeared for ``orphan_timeout_s``, on SIGTERM (saving its state first), or, without
+saving anything, when a newer incarnation fenced it.
+
 Model, batches and AdamW state live on the learner's device (``LearnerSpec.device`` or the
 launch's ``device``; ``auto``: CUDA, then MPS, then CPU), optionally with a bf16 autocast of the
 forward pass; bases and deltas stay fp32, and each publish moves its delta to the host in one copy.
@@ -30,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,11 +49,12 @@ from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import check_autocast, fragment_to_device, fragment_to_host, resolve_device
+from atoll.train.lifecycle import LeaseKeeper, sigterm_flag
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
 
-__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "run_learner"]
+__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "STALLED_PUBLISHES", "publish_due", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +79,29 @@ class LearnerOptions:
     fetch_retry: RetryPolicy = FETCH_RETRY
     """Backoff and bound for failed polls of the run's commits (core.retry); then FetchError."""
 
+    flow_run_id: str | None = None
+    """The Prefect flow run running this learner, recorded in its lease (informational)."""
+
+    take_lease: bool = True
+    """Take the learner's next lease before starting (fencing older copies), tag contributions with
+    its incarnation and heartbeat. False: incarnation 0, no heartbeat, never fenced (tests, tools)."""
+
+    heartbeat_interval_s: float = 5.0
+    """How often the background keeper heartbeats and checks for a fence, the stop marker and the
+    orphan timeout."""
+
+    stall_timeout_s: float = 120.0
+    """Heartbeats stop once the training loop has made no progress (no step finished, no lock-step
+    wait polled) for this long, so a hung learner looks dead and is replaced."""
+
+    orphan_timeout_s: float | None = 900.0
+    """Exit (saving state) when no new commit has appeared for this long, counted from the start
+    or from the last new commit (the synchronizer is gone). None: never."""
+
+    handle_sigterm: bool = True
+    """On SIGTERM, finish the current step, save and exit (exit_reason "sigterm"). Installed only
+    when run_learner runs in the main thread; the previous handler is restored afterwards."""
+
     device: str | None = None
     """Where to train: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' (None: the recipe's LearnerSpec.device)."""
 
@@ -94,6 +125,12 @@ class LearnerSummary:
     started_from_round: int = 0
     resumed_inner_state: bool = False
     losses: list[float] = field(default_factory=list)
+    incarnation: int = 0
+    """The lease incarnation this process held (0: no lease)."""
+    exit_reason: str = ""
+    """Why run_learner returned: one of :data:`atoll.train.lifecycle.EXIT_REASONS`."""
+    exit_detail: str = ""
+    """The same, for people ("fenced by incarnation 4", "stopped by alice: ...")."""
 
 
 class _Publisher(threading.Thread):
@@ -117,8 +154,11 @@ class _Publisher(threading.Thread):
             try:
                 if job is None:
                     return
-                if self.failed is None:
-                    self.store.publish_contribution(*job[0], **job[1])
+                args, kwargs = job
+                guard = kwargs.pop("guard", None)
+                # The guard (the lease is still ours) is asked right before the write, as in the step.
+                if self.failed is None and (guard is None or guard()):
+                    self.store.publish_contribution(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by check()
                 self.failed = e
             finally:
@@ -136,6 +176,22 @@ class _Publisher(threading.Thread):
     def check(self) -> None:
         if self.failed is not None:
             raise self.failed
+
+
+class IslandLink(Protocol):
+    """What rank 0 of an island (:mod:`atoll.train.island`) adds to :func:`run_learner`'s loop."""
+
+    world: int
+    """Ranks of the island."""
+
+    def attach(self, learner: Learner) -> None:
+        """Once, after the learner is built (wraps its model for DDP)."""
+
+    def before_step(self, learner: Learner) -> None:
+        """Before every step: the other ranks learn to take it, with what rank 0 adopted since."""
+
+    def finish(self, learner: Learner) -> None:
+        """When the loop ends, for any reason: the other ranks stop."""
 
 
 class FetchError(RuntimeError):
@@ -229,6 +285,24 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
         }
 
 
+STALLED_PUBLISHES = 4
+"""Publishes of one fragment against one base version before a learner backs off (see publish_due)."""
+
+
+def publish_due(c_steps: int, inner_steps: int) -> bool:
+    """Whether a learner publishes the due fragment, ``c_steps`` steps after it last aligned it.
+
+    Each publish supersedes the previous one against the same base (counters are cumulative), so
+    while the synchronizer keeps up this is every sync interval (a fragment is merged within a
+    few). When the fragment's base has not moved for more than ``STALLED_PUBLISHES`` intervals
+    (the synchronizer is down, or far behind), the learner backs off to intervals 8, 16, 32, …:
+    a training run that is dead for an hour leaves a few dozen superseded objects per fragment
+    behind, not one per interval, and the restarted synchronizer does not have to read them all.
+    """
+    n = c_steps // max(1, inner_steps)
+    return n <= STALLED_PUBLISHES or (n & (n - 1)) == 0
+
+
 class Learner:
     """One learner's state and its three moves: :meth:`step`, :meth:`adopt` and :meth:`save`.
 
@@ -237,13 +311,18 @@ class Learner:
     """
 
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
-                 lockstep: bool | None = None, device: str | None = None, autocast: str | None = None,
-                 publish_in_background: bool = False, rank: int = 0, world: int = 1) -> None:
+                 lockstep: bool | None = None, incarnation: int = 0, device: str | None = None,
+                 autocast: str | None = None, publish_in_background: bool = False, rank: int = 0,
+                 world: int = 1) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
+        self.incarnation = incarnation
+        """The lease incarnation every contribution carries (0: no lease)."""
+        self.publish_guard: Callable[[], bool] | None = None
+        """Called right before each publish; False skips it (the learner was fenced)."""
         self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
         self.index, self.spec = self.recipe.learner(learner_id)
         self.lockstep = lockstep if lockstep is not None else self.config.min_quorum == self.config.num_learners
-        self.summary = LearnerSummary(learner_id=learner_id)
+        self.summary = LearnerSummary(learner_id=learner_id, incarnation=incarnation)
 
         # Where it trains: the launch's setting (flow parameter / LearnerOptions) or the recipe's.
         knob = "device (LearnerOptions.device, the learner flow's `device` parameter)" if device is not None else f"LearnerSpec.device of {learner_id}"
@@ -292,6 +371,8 @@ class Learner:
         if self.publisher is not None:
             self.publisher.start()
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
+        self.exit_reason = ""
+        self.exit_detail = ""
         self.model.train()
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
             f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
@@ -338,17 +419,22 @@ class Learner:
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
-        if p is not None and self.rank == 0 and self.counters.fragments[p].c_steps > 0:
+        if p is not None and self.rank == 0 and self.counters.fragments[p].c_steps > 0 and publish_due(
+                self.counters.fragments[p].c_steps, self.config.inner_steps):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives and reaches the host in one copy.
             delta = fragment_to_host(learner_delta(self.bases[p], self.plan.select(self.params, p)))
             info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
-            if self.publisher is not None:  # written in the background; the counters as of now
-                self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info)
+            if self.publisher is not None:  # written in the background (the guard is asked right before)
+                self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info,
+                                      incarnation=self.incarnation, guard=self.publish_guard)
+            elif self.publish_guard is None or self.publish_guard():
+                self.store.publish_contribution(self.learner_id, p, fc.base_version, fc, delta, info=info,
+                                                incarnation=self.incarnation)
             else:
-                self.store.publish_contribution(self.learner_id, p, fc.base_version, fc, delta, info=info)
+                return  # fenced: nothing published
             self.summary.published += 1
             if self.lockstep:
                 self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
@@ -408,15 +494,76 @@ def run_learner(
     options: LearnerOptions | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
+    link: IslandLink | None = None,
 ) -> LearnerSummary:
-    """Train as learner ``learner_id`` of the run in ``store`` until the run is finished."""
+    """Train as learner ``learner_id`` of the run in ``store`` until it is time to exit.
+
+    Takes the learner's next lease first (unless ``options.take_lease`` is False), then builds the
+    learner from the bucket. Returns a summary whose ``exit_reason`` says why it stopped:
+    "finished", "stopped", "orphaned", "sigterm", "max_steps", "should_stop" (inner state saved,
+    final heartbeat ``exited``) or "fenced" (a newer copy holds the lease: nothing saved, nothing
+    published after the fence was seen). Raises FetchError (and any other error) after a final
+    ``exited`` heartbeat naming it.
+    """
     options = options or LearnerOptions()
     if options.threads:
         torch.set_num_threads(options.threads)
-    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, device=options.device,
-                      autocast=options.autocast, publish_in_background=options.publish_in_background)
+    keepers: list[LeaseKeeper] = []
+    sigterm = threading.Event()
+
+    def on_sigterm() -> None:  # a signal handler: set flags, nothing else
+        sigterm.set()
+        for k in keepers:
+            k.request_exit("sigterm", "SIGTERM received")
+
+    # The handler goes in first: a SIGTERM while the lease is being taken is not lost either.
+    with sigterm_flag(on_sigterm, enabled=options.handle_sigterm):
+        lease = store.take_learner_lease(learner_id, flow_run_id=options.flow_run_id) if options.take_lease else None
+        if lease is not None:
+            store.write_heartbeat(lease, reason="starting")
+            log(f"{learner_id}: took lease incarnation {lease.incarnation} (pid {lease.pid} on {lease.host})")
+        keeper = LeaseKeeper(store.sibling(), learner_id, lease, interval_s=options.heartbeat_interval_s,
+                             stall_timeout_s=options.stall_timeout_s, orphan_timeout_s=options.orphan_timeout_s,
+                             log=log)
+        keepers.append(keeper)
+        if sigterm.is_set():
+            keeper.request_exit("sigterm", "SIGTERM received")
+        keeper.start()
+        try:
+            learner = _train(store, learner_id, options, keeper, should_stop, log,
+                             incarnation=lease.incarnation if lease is not None else 0, link=link)
+        except BaseException as e:
+            keeper.close()
+            keeper.final_heartbeat(f"error: {type(e).__name__}: {e}")
+            raise
+        keeper.close()
+        s = learner.summary
+        s.exit_reason, s.exit_detail = learner.exit_reason, learner.exit_detail
+        if s.exit_reason != "fenced" and keeper.still_current():
+            learner.save()
+        if keeper.fenced:  # seen at any point, even while saving: report it as the reason
+            s.exit_reason, s.exit_detail = "fenced", f"fenced by incarnation {keeper.fenced_by}"
+        keeper.final_heartbeat(s.exit_detail)
+    log(f"{learner_id}: exited ({s.exit_detail}) at step {learner.step_count} "
+        f"({s.published} published, {s.aligned} aligned)")
+    return s
+
+
+def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: LeaseKeeper,
+           should_stop: Callable[[], bool], log: Callable[[str], None], *, incarnation: int,
+           link: IslandLink | None = None) -> Learner:
+    """The training loop of :func:`run_learner`; sets ``learner.exit_reason``/``exit_detail``."""
+    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, incarnation=incarnation,
+                      device=options.device, autocast=options.autocast,
+                      publish_in_background=options.publish_in_background,
+                      world=link.world if link is not None else 1)
+    if link is not None:
+        link.attach(learner)
+    if keeper.lease is not None:
+        learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
     recipe = learner.recipe
     fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
+    keeper.latest_round = lambda: fetcher.latest_round
     fetcher.start()
 
     def run_finished() -> bool:
@@ -429,26 +576,48 @@ def run_learner(
             except queue.Empty:
                 return
 
+    def exit_now() -> str | None:
+        if keeper.exit_reason is not None:
+            return keeper.exit_reason
+        if should_stop():
+            return "should_stop"
+        if run_finished():
+            return "finished"
+        return None
+
+    reason: str | None = None
     try:
-        while not should_stop() and not run_finished():
+        while True:
+            keeper.tick(learner.step_count)
+            if (reason := exit_now()) is not None:
+                break
             fetcher.check()
             if options.max_steps is not None and learner.summary.steps >= options.max_steps:
+                reason = "max_steps"
                 break
+            if link is not None:  # an island's rank 0: the other ranks take this step too
+                link.before_step(learner)
             learner.step()
             adopt_ready()
             # Lock-step mode only: wait (tau steps after publishing) for the merged version.
-            while learner.waiting_for() is not None and not should_stop() and not run_finished():
+            while learner.waiting_for() is not None and exit_now() is None:
+                keeper.tick()
                 fetcher.check()
                 time.sleep(0.005)
                 adopt_ready()
-            if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
+            if (recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0
+                    and keeper.exit_reason != "fenced" and keeper.still_current()):
                 learner.save()
             if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
                 log(learner.progress_line())
     finally:
+        if link is not None:  # the other ranks stop with rank 0 (however this loop ends)
+            link.finish(learner)
         fetcher.stop.set()
         fetcher.join(timeout=5)
-    learner.save()
-    s = learner.summary
-    log(f"{learner_id}: stopped at step {learner.step_count} ({s.published} published, {s.aligned} aligned)")
-    return s
+    details = {"finished": f"finished: round {fetcher.latest_round} of {recipe.max_rounds} committed",
+               "max_steps": f"max_steps: {options.max_steps} steps done",
+               "should_stop": "should_stop: asked to stop by the caller"}
+    learner.exit_reason = reason
+    learner.exit_detail = keeper.exit_detail if reason == keeper.exit_reason else details[reason]
+    return learner

@@ -15,6 +15,17 @@ Counters are checked before anything else looks at a contribution (they decide i
 they are the learner's own numbers): more tokens than steps x batch x context from the recipe, or
 more steps than are possible since its base version (:func:`atoll.core.weights.max_steps_since`),
 is an ``impossible_counters`` rejection, and the record does not count as a sign of life.
+
+Fencing: a contribution whose ``incarnation`` is below its learner's newest lease is a
+``fenced`` rejection (a newer copy of that learner has started; the old copy's work is not
+merged, and it is no sign of life). The newest lease is read with one LIST per learner and round
+(again when a new record of that learner appears); learners that never took a lease (incarnation
+0: the virtual driver, simulations) are unaffected.
+
+Once it holds a lease (:meth:`Synchronizer.hold_lease`, which :func:`run_synchronizer` does),
+every :meth:`Synchronizer.poll` also heartbeats (at most every ``heartbeat_interval_s``) and
+raises :class:`~atoll.train.lifecycle.RunStopped` if the run's stop marker says stopped, or
+:class:`~atoll.train.lifecycle.Fenced` if a newer synchronizer took a lease.
 """
 
 from __future__ import annotations
@@ -38,9 +49,11 @@ from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, sy
 from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
 from atoll.storage.integrity import IntegrityError
+from atoll.storage.lifecycle import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.train.device import fragment_to_device, fragment_to_host, resolve_device
+from atoll.train.lifecycle import Fenced, RunStopped
 from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "merge_on_device", "run_synchronizer"]
@@ -66,6 +79,10 @@ class SynchronizerOptions:
     """Where merges and outer steps run: 'cpu' (default), 'auto', 'cuda', 'cuda:N', 'mps'. The
     synchronizer's state stays on the host; each round moves its inputs to this device and the
     new fragment and momentum back (one copy each). Outer-step math is fp32 on any device."""
+
+    heartbeat_interval_s: float = 5.0
+    """Once the synchronizer holds a lease: at most this often, a poll heartbeats and checks the
+    stop marker and for a newer synchronizer lease."""
 
 
 @dataclass
@@ -130,8 +147,59 @@ class Synchronizer:
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
+        self._listed: set[str] = set()  # contribution keys this round's polls have listed
         self.last_seen: dict[str, float] = {}
         self._rounds_closed = 0
+        self._incarnations: dict[str, tuple[int, int]] = {}  # learner -> (newest lease, round read)
+        self.lease: Lease | None = None
+        """The synchronizer lease this object holds (None: none; nothing lifecycle-related happens)."""
+        self._life_checked_at: float | None = None
+        self.heartbeat_errors = 0
+
+    # -- lease, heartbeat, stop ----------------------------------------------------------------
+    def hold_lease(self, flow_run_id: str | None = None, *, lease: Lease | None = None) -> Lease:
+        """Take the synchronizer's next lease (fencing older synchronizers), or keep holding
+        ``lease`` (one this process took before, e.g. when the synchronizer object is rebuilt
+        after a failed round). Writes a first heartbeat. From now on :meth:`poll` heartbeats and
+        raises RunStopped / Fenced."""
+        if lease is None:
+            lease = self.store.take_synchronizer_lease(flow_run_id=flow_run_id)
+        self.lease = lease
+        self._life_checked_at = None
+        self.check_lifecycle(force=True)
+        return lease
+
+    def check_lifecycle(self, *, force: bool = False) -> None:
+        """With a lease, at most every ``heartbeat_interval_s`` (always when ``force``): raise
+        RunStopped if the stop marker says stopped, Fenced if a newer synchronizer lease exists,
+        else heartbeat. Without a lease: nothing."""
+        lease = self.lease
+        if lease is None:
+            return
+        now = time.monotonic()
+        if (not force and self._life_checked_at is not None
+                and now - self._life_checked_at < self.options.heartbeat_interval_s):
+            return
+        self._life_checked_at = now
+        marker = self.store.stop_marker()
+        if marker is not None and marker.stopped:
+            raise RunStopped(marker, self.store.url)
+        newest = self.store.current_synchronizer_incarnation()
+        if newest > lease.incarnation:
+            raise Fenced(lease.holder, lease.incarnation, newest)
+        try:
+            self.store.write_heartbeat(lease, round=self.round)
+        except (TransientStorageError, OSError):  # a missed heartbeat is not a failed round
+            self.heartbeat_errors += 1
+
+    def exit_heartbeat(self, reason: str) -> None:
+        """Final ``status="exited"`` heartbeat (best effort; not after being fenced)."""
+        if self.lease is None:
+            return
+        try:
+            self.store.write_heartbeat(self.lease, status="exited", reason=reason, round=self.round)
+        except Exception:  # noqa: BLE001 - the process is exiting anyway
+            self.heartbeat_errors += 1
 
     # -- state -------------------------------------------------------------------------------
     def _load(self, round_: int) -> None:
@@ -202,12 +270,14 @@ class Synchronizer:
         Returns a :class:`RoundPoll` (``poll.decision.close`` says whether to :meth:`close` it now)
         or, if another synchronizer already committed this round, the adopted RoundSummary.
         """
+        self.check_lifecycle()
         r = self.round + 1
         p = self.fragment_of_round(r)
         now = self.clock()
         if self._opened is None or self._opened[0] != r:
             self._opened = (r, now)
             self._first_seen = {}
+            self._listed = set()
         opened_at = self._opened[1]
 
         # Someone else (a racing or previous incarnation) may have committed this round already.
@@ -227,8 +297,13 @@ class Synchronizer:
         listing = self.store.list_contributions(p, bases)
         candidates: dict[str, ContributionRecord] = {}
         rejected: dict[str, Rejection] = {k: v for k, v in listing.rejected.items() if k not in self.consumed}
-        for rec in listing.records:  # sorted by created_at: later ones supersede earlier ones
-            if rec.key in self.consumed:
+        fresh = [rec for rec in listing.records if rec.key not in self.consumed]
+        newest = self._newest_incarnations(fresh, r)
+        for rec in fresh:  # sorted by (base, steps): later ones supersede earlier ones
+            if rec.incarnation < newest.get(rec.learner_id, 0):
+                rejected[rec.key] = Rejection(
+                    RejectionKind.FENCED,
+                    f"incarnation {rec.incarnation} fenced by incarnation {newest[rec.learner_id]}")
                 continue
             why = self.check_counters(rec, r, now)
             if why is not None:
@@ -256,6 +331,29 @@ class Synchronizer:
             rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
         )
 
+    def _newest_incarnations(self, records: list[ContributionRecord], round_: int) -> dict[str, int]:
+        """Each listed learner's newest lease number: read (one LIST) at most once per learner and
+        poll, when not yet read this round or when one of its records is new; a record carrying a
+        higher incarnation raises it (only that learner's own records can, so a forged number
+        fences only the forger)."""
+        new = {rec.learner_id for rec in records if rec.key not in self._listed}
+        self._listed.update(rec.key for rec in records)
+        out: dict[str, int] = {}
+        for lid in sorted({rec.learner_id for rec in records}):
+            cached = self._incarnations.get(lid)
+            if cached is None or cached[1] != round_ or lid in new:
+                value = max(self.store.current_incarnation(lid), cached[0] if cached else 0)
+            else:
+                value = cached[0]
+            out[lid] = value
+        for rec in records:
+            out[rec.learner_id] = max(out[rec.learner_id], rec.incarnation)
+        for lid, value in out.items():
+            self._incarnations[lid] = (value, round_)
+        if len(self._incarnations) > 65536:  # bounded, like every other cache
+            self._incarnations = dict(list(self._incarnations.items())[-32768:])
+        return out
+
     def check_counters(self, rec: ContributionRecord, round_: int, now: float) -> Rejection | None:
         """IMPOSSIBLE_COUNTERS if ``rec`` claims more steps or tokens than a learner can have done."""
         elapsed = now - self._seen_at.get(rec.base_version, self._started_at)
@@ -281,6 +379,7 @@ class Synchronizer:
             raise ValueError(f"round {poll.round} is still open: {poll.decision.reason}")
         if poll.round != self.round + 1:
             raise ValueError(f"poll is for round {poll.round} but the next round is {self.round + 1}")
+        self.check_lifecycle()
         r, p = poll.round, poll.fragment
         rejected = dict(poll.rejected)
         result, opt = self._merge(p, poll.accepted, rejected)
@@ -522,34 +621,60 @@ def run_synchronizer(
     on_round: Callable[[RoundSummary], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
+    hold_lease: bool = True,
+    flow_run_id: str | None = None,
 ) -> int:
-    """Run rounds until the schedule's ``max_rounds`` is committed or ``should_stop()``; returns the last round.
+    """Run rounds until the schedule's ``max_rounds`` is committed, ``should_stop()``, the run's
+    stop marker says stopped, or a newer synchronizer fenced this one; returns the last round.
 
-    Sleeps on atoll's own clock between polls (never longer than the decision's recheck time).
+    ``hold_lease``: take the synchronizer's next lease first and heartbeat (see
+    :meth:`Synchronizer.hold_lease`). Sleeps on atoll's own clock between polls (never longer
+    than the decision's recheck time).
     """
     sync = Synchronizer(store, options=options, evaluate=evaluate)
     log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
-    failures = 0
-    while not sync.finished and not should_stop():
-        try:
-            out = sync.tick()
-            failures = 0
-        except (RoundOrderError, InvalidInput, TransientStorageError) as e:
-            # Storage said no (bad data never raises here: it becomes a recorded rejection).
-            # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
-            # and whoever runs it restarts it from the bucket.
-            failures += 1
-            if ROUND_RETRY.exhausted(failures):
-                raise
-            log(f"synchronizer: round {sync.round + 1}: {e}; retry {failures} of {ROUND_RETRY.attempts - 1}")
-            time.sleep(ROUND_RETRY.delay_s(failures - 1))
-            sync = Synchronizer(store, options=sync.options, evaluate=evaluate, clock=sync.clock)
-            continue
-        if isinstance(out, RoundSummary):
-            log(out.line())
-            if on_round is not None:
-                on_round(out)
-            continue
-        wait = (out.recheck_at_s or 0) - sync.clock()
-        time.sleep(min(max(wait, 0.005), sync.options.poll_interval_s))
+    lease: Lease | None = None
+    reason = "finished"
+    try:
+        if hold_lease:
+            lease = sync.hold_lease(flow_run_id)
+            log(f"synchronizer: took lease incarnation {lease.incarnation}")
+        failures = 0
+        while not sync.finished:
+            if should_stop():
+                reason = "should_stop"
+                break
+            try:
+                out = sync.tick()
+                failures = 0
+            except (RoundOrderError, InvalidInput, TransientStorageError) as e:
+                # Storage said no (bad data never raises here: it becomes a recorded rejection).
+                # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
+                # and whoever runs it restarts it from the bucket.
+                failures += 1
+                if ROUND_RETRY.exhausted(failures):
+                    raise
+                log(f"synchronizer: round {sync.round + 1}: {e}; retry {failures} of {ROUND_RETRY.attempts - 1}")
+                time.sleep(ROUND_RETRY.delay_s(failures - 1))
+                sync = Synchronizer(store, options=sync.options, evaluate=evaluate, clock=sync.clock)
+                if lease is not None:
+                    sync.hold_lease(lease=lease)
+                continue
+            if isinstance(out, RoundSummary):
+                log(out.line())
+                if on_round is not None:
+                    on_round(out)
+                continue
+            wait = (out.recheck_at_s or 0) - sync.clock()
+            time.sleep(min(max(wait, 0.005), sync.options.poll_interval_s))
+    except RunStopped as e:
+        log(f"synchronizer: {e}")
+        reason = f"stopped: {e.marker.reason}"
+    except Fenced as e:
+        log(f"synchronizer: {e}; exiting")
+        return sync.round  # the newer synchronizer owns sync/ now: write nothing more
+    except BaseException as e:
+        sync.exit_heartbeat(f"error: {type(e).__name__}: {e}")
+        raise
+    sync.exit_heartbeat(reason)
     return sync.round

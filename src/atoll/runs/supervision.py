@@ -1,0 +1,147 @@
+"""The training-run supervision policy: what to do about one run's training-run flow run, as a pure
+function of what was observed (Prefect's view and the bucket's view), with a reason.
+
+The supervisor (``atoll.flows.supervisor``) looks at every recent run every few seconds. For each
+it observes the newest training-run flow run (its state, how long it has run, whether atoll
+cancelled it) and the bucket (finished? stopped? the synchronizer's newest lease and heartbeat),
+then :func:`decide_training_run` says:
+
+=======================  ======================================================================
+action                   when
+=======================  ======================================================================
+``finished``             the bucket has the run's last round: nothing to do
+``stopped``              the bucket marks the run stopped (``atoll stop``): nothing is launched
+``healthy``              Running, and its synchronizer heartbeats
+``starting``             Scheduled / Pending / Running without a lease yet, within the grace
+``zombie-relaunched``    Running in Prefect but its synchronizer's heartbeat is stale (or it
+                         took no lease within ``startup_grace_s``): mark it crashed, relaunch
+``relaunched``           it crashed, failed or completed short of the last round: relaunch
+                         (the new one resumes from the bucket's last committed round)
+``stop-requested``       a person cancelled it (Cancel in the UI): the supervisor finishes the
+                         stop — marks the run stopped in the bucket and cancels its learners
+``waiting``              a relaunch is due but held: back-off, or ``max_relaunches`` in the window
+=======================  ======================================================================
+
+Why a supervisor and not only a Prefect automation: Prefect's state is not liveness (a flow run
+whose process died with its worker stays Running), an automation's action cannot read the bucket
+(finished? stopped? heartbeating?), and relaunching needs the crashed run's own parameters. The
+supervisor reads both, keeps no state of its own (launch counts come from Prefect), so any number
+of its short-lived flow runs can come and go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["SupervisionAction", "SupervisionPolicy", "TrainingRunObservation", "SupervisionDecision",
+           "decide_training_run"]
+
+
+class SupervisionAction(StrEnum):
+    FINISHED = "finished"
+    STOPPED = "stopped"
+    HEALTHY = "healthy"
+    STARTING = "starting"
+    ZOMBIE_RELAUNCHED = "zombie-relaunched"
+    RELAUNCHED = "relaunched"
+    STOP_REQUESTED = "stop-requested"
+    WAITING = "waiting"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisionPolicy:
+    """Knobs of :func:`decide_training_run`."""
+
+    heartbeat_timeout_s: float = 60.0
+    """A synchronizer whose newest heartbeat is older than this is not alive. It heartbeats while it
+    polls an open round (every poll, throttled to a few seconds); merging a huge fragment or
+    evaluating must take less than this."""
+
+    startup_grace_s: float = 300.0
+    """A Running training run with no lease after this long is a zombie."""
+
+    relaunch_backoff_s: float = 10.0
+    """Least time between the newest training-run flow run's creation and a relaunch."""
+
+    max_relaunches: int = 10
+    """Most relaunches of one run within ``window_s`` (a run that keeps failing needs a person)."""
+
+    window_s: float = 3600.0
+    """The window ``max_relaunches`` counts over."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRunObservation:
+    state: str | None
+    """State type of the run's newest training-run flow run (``"RUNNING"`` …)."""
+
+    running_for_s: float | None = None
+    since_created_s: float | None = None
+    cancelled_by_atoll: bool = False
+    finished: bool = False
+    stopped: bool = False
+    heartbeat_age_s: float | None = None
+    """Age of the synchronizer's newest heartbeat in the bucket; None: never leased."""
+    exited: str | None = None
+    holds_lease: bool = False
+    """The newest flow run holds the synchronizer's newest lease."""
+    recent_relaunches: int = 0
+    """Relaunches by the supervisor within the policy's window."""
+
+
+@dataclass(frozen=True)
+class SupervisionDecision:
+    action: SupervisionAction
+    reason: str
+    crash: bool = False
+    """Mark the newest flow run Crashed (a zombie) before relaunching."""
+    launch: bool = False
+    stop: bool = False
+    """Mark the run stopped in the bucket and cancel its learner flow runs."""
+
+
+def _refused(obs: TrainingRunObservation, policy: SupervisionPolicy) -> str | None:
+    if obs.recent_relaunches >= policy.max_relaunches:
+        return (f"{obs.recent_relaunches} relaunches in the last {policy.window_s:.0f}s "
+                f"(max_relaunches {policy.max_relaunches}): it needs a person")
+    if obs.since_created_s is not None and obs.since_created_s < policy.relaunch_backoff_s:
+        return f"back-off: its newest flow run is {obs.since_created_s:.0f}s old"
+    return None
+
+
+def _relaunch(obs: TrainingRunObservation, policy: SupervisionPolicy, why: str, *,
+              zombie: bool = False) -> SupervisionDecision:
+    refused = _refused(obs, policy)
+    if refused:
+        return SupervisionDecision(SupervisionAction.WAITING, f"{why}; relaunch held: {refused}", crash=zombie)
+    action = SupervisionAction.ZOMBIE_RELAUNCHED if zombie else SupervisionAction.RELAUNCHED
+    return SupervisionDecision(action, f"{why}; relaunched from the bucket", crash=zombie, launch=True)
+
+
+def decide_training_run(obs: TrainingRunObservation, policy: SupervisionPolicy) -> SupervisionDecision:
+    """What to do about one run's training-run flow run, and why. Pure."""
+    if obs.finished:
+        return SupervisionDecision(SupervisionAction.FINISHED, "the run has committed its last round")
+    if obs.stopped:
+        return SupervisionDecision(SupervisionAction.STOPPED, "the run is marked stopped in the bucket")
+    alive = obs.exited is None and obs.heartbeat_age_s is not None and obs.heartbeat_age_s < policy.heartbeat_timeout_s
+    beat = "no heartbeat" if obs.heartbeat_age_s is None else f"heartbeat {obs.heartbeat_age_s:.0f}s old"
+    if obs.state == "RUNNING":
+        if obs.holds_lease:
+            if alive:
+                return SupervisionDecision(SupervisionAction.HEALTHY, f"running ({beat})")
+            return _relaunch(obs, policy, f"Running in Prefect but its synchronizer is not alive ({beat}, "
+                                          f"heartbeat_timeout_s {policy.heartbeat_timeout_s:g})", zombie=True)
+        if obs.running_for_s is None or obs.running_for_s < policy.startup_grace_s:
+            return SupervisionDecision(SupervisionAction.STARTING, "running, no lease yet")
+        return _relaunch(obs, policy, f"Running for {obs.running_for_s:.0f}s without a lease "
+                                      f"(startup_grace_s {policy.startup_grace_s:g})", zombie=True)
+    if obs.state in ("SCHEDULED", "PENDING", "PAUSED", "CANCELLING", None):
+        return SupervisionDecision(SupervisionAction.STARTING, f"its flow run is {(obs.state or 'unknown').lower()}")
+    if obs.state == "CANCELLED" and not obs.cancelled_by_atoll:
+        return SupervisionDecision(SupervisionAction.STOP_REQUESTED,
+                                   "a person cancelled the training run: the run is stopped and its learners cancelled",
+                                   stop=True)
+    why = "atoll cancelled it" if obs.state == "CANCELLED" else f"its flow run is {obs.state.lower()}"
+    return _relaunch(obs, policy, f"{why} at a round short of the last")

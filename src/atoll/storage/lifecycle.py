@@ -1,0 +1,389 @@
+"""Liveness in the bucket: leases, heartbeats and the stop marker (docs/protocol.md, "Leases,
+heartbeats and stop").
+
+* A **lease** is a create-once record ``learners/<id>/leases/<n>.json`` (the synchronizer's:
+  ``sync/leases/<n>.json``). Whoever starts a learner process takes the next incarnation ``n``
+  (list the prefix, create ``max + 1``; on a lost race try the next number). The newest lease
+  *fences* every older one: an older incarnation that sees it exits without writing anything
+  the newer one owns, and the synchronizer rejects contributions that carry an older number.
+* A **heartbeat** ``learners/<id>/heartbeats/<n>.json`` (``sync/heartbeats/<n>.json``) is
+  overwritten by incarnation ``n`` every few seconds while it makes progress, and a last time
+  with ``status="exited"`` and a reason when it exits cleanly. One key per incarnation, so a
+  fenced copy can never overwrite the newer one's. Alive means a fresh heartbeat of the newest
+  lease, never a Prefect state. Ages use the writer's wall clock (hosts are assumed to run NTP:
+  clocks within a few seconds).
+* The **stop marker** ``sync/stop.json`` (overwritten) says whether the run was stopped by a
+  person (``atoll stop``); learners and the synchronizer exit when they see ``stopped: true``.
+
+Everything here is read with a GET cap; an unparseable, oversized or misplaced object is
+ignored and the reason reported (:attr:`Liveness.problems`), never raised: no object a learner
+can write may stop the synchronizer. A learner can only harm itself by forging its own leases
+(the newest lease number is what counts, whatever its content).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from atoll.core.rejection import MAX_DETAIL_CHARS
+from atoll.storage import paths
+from atoll.storage.codec import dump_record, load_record
+from atoll.storage.store import ObjectStore
+from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError, validate_id
+
+__all__ = [
+    "KIND_LEASE",
+    "KIND_HEARTBEAT",
+    "KIND_STOP",
+    "SYNCHRONIZER_HOLDER",
+    "HEARTBEAT_STATUSES",
+    "MAX_LIFECYCLE_RECORD_BYTES",
+    "LEASE_ATTEMPTS",
+    "Lease",
+    "Heartbeat",
+    "Liveness",
+    "StopMarker",
+    "LeaseError",
+    "take_lease",
+    "write_heartbeat",
+    "read_liveness",
+    "newest_incarnation",
+    "write_stop_marker",
+    "read_stop_marker",
+    "FAULT_HOLD_ENV",
+    "FAULT_SIGNAL_DIR_ENV",
+    "fault_hold_before_commit",
+]
+
+FAULT_HOLD_ENV = "ATOLL_FAULT_HOLD_BEFORE_COMMIT_S"
+FAULT_SIGNAL_DIR_ENV = "ATOLL_FAULT_SIGNAL_DIR"
+
+KIND_LEASE = "atoll/lease"
+KIND_HEARTBEAT = "atoll/heartbeat"
+KIND_STOP = "atoll/stop"
+
+SYNCHRONIZER_HOLDER = "synchronizer"
+"""The holder name of the synchronizer's leases."""
+
+HEARTBEAT_STATUSES = ("alive", "exited")
+
+MAX_LIFECYCLE_RECORD_BYTES = 64 << 10
+"""GET cap of a lease, heartbeat or stop record (they are a few hundred bytes)."""
+
+LEASE_ATTEMPTS = 64
+"""How many incarnation numbers one :func:`take_lease` tries before it gives up (each lost race
+re-lists the prefix and moves past the newest lease it sees)."""
+
+
+class LeaseError(StorageError):
+    """No lease could be taken (too many racing takers, or the incarnation numbers ran out)."""
+
+
+def _reason(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "..."
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvalidInput("schema", what)
+
+
+def _get_int(body: Mapping[str, Any], name: str, *, optional: bool = False) -> int | None:
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53):
+        raise InvalidInput("schema", f"{name} must be an integer in [0, 2**53], got {v!r}"[:200])
+    return int(v)
+
+
+def _get_float(body: Mapping[str, Any], name: str) -> float:
+    v = body.get(name)
+    if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)):
+        raise InvalidInput("schema", f"{name} must be a finite number, got {v!r}"[:200])
+    return float(v)
+
+
+def _get_str(body: Mapping[str, Any], name: str, *, optional: bool = False, limit: int = 1024) -> str | None:
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    _need(isinstance(v, str) and len(v) <= limit, f"{name} must be a string of at most {limit} characters")
+    return str(v)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One incarnation of a learner (``holder`` = its id) or of the synchronizer
+    (``holder == "synchronizer"``)."""
+
+    holder: str
+    incarnation: int
+    started_at: float
+    """Unix time (the taker's clock) when the lease was taken."""
+    host: str
+    pid: int
+    flow_run_id: str | None = None
+    """The Prefect flow run that runs this incarnation, if any (informational)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"holder": self.holder, "incarnation": self.incarnation, "started_at": self.started_at,
+                "host": self.host, "pid": self.pid, "flow_run_id": self.flow_run_id}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Lease:
+        incarnation = _get_int(body, "incarnation")
+        assert incarnation is not None
+        return cls(holder=str(_get_str(body, "holder", limit=128)), incarnation=incarnation,
+                   started_at=_get_float(body, "started_at"), host=str(_get_str(body, "host")),
+                   pid=int(_get_int(body, "pid") or 0), flow_run_id=_get_str(body, "flow_run_id", optional=True))
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The last sign of life of one incarnation."""
+
+    incarnation: int
+    time: float
+    """Unix time (the writer's clock) of this heartbeat."""
+    status: str
+    """``"alive"`` or ``"exited"`` (the incarnation exited cleanly; ``reason`` says why)."""
+    reason: str = ""
+    step: int | None = None
+    """The learner's local step (None for the synchronizer)."""
+    round: int | None = None
+    """The newest committed round the writer had seen."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "time": self.time, "status": self.status,
+                "reason": self.reason, "step": self.step, "round": self.round}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Heartbeat:
+        status = _get_str(body, "status", limit=16)
+        _need(status in HEARTBEAT_STATUSES, f"status must be one of {HEARTBEAT_STATUSES}, got {status!r}")
+        incarnation = _get_int(body, "incarnation")
+        assert incarnation is not None and status is not None
+        return cls(incarnation=incarnation, time=_get_float(body, "time"), status=status,
+                   reason=str(_get_str(body, "reason", limit=4 * MAX_DETAIL_CHARS)),
+                   step=_get_int(body, "step", optional=True), round=_get_int(body, "round", optional=True))
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What the bucket says about the newest incarnation of a learner or of the synchronizer."""
+
+    lease: Lease | None
+    """The newest lease (None: never leased, or its record is unusable: see ``problems``)."""
+    heartbeat: Heartbeat | None
+    """That lease's heartbeat (None: none written yet, or unusable)."""
+    problems: tuple[str, ...] = ()
+    """Objects that were ignored, and why (corrupt, oversized, misplaced)."""
+    newest: int = 0
+    """The newest lease number in the bucket, whatever its content (what fences older copies)."""
+
+    @property
+    def incarnation(self) -> int:
+        """The newest lease's incarnation; 0 when there is no (usable) lease."""
+        return self.lease.incarnation if self.lease is not None else 0
+
+    def heartbeat_age_s(self, now: float) -> float | None:
+        """Seconds since the heartbeat (``now`` is Unix wall time; clocks are assumed within a
+        few seconds of each other); None when there is no heartbeat. Never negative."""
+        if self.heartbeat is None:
+            return None
+        return max(0.0, now - self.heartbeat.time)
+
+    @property
+    def exited_reason(self) -> str | None:
+        """Why the newest incarnation exited cleanly, or None if it has not (or never said)."""
+        hb = self.heartbeat
+        return hb.reason if hb is not None and hb.status == "exited" else None
+
+    def is_alive(self, now: float, stale_after_s: float) -> bool:
+        """A usable lease whose heartbeat says alive and is at most ``stale_after_s`` old."""
+        age = self.heartbeat_age_s(now)
+        return (self.lease is not None and self.heartbeat is not None and self.heartbeat.status == "alive"
+                and age is not None and age <= stale_after_s)
+
+
+@dataclass(frozen=True)
+class StopMarker:
+    """``sync/stop.json``: ``stopped`` False means running (the marker was cleared)."""
+
+    stopped: bool
+    reason: str
+    by: str
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stopped": self.stopped, "reason": self.reason, "by": self.by, "time": self.time}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> StopMarker:
+        stopped = body.get("stopped")
+        _need(isinstance(stopped, bool), "stopped must be a boolean")
+        return cls(stopped=bool(stopped), reason=str(_get_str(body, "reason", limit=4 * MAX_DETAIL_CHARS)),
+                   by=str(_get_str(body, "by")), time=_get_float(body, "time"))
+
+
+# -- keys per holder ---------------------------------------------------------------------------
+def _keys(holder: str) -> tuple[str, Callable[[int], str], Callable[[int], str]]:
+    """(leases prefix, lease key, heartbeat key) of a learner id or the synchronizer."""
+    if holder == SYNCHRONIZER_HOLDER:
+        return paths.sync_leases_prefix(), paths.sync_lease_key, paths.sync_heartbeat_key
+    validate_id(holder, "learner id")
+    return (paths.learner_leases_prefix(holder), lambda n: paths.learner_lease_key(holder, n),
+            lambda n: paths.learner_heartbeat_key(holder, n))
+
+
+def _numbers(store: ObjectStore, prefix: str) -> list[int]:
+    return sorted(n for name in store.list(prefix) if (n := paths.parse_incarnation_key(name)) is not None)
+
+
+def newest_incarnation(store: ObjectStore, holder: str) -> int:
+    """The newest lease number of ``holder`` (one LIST, cache invalidated); 0 = never leased.
+
+    Decided by the keys alone: a lease object whose content is unusable still fences older ones.
+    """
+    prefix, _, _ = _keys(holder)
+    found = _numbers(store, prefix)
+    return found[-1] if found else 0
+
+
+def take_lease(store: ObjectStore, holder: str, *, flow_run_id: str | None = None,
+               clock: Callable[[], float] = time.time) -> Lease:
+    """Take the next incarnation of ``holder`` (create-once), fencing every older one."""
+    prefix, lease_key, _ = _keys(holder)
+    host, pid = socket.gethostname()[:255], os.getpid()
+    found = _numbers(store, prefix)
+    n = (found[-1] if found else 0) + 1
+    for _ in range(LEASE_ATTEMPTS):
+        if n > paths.MAX_INCARNATION:
+            break
+        lease = Lease(holder=holder, incarnation=n, started_at=clock(), host=host, pid=pid, flow_run_id=flow_run_id)
+        if store.create(lease_key(n), dump_record(KIND_LEASE, lease.to_dict())):
+            return lease
+        found = _numbers(store, prefix)  # lost a race: move past the newest lease we can see
+        n = max(n + 1, (found[-1] if found else 0) + 1)
+    raise LeaseError(f"could not take a lease for {holder!r} at {store.key_url(prefix)}: "
+                     f"{LEASE_ATTEMPTS} attempts lost to other takers, or incarnation {paths.MAX_INCARNATION} "
+                     f"reached (a lease numbered that high was forged; start a new run)")
+
+
+def write_heartbeat(store: ObjectStore, lease: Lease, *, status: str = "alive", reason: str = "",
+                    step: int | None = None, round: int | None = None,
+                    clock: Callable[[], float] = time.time) -> Heartbeat:
+    """Overwrite the heartbeat of ``lease``'s incarnation (only that incarnation writes it)."""
+    if status not in HEARTBEAT_STATUSES:
+        raise ValueError(f"status must be one of {HEARTBEAT_STATUSES}, got {status!r}")
+    _, _, heartbeat_key = _keys(lease.holder)
+    hb = Heartbeat(incarnation=lease.incarnation, time=clock(), status=status, reason=_reason(reason),
+                   step=step, round=round)
+    store.put(heartbeat_key(lease.incarnation), dump_record(KIND_HEARTBEAT, {"holder": lease.holder, **hb.to_dict()}))
+    return hb
+
+
+def _read(store: ObjectStore, key: str, kind: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(body, None), (None, None) if absent, or (None, why) if the object is unusable."""
+    url = store.key_url(key)
+    try:
+        data = store.get_or_none(key, max_bytes=MAX_LIFECYCLE_RECORD_BYTES)
+    except TransientStorageError:
+        raise  # the store is unwell, not this object
+    except Exception as e:  # noqa: BLE001 - a folder or a FIFO where a record belongs
+        return None, f"{url}: cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    if data is None:
+        return None, None
+    if len(data) > MAX_LIFECYCLE_RECORD_BYTES:
+        return None, f"{url}: oversize (larger than {MAX_LIFECYCLE_RECORD_BYTES} bytes)"
+    try:
+        return load_record(data, kind, url=url), None
+    except InvalidInput as e:
+        return None, f"{url}: {e.kind.value}: {e.reason[:300]}"
+
+
+def read_liveness(store: ObjectStore, holder: str) -> Liveness:
+    """The newest lease of ``holder`` and its heartbeat (one LIST, two GETs)."""
+    prefix, lease_key, heartbeat_key = _keys(holder)
+    n = newest_incarnation(store, holder)
+    if n == 0:
+        return Liveness(None, None)
+    problems: list[str] = []
+    lease: Lease | None = None
+    body, why = _read(store, lease_key(n), KIND_LEASE)
+    if why:
+        problems.append(why)
+    elif body is None:
+        problems.append(f"{store.key_url(lease_key(n))}: listed but gone")
+    else:
+        try:
+            lease = Lease.from_body(body)
+            _need(lease.holder == holder and lease.incarnation == n,
+                  f"lease of {lease.holder!r} incarnation {lease.incarnation} sits at incarnation {n} of {holder!r}")
+        except InvalidInput as e:
+            lease = None
+            problems.append(f"{store.key_url(lease_key(n))}: {e.kind.value}: {e.reason[:300]}")
+    heartbeat: Heartbeat | None = None
+    body, why = _read(store, heartbeat_key(n), KIND_HEARTBEAT)
+    if why:
+        problems.append(why)
+    elif body is not None:
+        try:
+            heartbeat = Heartbeat.from_body(body)
+            _need(heartbeat.incarnation == n and body.get("holder", holder) == holder,
+                  f"heartbeat of incarnation {heartbeat.incarnation} sits at incarnation {n}")
+        except InvalidInput as e:
+            heartbeat = None
+            problems.append(f"{store.key_url(heartbeat_key(n))}: {e.kind.value}: {e.reason[:300]}")
+    return Liveness(lease, heartbeat, tuple(problems), newest=n)
+
+
+def write_stop_marker(store: ObjectStore, *, stopped: bool, reason: str, by: str,
+                      clock: Callable[[], float] = time.time) -> StopMarker:
+    marker = StopMarker(stopped=stopped, reason=_reason(reason), by=by[:1024], time=clock())
+    store.put(paths.STOP, dump_record(KIND_STOP, marker.to_dict()))
+    return marker
+
+
+def read_stop_marker(store: ObjectStore) -> tuple[StopMarker | None, str | None]:
+    """(marker or None if absent, why it was ignored if unusable)."""
+    body, why = _read(store, paths.STOP, KIND_STOP)
+    if body is None:
+        return None, why
+    try:
+        return StopMarker.from_body(body), None
+    except InvalidInput as e:
+        return None, f"{store.key_url(paths.STOP)}: {e.kind.value}: {e.reason[:300]}"
+
+
+def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Fault injection for chaos tests only (never set these in production).
+
+    If ``$ATOLL_FAULT_HOLD_BEFORE_COMMIT_S`` (seconds, a float) and ``$ATOLL_FAULT_SIGNAL_DIR`` (a
+    directory) are both set, :meth:`RunStore.commit_round <atoll.storage.bucket.RunStore.commit_round>`
+    calls this after the round's payload blobs are written and before its commit record is
+    created: it creates ``<dir>/payloads-written-<round:08d>`` (holding the pid) and sleeps that
+    long, so a test can SIGKILL the synchronizer between a round's payload writes and its commit.
+    Returns whether it held.
+    """
+    hold, folder = os.environ.get(FAULT_HOLD_ENV), os.environ.get(FAULT_SIGNAL_DIR_ENV)
+    if not hold or not folder:
+        return False
+    try:
+        seconds = float(hold)
+    except ValueError:
+        return False
+    if not math.isfinite(seconds) or seconds < 0:
+        return False
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"payloads-written-{round_:08d}"), "w") as f:
+        f.write(str(os.getpid()))
+    sleep(seconds)
+    return True

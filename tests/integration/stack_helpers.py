@@ -1,0 +1,77 @@
+"""Helpers for the real-stack tests (tests/integration/test_chaos.py): waiting, flow-run lookups
+(by flow name and run tag, every page), finding processes by their marker, the stack's logs."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atoll.storage.codec import load_record
+from atoll.storage.records import KIND_CONTRIBUTION
+from atoll.tasks.learners import run_tag
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+POOLS = ("cpu-fast", "cpu-slow")
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def flow_runs(client: Any, run_id: str, flow_name: str, *extra_tags: str) -> list[Any]:
+    """Every flow run of ``flow_name`` of the run (all pages: a plain read stops at 200 rows)."""
+    from atoll.tasks.queries import read_flow_runs_paged
+
+    return read_flow_runs_paged(client, flow_names=[flow_name], tags=[run_tag(run_id), *extra_tags])
+
+
+def pid_of_flow_run(flow_run_id: str) -> int | None:
+    """The process running a flow run: the worker gives it PREFECT__FLOW_RUN_ID in its environment."""
+    needle = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            return int(d.name)
+    return None
+
+
+def processes_with(marker: str) -> list[int]:
+    needle = f"ATOLL_IT_MARKER={marker}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def contribution_created_at(store: Any, key: str) -> float:
+    data = store.store.get(key)
+    return float(load_record(data, KIND_CONTRIBUTION)["created_at"])
+
+
+def logs(tmp_path: Path) -> str:
+    out = []
+    for f in sorted((tmp_path / "logs").glob("*.log")):
+        out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}")
+    return "\n".join(out)
