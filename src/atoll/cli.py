@@ -296,10 +296,10 @@ def _deploy_images(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         learner_pools = [p for p in args.pools if p != control]
         limits = set_pool_concurrency(learner_pools, args.concurrency)
-        if control in args.pools:  # the training run holds one slot of its pool for the whole run
-            limits.update(set_pool_concurrency([control], args.concurrency + 1))
-            print(f"note: the training run shares pool {control} with learners: its limit is "
-                  f"{args.concurrency} + 1; a separate CPU control pool (--control-pool) keeps every slot for learners")
+        if control in args.pools:  # the training run and the supervisor each hold a slot of their pool
+            limits.update(set_pool_concurrency([control], args.concurrency + 2))
+            print(f"note: the training run and the supervisor share pool {control} with learners: its limit is "
+                  f"{args.concurrency} + 2; a separate CPU control pool (--control-pool) keeps every slot for learners")
         for pool, limit in limits.items():
             print(f"work pool {pool}: concurrency limit {limit}")
     return 0
