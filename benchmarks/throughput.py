@@ -153,11 +153,20 @@ def timed_block(step: Callable[[], int], steps: int, device: torch.device,
     return tokens / (time.perf_counter() - t0)
 
 
+def publish_every_due_fragment() -> None:
+    """No synchronizer runs here, so no base ever moves, and a learner would back off to rarer
+    publishes (``publish_due``); keep the cadence of a learner whose synchronizer keeps up."""
+    import atoll.train.learner as learner_mod
+
+    learner_mod.publish_due = lambda c_steps, inner_steps: True
+
+
 def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[list[LoopResult], int]:
     """Bare loop, the learner as run_learner runs it (contributions written in the background),
     and the learner writing each contribution inside its step; blocks interleaved."""
     from atoll.storage.bucket import RunStore
 
+    publish_every_due_fragment()
     bare = None
     learners = {}
     for background in (True, False):
@@ -214,6 +223,7 @@ def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps:
     from atoll.train.island import island_device
 
     torch.set_num_threads(threads)
+    publish_every_due_fragment()
     dev = island_device(device, rank)
     backend = "nccl" if dev.startswith("cuda") else "gloo"
     if backend == "nccl":
