@@ -154,7 +154,20 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"])
     p.add_argument("--control-pool", default=None, help="pool of the training run (default: the first pool)")
     p.add_argument("--create-pools", action="store_true", help="create missing pools as process pools")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env for every job")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="env for every job (not credentials: see --secret-block)")
+    p.add_argument("--image", default=None,
+                   help="image for the learner deployments (and the training run, if its pool takes an image)")
+    p.add_argument("--job-variable", action="append", default=[], metavar="KEY=VALUE",
+                   help="job variable of every learner deployment, repeatable; JSON values are parsed "
+                        "(gpu_count=2, node_selector='{\"k\": \"v\"}'); env.NAME=VALUE adds one env var")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="learner slots per pool (e.g. GPUs / gpu_count): sets each learner pool's concurrency limit")
+    p.add_argument("--secret-block", default=None, metavar="NAME",
+                   help="Prefect Secret block with the bucket credentials (a JSON object of env vars); "
+                        "jobs get only its name, as ATOLL_SECRET_BLOCK")
+    p.add_argument("--insecure-env", action="store_true",
+                   help="allow credential-looking --env/--job-variable values (local test servers only)")
     p.set_defaults(handler=_deploy)
 
     for name, helptext in (("train", "start a training run from a preset or config file"),
@@ -193,6 +206,9 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learner-id", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--device", default=None,
+                   help="auto, cpu, cuda, cuda:N or mps (default: the recipe's LearnerSpec.device)")
+    p.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's LearnerSpec.autocast)")
     p.set_defaults(handler=_learner)
 
     p = sub.add_parser("stop", help="stop a run: mark it stopped in its bucket, let learners save and exit, "
@@ -243,8 +259,57 @@ def _deploy(args: argparse.Namespace) -> int:
 
     if args.create_pools:
         ensure_pools(args.pools)
+    if args.image or args.job_variable or args.concurrency is not None or args.secret_block:
+        return _deploy_images(args)
     for name, dep_id in deploy_all(args.pools, control_pool=args.control_pool, env=_kv(args.env)).items():
         print(f"deployed {name} ({dep_id})")
+    return 0
+
+
+def _deploy_images(args: argparse.Namespace) -> int:
+    """`atoll deploy --image IMG --job-variable k=v ... --concurrency N --secret-block NAME`."""
+    from atoll.flows.credentials import SECRET_BLOCK_ENV
+    from atoll.ops.deploy import (
+        deploy_all,
+        parse_job_variables,
+        plaintext_credentials,
+        pool_variables,
+        set_pool_concurrency,
+    )
+
+    env = _kv(args.env)
+    jv = parse_job_variables(args.job_variable)
+    if args.image:
+        jv["image"] = args.image
+    leaked = plaintext_credentials({**jv, "env": {**env, **jv.get("env", {})}})
+    if leaked and not args.insecure_env:
+        print(f"refusing to put {', '.join(leaked)} in job variables (stored and shown in plaintext): put bucket "
+              "credentials in a Prefect Secret block (--secret-block NAME) or the pool's secret "
+              "(kubernetes: the credentials_secret variable); --insecure-env overrides for local test servers",
+              file=sys.stderr)
+        return 2
+    if args.secret_block:
+        env[SECRET_BLOCK_ENV] = args.secret_block
+    control = args.control_pool or args.pools[0]
+    declared = pool_variables(sorted({*args.pools, control}))
+    for pool in args.pools:
+        unknown = sorted(set(jv) - declared[pool] - {"env"})
+        if unknown:
+            print(f"note: pool {pool}'s job template does not declare {', '.join(unknown)} (ignored by its worker)")
+    control_jv = {"image": args.image} if args.image and "image" in declared[control] else None
+    deployed = deploy_all(args.pools, control_pool=control, env=env,
+                          pool_job_variables={pool: jv for pool in args.pools}, control_job_variables=control_jv)
+    for name, dep_id in deployed.items():
+        print(f"deployed {name} ({dep_id})")
+    if args.concurrency is not None:
+        learner_pools = [p for p in args.pools if p != control]
+        limits = set_pool_concurrency(learner_pools, args.concurrency)
+        if control in args.pools:  # the training run and the supervisor each hold a slot of their pool
+            limits.update(set_pool_concurrency([control], args.concurrency + 2))
+            print(f"note: the training run and the supervisor share pool {control} with learners: its limit is "
+                  f"{args.concurrency} + 2; a separate CPU control pool (--control-pool) keeps every slot for learners")
+        for pool, limit in limits.items():
+            print(f"work pool {pool}: concurrency limit {limit}")
     return 0
 
 
@@ -321,7 +386,7 @@ def _learner(args: argparse.Namespace) -> int:
     from atoll.flows.learner import learner_flow
 
     learner_flow(args.run_url, args.learner_id, storage_options=_kv(args.storage_option) or None,
-                 threads=args.threads)
+                 threads=args.threads, device=args.device, autocast=args.autocast)
     return 0
 
 

@@ -154,7 +154,10 @@ def test_learner_runs_the_learner_flow_here(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr("atoll.flows.learner.learner_flow", flow)
     assert main(["learner", "file:///b/run-1", "--learner-id", "l3", "--threads", "2",
                  "--storage-option", "k=v"]) == 0
-    assert flow.calls == [(("file:///b/run-1", "l3"), {"storage_options": {"k": "v"}, "threads": 2})]
+    assert flow.calls == [(("file:///b/run-1", "l3"), {"storage_options": {"k": "v"}, "threads": 2,
+                                                      "device": None, "autocast": None})]
+    assert main(["learner", "file:///b/run-1", "--learner-id", "l3", "--device", "cuda:1", "--autocast", "bf16"]) == 0
+    assert flow.calls[-1][1]["device"] == "cuda:1" and flow.calls[-1][1]["autocast"] == "bf16"
 
 
 def test_demo_passes_its_flags_and_returns_the_demo_status(monkeypatch: pytest.MonkeyPatch) -> None:

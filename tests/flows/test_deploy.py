@@ -54,6 +54,7 @@ def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str
             assert dep.job_variables["env"]["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
             assert pool_tag(pool) in dep.tags
             assert {"run_url", "learner_id"} <= set(dep.parameter_openapi_schema["required"])
+            assert {"device", "autocast"} <= set(dep.parameter_openapi_schema["properties"])
         train = client.read_deployment_by_name("atoll-training-run/default")
         assert train.work_pool_name == "pool-a" and train.entrypoint == "atoll.flows.training.training_run"
         # One typed options model, rendered by the UI as a form: every field says what it does.
@@ -168,18 +169,21 @@ def test_work_pool_templates_validate(prefect_harness: None, name: str, pool_typ
         container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
         assert container["image"] == "{{ image }}"
-        assert container["envFrom"][0]["secretRef"]["name"] == "{{ credentials_secret }}"
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+        assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "{{ credentials_secret }}", "key": "AWS_SECRET_ACCESS_KEY",
+                                                 "optional": True}
 
 
 def test_prefect_yaml_declares_the_deployments() -> None:
     body = yaml.safe_load((INFRA / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in body["deployments"]}
-    assert set(deps) == {"default", "cpu-fast", "cpu-slow"}
-    assert deps["default"]["entrypoint"].endswith("training.py:training_run")
-    for pool in ("cpu-fast", "cpu-slow"):
+    assert set(deps) == {"default", "cpu-fast", "cpu-slow", "gpu-docker", "gpu-k8s"}
+    assert deps["default"]["entrypoint"] == "atoll.flows.training.training_run"
+    for pool in ("cpu-fast", "cpu-slow", "gpu-docker", "gpu-k8s"):
         assert deps[pool]["work_pool"]["name"] == pool
-        assert deps[pool]["entrypoint"] == "src/atoll/flows/learner.py:learner_flow"
-        assert (ROOT / deps[pool]["entrypoint"].split(":")[0]).is_file()
+        assert deps[pool]["entrypoint"] == "atoll.flows.learner.learner_flow"
+    # Nothing is pulled from a host path: module entrypoints run from the installed atoll.
+    assert body["pull"] == [] and not any("pull" in d for d in body["deployments"])
 
 
 def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
@@ -188,15 +192,25 @@ def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
     from atoll.ops.deploy import ensure_pools
 
     ensure_pools(("cpu-fast", "cpu-slow"))
-    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "ATOLL_PROJECT_DIR": str(ROOT)}
+    for pool, kind, template in (("gpu-docker", "docker", "docker"), ("gpu-k8s", "kubernetes", "kubernetes-gpu")):
+        ensure_pools((pool,), pool_type=kind,
+                     base_job_template=json.loads((INFRA / "work-pools" / f"{template}.json").read_text()))
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "ATOLL_IMAGE": "registry.test/atoll:9"}
+    env.pop("ATOLL_PROJECT_DIR", None)
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
                            str(INFRA / "prefect.yaml")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with _client() as client:
         dep = client.read_deployment_by_name("atoll-learner/cpu-slow")
-        assert dep.work_pool_name == "cpu-slow"
-        assert dep.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+        assert dep.work_pool_name == "cpu-slow" and dep.entrypoint == "atoll.flows.learner.learner_flow"
+        assert not dep.pull_steps  # no host path baked in
+        k8s = client.read_deployment_by_name("atoll-learner/gpu-k8s")
+        assert k8s.job_variables["image"] == "registry.test/atoll:9" and k8s.job_variables["gpu_count"] == 1
+        assert not k8s.pull_steps and "AWS_SECRET_ACCESS_KEY" not in str(k8s.job_variables)
+        docker = client.read_deployment_by_name("atoll-learner/gpu-docker")
+        assert docker.job_variables["device_requests"] == [{"count": 1, "capabilities": [["gpu"]]}]
+        assert docker.job_variables["env"]["ATOLL_SECRET_BLOCK"] == "atoll-bucket"
         train = client.read_deployment_by_name("atoll-training-run/default")
         assert train.parameter_openapi_schema["required"] == ["options"]
         assert "fleet" in train.parameter_openapi_schema["definitions"]["TrainingRunOptions"]["properties"]

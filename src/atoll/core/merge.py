@@ -12,7 +12,8 @@ Cancellation: the mean of unit directions has a norm in [0, 1] that measures agr
 falls below ``RDA_CANCEL_TOL`` (1e-6) the learners' directions have (numerically) cancelled and
 the update is **zero**. Normalising such a residue would blow rounding noise up to the full
 radius and concentrate it on a few entries (e.g. v and -v one ulp apart), so it is not done. Embeddings use the plain weighted mean (their rows are sparse and mostly disjoint across
-learners, so norms are not comparable). Everything is accumulated in fp32.
+learners, so norms are not comparable). Everything is accumulated in fp32, on the device of the
+inputs.
 """
 
 from __future__ import annotations
@@ -48,38 +49,53 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     """sum w v / sum w, in fp32."""
     _check(tensors, weights)
     total = float(sum(weights))
-    out = torch.zeros(tensors[0].shape, dtype=torch.float32)
-    for t, w in zip(tensors, weights, strict=True):
-        if w:
-            out.add_(t.float(), alpha=w / total)
-    return out
-
-
-def _phi(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    norm = float(torch.linalg.vector_norm(x))
-    if not math.isfinite(norm):
-        raise ValueError("cannot merge a non-finite outer gradient (NaN/Inf)")
-    if norm <= _EPS:
-        return torch.zeros_like(x), 0.0
-    return x / norm, norm
-
-
-def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Radial-directional average of one tensor's outer gradients, in fp32."""
-    _check(tensors, weights)
-    total = float(sum(weights))
-    direction = torch.zeros(tensors[0].shape, dtype=torch.float32)
-    radius = 0.0
+    out: torch.Tensor | None = None
     for t, w in zip(tensors, weights, strict=True):
         if not w:
             continue
-        unit, norm = _phi(t.float())
-        direction.add_(unit, alpha=w / total)
+        if out is None:  # the first term starts the sum: one pass, no zero-filled buffer
+            out = torch.mul(t.float(), w / total)
+        else:
+            out.add_(t.float(), alpha=w / total)
+    assert out is not None  # _check: some weight is positive
+    return out
+
+
+def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
+        norms: Sequence[float] | None = None) -> torch.Tensor:
+    """Radial-directional average of one tensor's outer gradients, in fp32.
+
+    ``norms`` are the tensors' L2 norms when the caller has them already (one pass less each).
+    Each direction is accumulated as ``direction += (w / sum w) / ||v|| * v`` in one pass over v
+    (no unit vector is materialised), and the result is scaled in place: two passes over the
+    merged tensor. Memory traffic, not arithmetic, is what a merge costs.
+    """
+    _check(tensors, weights)
+    if norms is not None and len(norms) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors but {len(norms)} norms")
+    total = float(sum(weights))
+    direction: torch.Tensor | None = None
+    radius = 0.0
+    for i, (t, w) in enumerate(zip(tensors, weights, strict=True)):
+        if not w:
+            continue
+        x = t.float()
+        norm = float(norms[i]) if norms is not None else float(torch.linalg.vector_norm(x))
+        if not math.isfinite(norm):
+            raise ValueError("cannot merge a non-finite outer gradient (NaN/Inf)")
+        if norm <= _EPS:
+            continue  # phi(0) = 0: adds nothing to the direction, and 0 to the radius
+        if direction is None:  # the first term starts the sum: one pass, no zero-filled buffer
+            direction = torch.mul(x, w / total / norm)
+        else:
+            direction.add_(x, alpha=w / total / norm)
         radius += w / total * norm
+    if direction is None:  # every outer gradient is zero
+        return torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device)
     agreement = float(torch.linalg.vector_norm(direction))
     if agreement < RDA_CANCEL_TOL:
-        return torch.zeros_like(direction)
-    return direction / agreement * radius
+        return direction.zero_()
+    return direction.mul_(radius / agreement)
 
 
 def merge_fragment(
@@ -89,11 +105,13 @@ def merge_fragment(
     rule: str = "rda",
     embedding_names: Collection[str] = (),
     rda_embeddings: bool = False,
+    norms: Sequence[Mapping[str, float]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge per-learner outer gradients of one fragment, tensor by tensor.
 
     ``rule`` 'rda' uses RDA on every tensor except embeddings (unless ``rda_embeddings``);
-    'mean' uses the weighted mean everywhere.
+    'mean' uses the weighted mean everywhere. ``norms[i][name]``, if given, is the L2 norm of
+    ``outer_grads[i][name]`` (the caller computed them already).
     """
     if rule not in ("rda", "mean"):
         raise ValueError(f"merge rule must be 'rda' or 'mean', got {rule!r}")
@@ -107,5 +125,8 @@ def merge_fragment(
     for name in names:
         column = [g[name] for g in outer_grads]
         use_rda = rule == "rda" and (rda_embeddings or name not in embedding_names)
-        merged[name] = rda(column, weights) if use_rda else weighted_mean(column, weights)
+        if use_rda:
+            merged[name] = rda(column, weights, norms=[n[name] for n in norms] if norms is not None else None)
+        else:
+            merged[name] = weighted_mean(column, weights)
     return merged

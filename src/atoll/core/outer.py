@@ -39,15 +39,30 @@ class NesterovOuterOptimizer:
             delta32 = delta.float()
             if delta32.shape != theta.shape:
                 raise ValueError(f"update for {name!r} has shape {tuple(delta32.shape)}, param {tuple(theta.shape)}")
+            # The same operations, in the same order, as torch.optim.SGD(nesterov=True) (tests
+            # compare bit for bit), with as few fresh buffers as that allows (a merge is bound by
+            # memory traffic). The momentum buffers are this optimizer's own (load_state_dict
+            # copies) and are updated in place.
             buf = self.buffers.get(name)
-            buf = delta32.clone() if buf is None else buf.mul(self.momentum).add_(delta32)
+            if buf is None:
+                buf = delta32.clone()
+            elif self.momentum:
+                buf = buf.mul_(self.momentum).add_(delta32)
+            else:
+                buf = delta32  # mu = 0: b = 0 * b + Delta = Delta, without two passes over memory
             self.buffers[name] = buf
-            direction = delta32.add(buf, alpha=self.momentum) if self.momentum else delta32
-            new[name] = (theta.float() - self.lr * direction).to(theta.dtype)
+            if self.momentum:
+                step = delta32.add(buf, alpha=self.momentum).mul_(self.lr)
+            else:
+                step = delta32 * self.lr
+            new[name] = (theta.float() - step).to(theta.dtype)
         return new
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Momentum buffers keyed ``momentum.<param name>`` (safetensors-ready, contiguous fp32)."""
+        """Momentum buffers keyed ``momentum.<param name>`` (safetensors-ready, contiguous fp32).
+
+        The live buffers, not copies: the next :meth:`step` updates them in place, so save or
+        :meth:`load_state_dict` (which copies) them before stepping again."""
         return {f"momentum.{n}": b.contiguous() for n, b in self.buffers.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["learner_delta", "outer_gradient", "check_same_layout"]
+__all__ = ["learner_delta", "anchor_gradient", "outer_gradient", "check_same_layout"]
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -37,10 +37,24 @@ def learner_delta(base: Tensors, local: Tensors) -> dict[str, torch.Tensor]:
     return {n: base[n].detach().float() - local[n].detach().float() for n in base}
 
 
-def outer_gradient(current: Tensors, base: Tensors, delta: Tensors) -> dict[str, torch.Tensor]:
-    """v = (current - base) + delta, in fp32; equals ``current - theta_learner``."""
+def anchor_gradient(current: Tensors, base: Tensors) -> dict[str, torch.Tensor]:
+    """current - base, in fp32: the re-anchoring term shared by every contribution against ``base``."""
+    check_same_layout(current, base, what="outer_gradient(base)")
+    return {n: current[n].detach().float() - base[n].detach().float() for n in current}
+
+
+def outer_gradient(current: Tensors, base: Tensors, delta: Tensors, *,
+                   anchor: Tensors | None = None) -> dict[str, torch.Tensor]:
+    """v = (current - base) + delta, in fp32; equals ``current - theta_learner``.
+
+    ``anchor`` is ``current - base`` when the caller has it already (:func:`anchor_gradient`, once
+    per base version); the result is the same tensor for tensor. When ``base`` *is* ``current``
+    (the same mapping) the correction is zero and v is ``delta`` itself (as fp32, not copied).
+    """
     check_same_layout(current, base, what="outer_gradient(base)")
     check_same_layout(current, delta, what="outer_gradient(delta)")
-    return {
-        n: (current[n].detach().float() - base[n].detach().float()) + delta[n].float() for n in current
-    }
+    if base is current:
+        return {n: delta[n].float() for n in current}
+    if anchor is None:
+        anchor = anchor_gradient(current, base)
+    return {n: anchor[n] + delta[n].float() for n in current}

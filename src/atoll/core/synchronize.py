@@ -16,7 +16,7 @@ import torch
 
 from atoll.core.merge import merge_fragment
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.pseudograd import check_same_layout, outer_gradient
+from atoll.core.pseudograd import anchor_gradient, check_same_layout, outer_gradient
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.weights import Counters, contribution_weights, unweighable
 
@@ -69,7 +69,15 @@ class FragmentRoundResult:
 
 
 def _norm(t: Tensors) -> float:
-    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(v.float())) ** 2 for v in t.values()))
+    return _total(_tensor_norms(t))
+
+
+def _tensor_norms(t: Tensors) -> dict[str, float]:
+    return {n: float(torch.linalg.vector_norm(v.float())) for n, v in t.items()}
+
+
+def _total(norms: Mapping[str, float]) -> float:
+    return math.sqrt(math.fsum(x**2 for x in norms.values()))
 
 
 def synchronize_fragment(
@@ -96,6 +104,10 @@ def synchronize_fragment(
     grads: dict[str, dict[str, torch.Tensor]] = {}
     counters: dict[str, Counters] = {}
     norms: dict[str, float] = {}
+    tensor_norms: dict[str, dict[str, float]] = {}
+    # Theta(current) - Theta(b), once per base version (not once per contribution); zero, and
+    # skipped, for contributions computed against the current version itself.
+    anchors: dict[int, dict[str, torch.Tensor] | None] = {}
     for c in contributions:
         if c.key in grads or c.key in rejected:
             raise ValueError(f"duplicate contribution key {c.key!r}")
@@ -113,12 +125,15 @@ def synchronize_fragment(
         except ValueError as e:
             rejected[c.key] = Rejection(RejectionKind.LAYOUT, str(e))
             continue
-        v = outer_gradient(current, base, c.delta)
-        n = _norm(v)
+        if c.base_version not in anchors:
+            anchors[c.base_version] = None if base is current else anchor_gradient(current, base)
+        v = outer_gradient(current, base, c.delta, anchor=anchors[c.base_version])
+        per_tensor = _tensor_norms(v)
+        n = _total(per_tensor)
         if not math.isfinite(n):
             rejected[c.key] = Rejection(RejectionKind.NON_FINITE, "outer gradient has NaN/Inf values")
             continue
-        grads[c.key], counters[c.key], norms[c.key] = v, c.counters, n
+        grads[c.key], counters[c.key], norms[c.key], tensor_norms[c.key] = v, c.counters, n, per_tensor
 
     if outlier_norm_ratio is not None and len(norms) >= 3:
         median = statistics.median(norms.values())
@@ -139,6 +154,7 @@ def synchronize_fragment(
         rule=merge,
         embedding_names=embedding_names,
         rda_embeddings=rda_embeddings,
+        norms=[tensor_norms[k] for k in keys],
     )
     new_params = optimizer.step(current, update)
     return FragmentRoundResult(

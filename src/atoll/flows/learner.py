@@ -23,8 +23,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
+from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
+from atoll.train.island import run_island
 from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
 
@@ -42,9 +44,16 @@ def learner_flow(
     max_steps: int | None = None,
     orphan_timeout_s: float | None = 900.0,
     heartbeat_interval_s: float = 5.0,
+    device: str | None = None,
+    autocast: str | None = None,
 ) -> dict[str, Any]:
-    """Train as ``learner_id`` of the run at ``run_url`` until the run is finished."""
+    """Train as ``learner_id`` of the run at ``run_url`` until the run is finished.
+
+    ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
+    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's)."""
     logger = get_run_logger()
+    if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
+        logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
     store = open_run(run_url, storage_options)
     recipe = load_recipe(store)
     _, spec = recipe.learner(learner_id)
@@ -65,13 +74,15 @@ def learner_flow(
         except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
             pass
 
-    summary = run_learner(
-        store, learner_id, log=log,
-        options=LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
-                               max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,
-                               heartbeat_interval_s=heartbeat_interval_s,
-                               flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None),
-    )
+    options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
+                             max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,
+                             heartbeat_interval_s=heartbeat_interval_s,
+                             flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
+                             device=device, autocast=autocast)
+    if spec.ranks > 1:  # an island: spec.ranks processes doing DDP, rank 0 doing the bucket I/O
+        summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
+    else:
+        summary = run_learner(store, learner_id, log=log, options=options)
     create_markdown_artifact(
         key=f"{slug(store.manifest.run_id)}-{slug(learner_id)}",
         description=f"learner {learner_id} of run {store.manifest.run_id}",

@@ -30,6 +30,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from atoll.core.retry import ROUND_RETRY
+from atoll.flows.credentials import export_secret_env
 from atoll.flows.round import outer_round
 from atoll.runs.manage import RunInfo, prepare_run
 from atoll.runs.options import TrainingRunOptions
@@ -61,6 +62,7 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
     ``fleet.manage=False`` starts no learner flow runs (learners are started by hand).
     """
     log = get_run_logger()
+    export_secret_env()  # bucket credentials from the Secret block named in $ATOLL_SECRET_BLOCK, if any
     info = _prepare(options)
     _tag_self(run_tag(info.run_id))
     ctx = RunContext(info, options)

@@ -18,11 +18,12 @@ image, a kubernetes image); no source checkout is pulled.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.deployments.runner import RunnerDeployment
@@ -45,6 +46,10 @@ __all__ = [
     "start_training",
     "start_supervisor",
     "learner_job_env",
+    "parse_job_variables",
+    "plaintext_credentials",
+    "pool_variables",
+    "set_pool_concurrency",
 ]
 
 DEFAULT_POOLS: tuple[str, ...] = ("cpu-fast", "cpu-slow")
@@ -81,6 +86,7 @@ def deploy_all(
     env: Mapping[str, str] | None = None,
     pool_job_variables: Mapping[str, Mapping[str, Any]] | None = None,
     learner_concurrency: int | None = None,
+    control_job_variables: Mapping[str, Any] | None = None,
     supervisor_interval_s: float | None = 600.0,
     supervisor_parameters: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
@@ -88,7 +94,8 @@ def deploy_all(
 
     ``env`` is added to every deployment's job environment (e.g. object-store endpoint and
     credentials for workers); ``pool_job_variables[pool]`` adds job variables per pool (image,
-    resources ...). ``supervisor_interval_s``: schedule of the supervisor (None: deploy it without a
+    resources ...), ``control_job_variables`` to the training run's and the supervisor's (e.g. their
+    image). ``supervisor_interval_s``: schedule of the supervisor (None: deploy it without a
     schedule; start it by hand). Returns ``{deployment name: id}``.
     """
     out: dict[str, str] = {}
@@ -105,7 +112,8 @@ def deploy_all(
     control = control_pool or pools[0]
     dep = cast(RunnerDeployment, training_run.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}, tags=["atoll", "atoll-training-run"],
+        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        tags=["atoll", "atoll-training-run"],
         description="atoll training run: the synchronizer; one outer-round flow run per round",
     ))
     out[TRAINING_DEPLOYMENT] = str(dep.apply())
@@ -117,7 +125,8 @@ def deploy_all(
     params.update(dict(supervisor_parameters or {}))
     dep = cast(RunnerDeployment, supervisor.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}, tags=["atoll", "atoll-supervisor"],
+        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        tags=["atoll", "atoll-supervisor"],
         parameters=params, interval=supervisor_interval_s,
         description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
     ))
@@ -140,3 +149,86 @@ def start_supervisor(*, parameters: Mapping[str, Any] | None = None,
     """Launch a supervisor flow run now (besides its schedule), without waiting for it."""
     return run_deployment(deployment, parameters=dict(parameters or {}), timeout=0,
                           as_subflow=False)  # type: ignore[return-value]  # sync call: a FlowRun
+
+
+# -- image-based deployments: `atoll deploy --image ... --job-variable k=v --concurrency N` -------------
+
+_CREDENTIAL_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "ATOLL_KEYRING",
+                     "GOOGLE_APPLICATION_CREDENTIALS_JSON", "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING")
+_NOT_CREDENTIALS = ("ENV", "PREFECT_API_KEY", "ATOLL_SECRET_BLOCK", "CREDENTIALS_SECRET")
+"""Names that only *name* where a secret lives (or Prefect's own key, which workers inject)."""
+_CREDENTIAL_WORDS = ("SECRET", "PASSWORD", "TOKEN", "PRIVATE_KEY", "API_KEY", "ACCESS_KEY")
+
+
+def plaintext_credentials(job_variables: Mapping[str, Any]) -> list[str]:
+    """Names in ``job_variables`` (and its ``env``) that look like credentials.
+
+    Job variables are stored in the Prefect database in plaintext and shown in the UI; bucket
+    credentials belong in a Prefect Secret block (``ATOLL_SECRET_BLOCK``) or the pool's secret
+    mounts (kubernetes ``credentials_secret``). ``PREFECT_API_KEY`` is Prefect's own and allowed, and
+    ``ATOLL_SECRET_BLOCK`` / ``credentials_secret`` hold only names.
+    """
+    found = []
+    raw_env = job_variables.get("env")
+    env: Mapping[str, Any] = raw_env if isinstance(raw_env, Mapping) else {}
+    for name in [*job_variables, *env]:
+        upper = str(name).upper()
+        if upper in _NOT_CREDENTIALS:
+            continue
+        if upper in _CREDENTIAL_NAMES or any(w in upper for w in _CREDENTIAL_WORDS):
+            found.append(str(name))
+    return found
+
+
+def parse_job_variables(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as job variables; a VALUE that parses as JSON is used as JSON.
+
+    ``gpu_count=2`` -> 2, ``node_selector={"gpu": "h100"}`` -> a dict, ``image=repo/atoll:1`` -> a string.
+    ``env.NAME=VALUE`` adds one environment variable (always a string).
+    """
+    out: dict[str, Any] = {}
+    for item in pairs:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--job-variable: expected KEY=VALUE, got {item!r}")
+        if key.startswith("env."):
+            out.setdefault("env", {})[key[4:]] = raw
+            continue
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if key == "env" and isinstance(value, Mapping):
+            out["env"] = {**out.get("env", {}), **{str(k): str(v) for k, v in value.items()}}
+        else:
+            out[key] = value
+    return out
+
+
+def set_pool_concurrency(pools: Sequence[str], limit: int | None) -> dict[str, int | None]:
+    """Set each work pool's concurrency limit (None clears it); returns ``{pool: limit}``.
+
+    This is how atoll keeps one learner per GPU slot: a learner pool's limit is the number of
+    learner-sized slots it has (``gpu_count`` GPUs each). The server then hands a worker no more
+    than that many flow runs of the pool at once; extra learner runs wait in Scheduled/Late until
+    a slot frees, instead of starting and fighting over a GPU (or, on kubernetes, sitting in
+    Pending until the pod watch times out). A pool limit, unlike a deployment's, also covers runs
+    of other deployments on the same pool (a second run's learners, a learner started by hand).
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"concurrency must be >= 1, got {limit}")
+    with get_client(sync_client=True) as client:
+        for name in pools:
+            client.update_work_pool(name, WorkPoolUpdate(concurrency_limit=limit))
+    return {name: limit for name in pools}
+
+
+def pool_variables(pools: Sequence[str]) -> dict[str, set[str]]:
+    """The job variables each work pool's base job template declares (``image``, ``gpu_count`` ...)."""
+    out: dict[str, set[str]] = {}
+    with get_client(sync_client=True) as client:
+        for name in pools:
+            template = client.read_work_pool(name).base_job_template or {}
+            out[name] = set(template.get("variables", {}).get("properties", {}))
+    return out

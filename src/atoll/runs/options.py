@@ -96,6 +96,9 @@ class TrainingRunOptions(BaseModel):
     # -- how to orchestrate it -------------------------------------------------------------------
     poll_interval_s: float = Field(
         default=0.2, gt=0, description="Longest sleep of the synchronizer between two polls of an open round (s).")
+    merge_device: str = Field(
+        default="cpu", description="Where the synchronizer merges and takes the outer step: cpu, auto, cuda, "
+        "cuda:N or mps (the training run's worker must have that device).")
     fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
 
     @property

@@ -94,7 +94,8 @@ class RunContext:
     def reload(self) -> Synchronizer:
         """Rebuild the synchronizer from the bucket's latest commit (after a failed round); it keeps
         holding this process's synchronizer lease, if one was taken."""
-        sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s),
+        sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
+                                                                    device=self.options.merge_device),
                             evaluate=self._evaluate)
         if self._lease is not None:
             sync.hold_lease(lease=self._lease)

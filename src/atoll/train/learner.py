@@ -23,6 +23,10 @@ old copy left), tags every contribution with its incarnation and heartbeats whil
 progress. It exits by itself when the run is finished or stopped (``sync/stop.json``), when no
 commit has appeared for ``orphan_timeout_s``, on SIGTERM (saving its state first), or, without
 saving anything, when a newer incarnation fenced it.
+
+Model, batches and AdamW state live on the learner's device (``LearnerSpec.device`` or the
+launch's ``device``; ``auto``: CUDA, then MPS, then CPU), optionally with a bf16 autocast of the
+forward pass; bases and deltas stay fp32, and each publish moves its delta to the host in one copy.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +47,8 @@ from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
+from atoll.train.device import autocast as autocast_context
+from atoll.train.device import check_autocast, fragment_to_device, fragment_to_host, resolve_device
 from atoll.train.lifecycle import LeaseKeeper, sigterm_flag
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
@@ -96,6 +102,17 @@ class LearnerOptions:
     """On SIGTERM, finish the current step, save and exit (exit_reason "sigterm"). Installed only
     when run_learner runs in the main thread; the previous handler is restored afterwards."""
 
+    device: str | None = None
+    """Where to train: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' (None: the recipe's LearnerSpec.device)."""
+
+    autocast: str | None = None
+    """'' (off) or 'bf16' autocast of the inner forward pass (None: the recipe's LearnerSpec.autocast)."""
+
+    publish_in_background: bool = True
+    """Encode, hash and write each contribution on a background thread, in order, so the next
+    inner steps overlap the bucket I/O (the delta itself is taken, and copied to the host, in the
+    step). At most two contributions wait; a failed write is raised from the next step."""
+
 
 @dataclass
 class LearnerSummary:
@@ -114,6 +131,67 @@ class LearnerSummary:
     """Why run_learner returned: one of :data:`atoll.train.lifecycle.EXIT_REASONS`."""
     exit_detail: str = ""
     """The same, for people ("fenced by incarnation 4", "stopped by alice: ...")."""
+
+
+class _Publisher(threading.Thread):
+    """Background writer of a learner's contributions: one at a time, in the order submitted.
+
+    The training loop hands over host tensors and counter snapshots (nothing it mutates later);
+    this thread encodes, hashes and writes them. The queue is bounded (backpressure when the
+    bucket is slower than training); the first failure is kept and re-raised in the training
+    thread by :meth:`check` (from the next submit or flush), and nothing after it is written.
+    """
+
+    def __init__(self, store: RunStore, *, depth: int = 2) -> None:
+        super().__init__(daemon=True, name="atoll-publisher")
+        self.store = store.sibling()  # own caches; the object store itself is shared
+        self.jobs: queue.Queue[tuple[tuple[Any, ...], dict[str, Any]] | None] = queue.Queue(maxsize=depth)
+        self.failed: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                args, kwargs = job
+                guard = kwargs.pop("guard", None)
+                # The guard (the lease is still ours) is asked right before the write, as in the step.
+                if self.failed is None and (guard is None or guard()):
+                    self.store.publish_contribution(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by check()
+                self.failed = e
+            finally:
+                self.jobs.task_done()
+
+    def submit(self, *args: Any, **kwargs: Any) -> None:
+        self.check()
+        self.jobs.put((args, kwargs))
+
+    def flush(self) -> None:
+        """Wait until everything submitted is written (or failed); raise the failure."""
+        self.jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+
+class IslandLink(Protocol):
+    """What rank 0 of an island (:mod:`atoll.train.island`) adds to :func:`run_learner`'s loop."""
+
+    world: int
+    """Ranks of the island."""
+
+    def attach(self, learner: Learner) -> None:
+        """Once, after the learner is built (wraps its model for DDP)."""
+
+    def before_step(self, learner: Learner) -> None:
+        """Before every step: the other ranks learn to take it, with what rank 0 adopted since."""
+
+    def finish(self, learner: Learner) -> None:
+        """When the loop ends, for any reason: the other ranks stop."""
 
 
 class FetchError(RuntimeError):
@@ -190,9 +268,9 @@ def _save_inner_state(store: RunStore, learner_id: str, model: torch.nn.Module, 
     for name, p in model.named_parameters():
         st = opt.state.get(p)
         if st:
-            tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous()
-            tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous()
-            tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+            tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous().cpu()
+            tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous().cpu()
+            tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
     store.save_learner_state(learner_id, tensors, {"step": step, "cursor": cursor, "tokens": tokens})
 
 
@@ -202,8 +280,8 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
             continue
         opt.state[p] = {
             "step": tensors[f"adamw.{name}.step"].reshape(()).clone(),
-            "exp_avg": tensors[f"adamw.{name}.exp_avg"].to(p.dtype).reshape(p.shape).clone(),
-            "exp_avg_sq": tensors[f"adamw.{name}.exp_avg_sq"].to(p.dtype).reshape(p.shape).clone(),
+            "exp_avg": tensors[f"adamw.{name}.exp_avg"].to(p.device, p.dtype).reshape(p.shape).clone(),
+            "exp_avg_sq": tensors[f"adamw.{name}.exp_avg_sq"].to(p.device, p.dtype).reshape(p.shape).clone(),
         }
 
 
@@ -233,7 +311,9 @@ class Learner:
     """
 
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
-                 lockstep: bool | None = None, incarnation: int = 0) -> None:
+                 lockstep: bool | None = None, incarnation: int = 0, device: str | None = None,
+                 autocast: str | None = None, publish_in_background: bool = False, rank: int = 0,
+                 world: int = 1) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.incarnation = incarnation
         """The lease incarnation every contribution carries (0: no lease)."""
@@ -244,8 +324,18 @@ class Learner:
         self.lockstep = lockstep if lockstep is not None else self.config.min_quorum == self.config.num_learners
         self.summary = LearnerSummary(learner_id=learner_id, incarnation=incarnation)
 
-        # 1. Model, data shard, global state, own inner state.
-        self.model = self.recipe.model_factory()()
+        # Where it trains: the launch's setting (flow parameter / LearnerOptions) or the recipe's.
+        knob = "device (LearnerOptions.device, the learner flow's `device` parameter)" if device is not None else f"LearnerSpec.device of {learner_id}"
+        self.device = resolve_device(device if device is not None else self.spec.device, knob=knob)
+        self.autocast = check_autocast(autocast if autocast is not None else self.spec.autocast)
+
+        # 1. Model, data shard, global state, own inner state (all on self.device).
+        self.model = self.recipe.model_factory()().to(self.device)
+        # An island of ``world`` ranks (atoll.train.island): this is rank ``rank``; the island
+        # wraps ``forward_model`` in DDP, every rank trains on its slice of the island's batch and
+        # only rank 0 publishes.
+        self.rank, self.world = rank, world
+        self.forward_model: torch.nn.Module = self.model
         self.params = dict(self.model.named_parameters())
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
@@ -260,7 +350,8 @@ class Learner:
             for name, p in self.params.items():
                 p.copy_(state.params[name])
         self.versions = list(state.versions)
-        self.bases = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
+        self.bases = [fragment_to_device(self.plan.select(state.params, p), self.device)
+                      for p in range(self.plan.num_fragments)]
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
         for p, v in enumerate(self.versions):
             self.counters.fragments[p].base_version = v
@@ -276,13 +367,16 @@ class Learner:
             self.summary.resumed_inner_state = True
         self.summary.started_from_round = self.start_round
         self.step_ema: float | None = None
+        self.publisher = _Publisher(store) if publish_in_background else None
+        if self.publisher is not None:
+            self.publisher.start()
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
         self.exit_reason = ""
         self.exit_detail = ""
         self.model.train()
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
             f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
-            f"slowdown {self.spec.slowdown:g}x")
+            f"slowdown {self.spec.slowdown:g}x, device {self.device}{' bf16 autocast' if self.autocast else ''}")
 
     def step(self, *, step_time_s: float | None = None) -> None:
         """One inner step, then publish the fragment that is due (if any).
@@ -290,20 +384,27 @@ class Learner:
         ``step_time_s`` overrides the measured step time (the virtual-clock driver); otherwise
         the step is timed, and stretched by the learner's ``slowdown``.
         """
+        if self.publisher is not None:
+            self.publisher.check()  # a background write failed: stop here, loudly
         t0 = time.perf_counter()
         self.step_count += 1
         step = self.step_count
         # 2. One inner step: warmup on this learner's steps, cosine over the run's progress.
         for group in self.opt.param_groups:
             group["lr"] = lr_at_step(self.recipe.inner, step, self.run_progress())
-        x, y = self.stream.next_batch(self.spec.batch_size)
-        loss = loss_fn(self.model, x, y)
+        b = self.spec.batch_size
+        x, y = self.stream.next_batch(b * self.world)  # every rank draws the island's batch ...
+        if self.world > 1:  # ... and trains on its own slice of it
+            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast_context(self.device, self.autocast):
+            loss = loss_fn(self.forward_model, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.recipe.inner.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.inner.grad_clip)
         self.opt.step()
-        n_tokens = int(x.numel())
+        n_tokens = int(x.numel()) * self.world  # the island's tokens
         self.counters.record_step(n_tokens)
         self.tokens_total += n_tokens
         self.summary.steps += 1
@@ -318,17 +419,22 @@ class Learner:
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
-        if p is not None and self.counters.fragments[p].c_steps > 0 and publish_due(
-                self.counters.fragments[p].c_steps, self.config.inner_steps) and (
-                self.publish_guard is None or self.publish_guard()):
+        if p is not None and self.rank == 0 and self.counters.fragments[p].c_steps > 0 and publish_due(
+                self.counters.fragments[p].c_steps, self.config.inner_steps):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
-            self.store.publish_contribution(
-                self.learner_id, p, fc.base_version, fc, learner_delta(self.bases[p], self.plan.select(self.params, p)),
-                info={"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
-                      "loss": round(loss_now, 6) if math.isfinite(loss_now) else None},
-                incarnation=self.incarnation,
-            )
+            # The delta is computed where the model lives and reaches the host in one copy.
+            delta = fragment_to_host(learner_delta(self.bases[p], self.plan.select(self.params, p)))
+            info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
+                    "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
+            if self.publisher is not None:  # written in the background (the guard is asked right before)
+                self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info,
+                                      incarnation=self.incarnation, guard=self.publish_guard)
+            elif self.publish_guard is None or self.publish_guard():
+                self.store.publish_contribution(self.learner_id, p, fc.base_version, fc, delta, info=info,
+                                                incarnation=self.incarnation)
+            else:
+                return  # fenced: nothing published
             self.summary.published += 1
             if self.lockstep:
                 self.pending.append((step + self.config.overlap_steps, p, fc.base_version))
@@ -345,8 +451,8 @@ class Learner:
         """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
         if round_ <= self.versions[fragment]:
             return False
-        self.bases[fragment] = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment,
-                                              version=round_)
+        base = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment, version=round_)
+        self.bases[fragment] = fragment_to_device(base, self.device)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
@@ -361,8 +467,17 @@ class Learner:
             return p, base
         return None
 
+    def flush(self) -> None:
+        """Wait for contributions still being written in the background (raises a failed write)."""
+        if self.publisher is not None:
+            self.publisher.flush()
+
     def save(self) -> None:
-        """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin."""
+        """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin.
+
+        Contributions still being written go first: a saved step never runs ahead of what the
+        bucket holds from this learner."""
+        self.flush()
         _save_inner_state(self.store, self.learner_id, self.model, self.opt, self.step_count,
                           self.stream.state_dict(), self.tokens_total)
 
@@ -379,6 +494,7 @@ def run_learner(
     options: LearnerOptions | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
+    link: IslandLink | None = None,
 ) -> LearnerSummary:
     """Train as learner ``learner_id`` of the run in ``store`` until it is time to exit.
 
@@ -415,7 +531,7 @@ def run_learner(
         keeper.start()
         try:
             learner = _train(store, learner_id, options, keeper, should_stop, log,
-                             incarnation=lease.incarnation if lease is not None else 0)
+                             incarnation=lease.incarnation if lease is not None else 0, link=link)
         except BaseException as e:
             keeper.close()
             keeper.final_heartbeat(f"error: {type(e).__name__}: {e}")
@@ -434,9 +550,15 @@ def run_learner(
 
 
 def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: LeaseKeeper,
-           should_stop: Callable[[], bool], log: Callable[[str], None], *, incarnation: int) -> Learner:
+           should_stop: Callable[[], bool], log: Callable[[str], None], *, incarnation: int,
+           link: IslandLink | None = None) -> Learner:
     """The training loop of :func:`run_learner`; sets ``learner.exit_reason``/``exit_detail``."""
-    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, incarnation=incarnation)
+    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, incarnation=incarnation,
+                      device=options.device, autocast=options.autocast,
+                      publish_in_background=options.publish_in_background,
+                      world=link.world if link is not None else 1)
+    if link is not None:
+        link.attach(learner)
     if keeper.lease is not None:
         learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
     recipe = learner.recipe
@@ -473,6 +595,8 @@ def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: Le
             if options.max_steps is not None and learner.summary.steps >= options.max_steps:
                 reason = "max_steps"
                 break
+            if link is not None:  # an island's rank 0: the other ranks take this step too
+                link.before_step(learner)
             learner.step()
             adopt_ready()
             # Lock-step mode only: wait (tau steps after publishing) for the merged version.
@@ -487,6 +611,8 @@ def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: Le
             if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
                 log(learner.progress_line())
     finally:
+        if link is not None:  # the other ranks stop with rank 0 (however this loop ends)
+            link.finish(learner)
         fetcher.stop.set()
         fetcher.join(timeout=5)
     details = {"finished": f"finished: round {fetcher.latest_round} of {recipe.max_rounds} committed",

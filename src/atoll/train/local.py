@@ -109,13 +109,18 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    # Each process takes the learner's next lease (a restarted one fences its predecessor) and
-    # handles SIGTERM itself: it finishes the step, saves its state and exits 0.
-    summary = run_learner(store, args.learner_id, log=lambda s: print(s, flush=True),
-                          options=LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
-                                                 poll_interval_s=args.poll_interval_s,
-                                                 heartbeat_interval_s=args.heartbeat_interval_s,
-                                                 orphan_timeout_s=args.orphan_timeout_s or None))
+    options = LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
+                             poll_interval_s=args.poll_interval_s, heartbeat_interval_s=args.heartbeat_interval_s,
+                             orphan_timeout_s=args.orphan_timeout_s or None, device=args.device,
+                             autocast=args.autocast, threads=args.threads or None)
+    if load_recipe(store).learner(args.learner_id)[1].ranks > 1:  # an island: N ranks, DDP
+        from atoll.train.island import run_island
+
+        summary = run_island(store, args.learner_id, options=options, log=lambda s: print(s, flush=True))
+    else:
+        # Each process takes the learner's next lease (a restarted one fences its predecessor) and
+        # handles SIGTERM itself: it finishes the step, saves its state and exits 0.
+        summary = run_learner(store, args.learner_id, log=lambda s: print(s, flush=True), options=options)
     print(f"exit_reason={summary.exit_reason}", flush=True)
     return 0
 
@@ -124,7 +129,7 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = RunStore.open(args.url)
-    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s)
+    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu")
     evaluate = make_evaluator(store)
     run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
                      log=lambda s: print(s, flush=True))
@@ -212,12 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.add_argument("url")
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--poll-interval-s", type=float, default=0.1)
+        s.add_argument("--device", default=None,
+                       help="auto, cpu, cuda[:N], mps (learner default: the recipe's; synchronizer: cpu)")
         if name == "learner":
             s.add_argument("--learner-id", required=True)
             s.add_argument("--log-every", type=int, default=20)
             s.add_argument("--max-steps", type=int, default=None)
             s.add_argument("--heartbeat-interval-s", type=float, default=5.0)
             s.add_argument("--orphan-timeout-s", type=float, default=900.0, help="0: never")
+            s.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's)")
         s.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     return int(args.fn(args))

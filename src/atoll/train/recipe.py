@@ -18,6 +18,7 @@ import torch
 
 from atoll.core.config import ConfigError, DilocoConfig
 from atoll.storage.validation import validate_id
+from atoll.train.device import DeviceError, check_autocast
 
 __all__ = [
     "InnerOptimConfig",
@@ -111,7 +112,12 @@ class LearnerSpec:
     """Unique id (letters, digits, '-', '_', '.'): names its bucket prefix and its Prefect runs."""
 
     batch_size: int = 16
-    """Sequences per inner step on this learner."""
+    """Sequences per inner step on each rank of this learner (the island trains on
+    ``ranks * batch_size`` sequences per step)."""
+
+    ranks: int = 1
+    """Processes of this island (one per local GPU; gloo CPU processes in tests): a torch.distributed
+    group doing DDP inner steps, rank 0 doing the bucket I/O. Give its pool ``ranks`` GPUs per learner."""
 
     slowdown: float = 1.0
     """>= 1: each step takes this many times longer (stands in for older chips locally)."""
@@ -119,10 +125,35 @@ class LearnerSpec:
     pool: str = "local"
     """Prefect work pool (or just a label for local runs) this learner runs on."""
 
+    device: str = "auto"
+    """Where this island trains: 'auto' (CUDA, then MPS, then CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'.
+    The learner flow's ``device`` parameter overrides it for one launch."""
+
+    autocast: str = ""
+    """'' (fp32 everywhere) or 'bf16': autocast the inner forward pass to bf16. Parameters, AdamW
+    state, deltas and the outer step stay fp32. The learner flow's ``autocast`` parameter overrides it."""
+
+    @property
+    def island_batch(self) -> int:
+        """Sequences per inner step of the whole island (all ranks)."""
+        return self.batch_size * self.ranks
+
     def __post_init__(self) -> None:
         validate_id(self.learner_id, "learner id")
+        try:  # the form only: whether this machine has that device is checked where the learner runs
+            if self.device.strip().lower() != "auto":
+                torch.device(self.device.strip().lower())
+        except (RuntimeError, ValueError, AttributeError):
+            raise ConfigError(f"learner {self.learner_id}: device must be 'auto', 'cpu', 'cuda[:N]' or 'mps' "
+                              f"(got {self.device!r})") from None
+        try:
+            check_autocast(self.autocast, knob=f"learner {self.learner_id}: autocast")
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
         if self.batch_size < 1:
             raise ConfigError(f"learner {self.learner_id}: batch_size must be >= 1")
+        if self.ranks < 1:
+            raise ConfigError(f"learner {self.learner_id}: ranks must be >= 1")
         if not (self.slowdown >= 1 and math.isfinite(self.slowdown)):
             raise ConfigError(f"learner {self.learner_id}: slowdown must be >= 1 (got {self.slowdown!r})")
 

@@ -50,8 +50,8 @@ def recipe_context_tokens(recipe: Recipe) -> int:
 
 @dataclass(frozen=True)
 class TokenBounds:
-    """Tokens one inner step can consume, per learner: batch x context from the recipe (a learner
-    trains on exactly ``batch_size`` windows of ``context`` tokens per step)."""
+    """Tokens one inner step can consume, per learner: batch x ranks x context from the recipe (an
+    island trains on exactly ``ranks * batch_size`` windows of ``context`` tokens per step)."""
 
     per_learner: Mapping[str, int]
     largest: int
@@ -66,7 +66,7 @@ class TokenBounds:
         if not recipe.learners:
             return None
         context = recipe_context_tokens(recipe)
-        per = {s.learner_id: int(s.batch_size) * context for s in recipe.learners}
+        per = {s.learner_id: int(s.island_batch) * context for s in recipe.learners}
         return cls(per_learner=per, largest=max(per.values()))
 
 

@@ -30,6 +30,7 @@ raises :class:`~atoll.train.lifecycle.RunStopped` if the run's stop marker says 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -51,10 +52,11 @@ from atoll.storage.integrity import IntegrityError
 from atoll.storage.lifecycle import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
+from atoll.train.device import fragment_to_device, fragment_to_host, resolve_device
 from atoll.train.lifecycle import Fenced, RunStopped
 from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
-__all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
+__all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "merge_on_device", "run_synchronizer"]
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
@@ -72,6 +74,11 @@ class SynchronizerOptions:
 
     synchronizer_id: str = "synchronizer"
     """Written into every commit record (who won the round)."""
+
+    device: str = "cpu"
+    """Where merges and outer steps run: 'cpu' (default), 'auto', 'cuda', 'cuda:N', 'mps'. The
+    synchronizer's state stays on the host; each round moves its inputs to this device and the
+    new fragment and momentum back (one copy each). Outer-step math is fp32 on any device."""
 
     heartbeat_interval_s: float = 5.0
     """Once the synchronizer holds a lease: at most this often, a poll heartbeats and checks the
@@ -134,6 +141,7 @@ class Synchronizer:
         self.schedule = RoundSchedule.of(store)
         self.policy = self.config.quorum_policy(poll_interval_s=self.options.poll_interval_s)
         self.token_bounds = _token_bounds(store)
+        self.device = resolve_device(self.options.device, knob="SynchronizerOptions.device")
         self._started_at = clock()
         self._seen_at: dict[int, float] = {}  # round -> when this synchronizer saw it committed
         self._load(store.latest_round())
@@ -420,8 +428,8 @@ class Synchronizer:
         opt.load_state_dict(self.optimizers[p].state_dict())
         if not contributions:
             return None, opt
-        result = synchronize_fragment(
-            current=self.fragments[p], bases=self._bases(p, contributions), contributions=contributions,
+        result = merge_on_device(
+            self.device, current=self.fragments[p], bases=self._bases(p, contributions), contributions=contributions,
             optimizer=opt, merge=self.config.merge, weighting=self.config.weighting,
             embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
             outlier_norm_ratio=self.config.outlier_norm_ratio,
@@ -475,6 +483,33 @@ class Synchronizer:
         self._saw(record.round)
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def merge_on_device(device: torch.device, *, current: Mapping[str, torch.Tensor],
+                    bases: Mapping[int, Mapping[str, torch.Tensor]], contributions: list[FragmentContribution],
+                    optimizer: NesterovOuterOptimizer, **kwargs: Any) -> FragmentRoundResult | None:
+    """:func:`~atoll.core.synchronize.synchronize_fragment` on ``device``, inputs and outputs on the host.
+
+    On the CPU this is exactly ``synchronize_fragment``. Elsewhere the inputs go to the device,
+    the merge and outer step run there (fp32), and the new fragment, the merged update and the
+    optimizer's momentum come back with one device-to-host copy each.
+    """
+    if device.type == "cpu":
+        return synchronize_fragment(current=current, bases=bases, contributions=contributions,
+                                    optimizer=optimizer, **kwargs)
+    optimizer.buffers = fragment_to_device(optimizer.buffers, device)
+    current_on = fragment_to_device(current, device)
+    result = synchronize_fragment(
+        current=current_on,  # the current version as a base is the same mapping (no re-anchoring needed)
+        bases={v: current_on if b is current else fragment_to_device(b, device) for v, b in bases.items()},
+        contributions=[dataclasses.replace(c, delta=fragment_to_device(c.delta, device)) for c in contributions],
+        optimizer=optimizer, **kwargs,
+    )
+    optimizer.buffers = fragment_to_host(optimizer.buffers)
+    if result is not None:
+        result.new_params = fragment_to_host(result.new_params)
+        result.update = fragment_to_host(result.update)
+    return result
 
 
 def _token_bounds(store: RunStore) -> TokenBounds | None:

@@ -1,0 +1,451 @@
+"""Throughput on one device: the learner against a bare PyTorch loop, and the merge against memcpy.
+
+    python benchmarks/throughput.py [--quick] [--device auto] [--model tiny] [--batch 8] [--out out/]
+
+Side by side in one process, on the same device (``auto``: CUDA, then MPS, then CPU):
+
+* **(a) learner tokens/s vs a bare PyTorch loop**: the same model (same init), the same batch
+  size, the same data stream and the same AdamW + grad clip, with the same autocast. The bare
+  loop is just forward, backward, clip, step. The learner is :class:`atoll.train.learner.Learner`
+  on a run in a local folder: per-step lr schedule, counters, and with H = P a fragment published
+  on *every* step (delta on the device, one device-to-host copy, encode, sha256, payload + record
+  written create-once), plus its periodic inner-state saves. Blocks of steps alternate between the
+  two (bare, learner, bare, ...) and each side's median block counts, so drift on a noisy machine
+  hits both. Goal: learner >= 0.97x bare.
+* **(b) synchronizer merge + outer step in GB/s vs a memcpy of the same bytes**: M deltas of one
+  fragment (re-anchor, token weights, RDA or mean, Nesterov step; ``merge_on_device`` exactly as
+  the synchronizer calls it; half the deltas against an older base), its bytes counted as every
+  fp32 tensor the round has to read (M deltas, the current fragment, the older base, the momentum),
+  against ``dst.copy_(src)`` of that many bytes on the same device. Goal: >= 0.5x memcpy.
+* **(c) island scaling 1 -> 2 ranks**: the same learner as an island of 1 and of 2 ranks
+  (:mod:`atoll.train.island`: DDP inner steps, gloo on CPU, NCCL on CUDA; rank 0 publishes), each
+  rank with the same per-rank batch, timed inside the ranks after warm-up; scaling efficiency =
+  tokens/s(2 ranks) / (2 x tokens/s(1 rank)). On CUDA it needs 2 GPUs; on a CPU box each rank has
+  ``--threads`` threads, so it needs 2 free cores to mean anything.
+
+On CUDA it also reports MFU (model FLOPs utilisation: 6 N + 12 L d T FLOPs per token against the
+chip's dense bf16 peak; ``--peak-tflops`` for chips not in the table). Prints a table and writes
+``throughput.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atoll.core.config import DilocoConfig
+from atoll.core.outer import NesterovOuterOptimizer
+from atoll.core.synchronize import FragmentContribution
+from atoll.core.weights import Counters
+from atoll.storage.paths import to_url
+from atoll.train.data import BatchStream
+from atoll.train.device import autocast as autocast_context
+from atoll.train.device import resolve_device
+from atoll.train.learner import Learner
+from atoll.train.model import count_parameters, loss_fn
+from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step
+from atoll.train.run import create_run
+from atoll.train.synchronizer import merge_on_device
+
+PEAK_BF16_TFLOPS = {  # dense, no sparsity
+    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
+    "B200": 2250.0, "MI300X": 1307.0, "RTX 4090": 165.0, "V100": 125.0, "T4": 65.0,
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+# -- (a) learner vs bare loop --------------------------------------------------------------------
+
+@dataclass
+class LoopResult:
+    name: str
+    blocks: list[float] = field(default_factory=list)
+    """tokens/s of each timed block"""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(self.blocks)
+
+
+def make_run(root: Path, args: argparse.Namespace) -> tuple[str, Recipe]:
+    config = DilocoConfig(num_learners=1, num_fragments=args.fragments, inner_steps=args.fragments,
+                          overlap_steps=1, min_quorum=1)
+    recipe = Recipe(
+        model=args.model, data=DataSpec(max_corpus_mb=args.corpus_mb),
+        learners=(LearnerSpec(learner_id="learner-0", batch_size=args.batch, device=str(args.device),
+                              autocast=args.autocast),),
+        inner=InnerOptimConfig(lr=3e-3, warmup_steps=10, schedule="steps", total_steps=100_000),
+        max_rounds=1_000_000, eval_every_rounds=0, save_every_steps=args.save_every,
+    )
+    url = to_url(str(root / "run"))
+    create_run(url, config, recipe)
+    return url, recipe
+
+
+class BareLoop:
+    """The plain PyTorch loop: nothing of atoll but the model, the batches and the loss."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, autocast: str) -> None:
+        self.device, self.autocast = device, autocast
+        self.model = recipe.model_factory()().to(device)
+        self.model.train()
+        self.opt = recipe.inner.make(self.model.parameters())
+        self.inner = recipe.inner
+        self.batch = recipe.learners[0].batch_size
+        corpus = recipe.data.corpus()
+        self.stream = BatchStream(corpus.train, context_tokens=recipe.context_for(self.model), learner_index=0,
+                                  num_learners=1, seed=recipe.data.seed)
+        self.steps = 0
+
+    def step(self) -> int:
+        self.steps += 1
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at_step(self.inner, self.steps)
+        x, y = self.stream.next_batch(self.batch)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast_context(self.device, self.autocast):
+            loss = loss_fn(self.model, x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        self.opt.step()
+        return int(x.numel())
+
+
+def timed_block(step: Callable[[], int], steps: int, device: torch.device,
+                flush: Callable[[], None] | None = None) -> float:
+    """tokens/s of ``steps`` steps; ``flush`` (the background writer's) is inside the timing, so
+    writes that have not finished by the end of the block count against the block."""
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = sum(step() for _ in range(steps))
+    if flush is not None:
+        flush()
+    sync(device)
+    return tokens / (time.perf_counter() - t0)
+
+
+def publish_every_due_fragment() -> None:
+    """No synchronizer runs here, so no base ever moves, and a learner would back off to rarer
+    publishes (``publish_due``); keep the cadence of a learner whose synchronizer keeps up."""
+    import atoll.train.learner as learner_mod
+
+    learner_mod.publish_due = lambda c_steps, inner_steps: True
+
+
+def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[list[LoopResult], int]:
+    """Bare loop, the learner as run_learner runs it (contributions written in the background),
+    and the learner writing each contribution inside its step; blocks interleaved."""
+    from atoll.storage.bucket import RunStore
+
+    publish_every_due_fragment()
+    bare = None
+    learners = {}
+    for background in (True, False):
+        url, recipe = make_run(root / ("bg" if background else "fg"), args)
+        learners[background] = Learner(RunStore.open(url), "learner-0", log=lambda _: None,
+                                       publish_in_background=background)
+        bare = bare or BareLoop(recipe, device, args.autocast)
+    assert bare is not None
+
+    def stepper(learner: Learner) -> Callable[[], int]:
+        def step() -> int:
+            before = learner.tokens_total
+            learner.step()
+            if recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0:
+                learner.save()  # also waits for the contributions still being written
+            return learner.tokens_total - before
+        return step
+
+    loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
+             ("atoll learner, writes in the step", stepper(learners[False]))]
+    for _ in range(args.warmup):  # compile kernels, fill caches, allocate
+        for _, step in loops:
+            step()
+    learners[True].flush()
+    results = [LoopResult(name) for name, _ in loops]
+    for _ in range(args.blocks):
+        for res, (name, step) in zip(results, loops, strict=True):
+            flush = learners[True].flush if name == "atoll learner" else None
+            res.blocks.append(timed_block(step, args.block_steps, device, flush=flush))
+    return results, count_parameters(bare.model)
+
+
+def flops_per_token(model_spec: Any, params: int) -> float:
+    from atoll.train.model import MODEL_PRESETS, GPTConfig
+
+    cfg = MODEL_PRESETS[model_spec] if isinstance(model_spec, str) and model_spec in MODEL_PRESETS else None
+    if isinstance(model_spec, dict):
+        cfg = GPTConfig.from_dict(model_spec)
+    if cfg is None:
+        return 6.0 * params
+    if callable(cfg):
+        cfg = cfg()
+    return 6.0 * params + 12.0 * cfg.num_layers * cfg.embed_dim * cfg.context_tokens
+
+
+# -- (c) island scaling ---------------------------------------------------------------------------
+
+def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps: int, warmup: int,
+                 threads: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from atoll.storage.bucket import RunStore
+    from atoll.train.island import island_device
+
+    torch.set_num_threads(threads)
+    publish_every_due_fragment()
+    dev = island_device(device, rank)
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(dev))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        learner = Learner(RunStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank, world=world,
+                          lockstep=False, publish_in_background=rank == 0)
+        learner.forward_model = DistributedDataParallel(
+            learner.model, device_ids=[learner.device.index] if learner.device.type == "cuda" else None)
+        for _ in range(warmup):
+            learner.step()
+        learner.flush()
+        dist.barrier()
+        sync(learner.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            learner.step()
+        learner.flush()
+        sync(learner.device)
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            Path(out).write_text(str(steps * learner.spec.batch_size * world * learner.recipe.context_for(learner.model)
+                                     / elapsed))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_island(root: Path, args: argparse.Namespace, device: torch.device) -> list[tuple[int, float]]:
+    """tokens/s of the learner as an island of 1 and of ``--island-ranks`` ranks (same per-rank batch)."""
+    import torch.multiprocessing as mp
+
+    from atoll.train.island import free_port
+
+    results = []
+    for world in (1, args.island_ranks):
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            break
+        url, _ = make_run(root / f"island-{world}", args)
+        out = root / f"island-{world}.txt"
+        mp.spawn(_island_rank, nprocs=world, join=True,
+                 args=(world, url, str(device), free_port(), args.block_steps * 2, args.warmup, args.threads,
+                       str(out)))
+        results.append((world, float(out.read_text())))
+    return results
+
+
+# -- (b) merge vs memcpy -------------------------------------------------------------------------
+
+@dataclass
+class MergeResult:
+    name: str
+    gb_per_s: float
+    memcpy_gb_per_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.gb_per_s / self.memcpy_gb_per_s
+
+
+def _best_of(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_merge(args: argparse.Namespace, device: torch.device) -> list[MergeResult]:
+    """M contributions to one fragment of ``--fragment-mb`` MB (4 tensors), resident on ``device``."""
+    g = torch.Generator().manual_seed(0)
+    numel = int(args.fragment_mb * 2**20 / 4)
+    shapes = {"w0": numel // 2, "w1": numel // 4, "w2": numel // 8, "w3": numel - numel // 2 - numel // 4 - numel // 8}
+    current = {n: torch.randn(k, generator=g).to(device) for n, k in shapes.items()}
+    old = {n: (t + 0.01).to(device) for n, t in current.items()}
+    contributions = [
+        FragmentContribution(key=f"k{i}", learner_id=f"l{i}", base_version=3 if i % 2 else 2,
+                             counters=Counters(c_steps=8, c_tokens=8 * 1024 * (1 + i)),
+                             delta={n: (0.01 * torch.randn(k, generator=g)).to(device) for n, k in shapes.items()})
+        for i in range(args.contributions)
+    ]
+    # Every byte the round must read: the M deltas, the current fragment, the one older base that
+    # half of them re-anchor against, and the momentum buffer.
+    nbytes = (args.contributions + 3) * numel * 4
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    rules = ("rda", "mean")
+    opts = {}
+    for rule in rules:
+        opts[rule] = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+        opts[rule].buffers = {n: torch.zeros_like(t) for n, t in current.items()}
+
+    def merge(rule: str) -> None:
+        merge_on_device(device, current=current, bases={3: current, 2: old}, contributions=contributions,
+                        optimizer=opts[rule], merge=rule)
+
+    # Interleaved (memcpy, rda, mean, memcpy, ...): a busy machine slows all three alike.
+    times: dict[str, list[float]] = {"memcpy": [], **{r: [] for r in rules}}
+    for i in range(args.merge_repeats + 1):
+        for name in times:
+            t = _best_of(lambda: dst.copy_(src), 1, device) if name == "memcpy" else \
+                _best_of(lambda: merge(name), 1, device)  # noqa: B023 - called right here
+            if i:  # the first pass warms up (allocator, page faults, kernels)
+                times[name].append(t)
+    memcpy = nbytes / statistics.median(times["memcpy"]) / 1e9
+    out = [MergeResult(f"merge + outer step ({rule}, M={args.contributions})",
+                       nbytes / statistics.median(times[rule]) / 1e9, memcpy) for rule in rules]
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[float, float] | None,
+          island: list[tuple[int, float]]) -> str:
+    lines = [f"{'measure':<44} {'value':>14} {'baseline':>14} {'ratio':>7} {'goal':>7}"]
+    lines.append("-" * len(lines[0]))
+    bare, learner, inline = loops
+    ratio = learner.tokens_per_s / bare.tokens_per_s
+    lines.append(f"{'(a) learner tokens/s vs bare PyTorch loop':<44} {learner.tokens_per_s:>14,.0f} "
+                 f"{bare.tokens_per_s:>14,.0f} {ratio:>7.3f} {'>=0.97':>7}")
+    lines.append(f"{'    same, writing contributions in the step':<44} {inline.tokens_per_s:>14,.0f} "
+                 f"{bare.tokens_per_s:>14,.0f} {inline.tokens_per_s / bare.tokens_per_s:>7.3f}")
+    if mfu is not None:
+        lines.append(f"{'    MFU (learner / bare)':<44} {mfu[1]:>13.1%} {mfu[0]:>13.1%}")
+    for m in merges:
+        lines.append(f"{'(b) ' + m.name + ' GB/s':<44} {m.gb_per_s:>14.2f} {m.memcpy_gb_per_s:>14.2f} "
+                     f"{m.ratio:>7.3f} {'>=0.5':>7}")
+    if len(island) == 2:
+        (_, one), (n, many) = island
+        lines.append(f"{f'(c) island tokens/s, {n} ranks vs 1 rank':<44} {many:>14,.0f} {one:>14,.0f} "
+                     f"{many / one:>7.3f} {f'~{n}':>7}")
+        lines.append(f"{'    scaling efficiency':<44} {many / (n * one):>14.1%}")
+    else:
+        lines.append(f"{'(c) island scaling':<44} {'not measured (--island-ranks < 2, or too few GPUs)':>46}")
+    return "\n".join(lines)
+
+
+def plot(loops: list[LoopResult], merges: list[MergeResult], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    bare, learner = loops[0], loops[1]
+    a.boxplot([x.blocks for x in loops], tick_labels=["bare loop", "learner", "learner,\nwrites in step"])
+    a.set_ylabel("tokens/s per block")
+    a.set_title(f"(a) learner / bare = {learner.tokens_per_s / bare.tokens_per_s:.3f} (goal >= 0.97)")
+    names = ["memcpy"] + [m.name.split("(")[1].split(",")[0] for m in merges]
+    b.bar(names, [merges[0].memcpy_gb_per_s] + [m.gb_per_s for m in merges], color=["#888", "#2b6cb0", "#63b3ed"])
+    b.axhline(0.5 * merges[0].memcpy_gb_per_s, color="r", ls="--", label="goal: 0.5x memcpy")
+    b.set_ylabel("GB/s of fp32 inputs")
+    b.set_title("(b) merge + outer step vs memcpy")
+    b.legend()
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI size: micro model, few short blocks, a small fragment")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--model", default=None, help="model preset (default: tiny on CPU, small on CUDA)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on CPU, 16 on CUDA)")
+    p.add_argument("--autocast", default=None, help="'' or bf16 (default: bf16 on CUDA, off elsewhere)")
+    p.add_argument("--fragments", type=int, default=8, help="P = H: one fragment published every step")
+    p.add_argument("--save-every", type=int, default=50, help="learner inner-state save cadence (steps)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--blocks", type=int, default=7)
+    p.add_argument("--block-steps", type=int, default=20)
+    p.add_argument("--corpus-mb", type=float, default=2.0)
+    p.add_argument("--contributions", type=int, default=4, help="M deltas merged")
+    p.add_argument("--fragment-mb", type=float, default=None, help="fragment size (default 64 MB, 256 on CUDA)")
+    p.add_argument("--merge-repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: like one learner process)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="chip's dense bf16 peak, for MFU")
+    p.add_argument("--island-ranks", type=int, default=2, help="(c): ranks of the larger island (< 2: skip)")
+    p.add_argument("--out", default="out")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device, knob="--device")
+    args.device = device
+    cuda = device.type == "cuda"
+    if args.quick:
+        args.model = args.model or "micro"
+        args.batch = args.batch or 4
+        args.warmup, args.blocks, args.block_steps = 2, 3, 5
+        args.corpus_mb, args.merge_repeats = 2.0, 2
+        args.fragment_mb = args.fragment_mb or 4.0
+    args.model = args.model or ("small" if cuda else "tiny")
+    args.batch = args.batch or (16 if cuda else 8)
+    args.autocast = ("bf16" if cuda else "") if args.autocast is None else args.autocast
+    args.fragment_mb = args.fragment_mb or (256.0 if cuda else 64.0)
+
+    with tempfile.TemporaryDirectory(prefix="atoll-throughput-") as tmp:
+        loops, params = bench_learner(Path(tmp), args, device)
+        island = bench_island(Path(tmp), args, device) if args.island_ranks >= 2 else []
+    merges = bench_merge(args, device)
+    peak = peak_tflops(device, args.peak_tflops)
+    mfu = None
+    if peak:
+        fpt = flops_per_token(args.model, params)
+        mfu = (loops[0].tokens_per_s * fpt / (peak * 1e12), loops[1].tokens_per_s * fpt / (peak * 1e12))
+    name = torch.cuda.get_device_name(device) if cuda else f"{device.type} ({torch.get_num_threads()} threads, "\
+                                                          f"{os.cpu_count()} CPUs)"
+    print()
+    print(f"device {name}; model {args.model} ({params / 1e6:.2f} M params), batch {args.batch}, "
+          f"autocast {args.autocast or 'off'}, P = H = {args.fragments} (a publish every step); "
+          f"medians of {args.blocks} blocks x {args.block_steps} steps; fragment {args.fragment_mb:g} MB, "
+          f"M = {args.contributions}")
+    print(table(loops, merges, mfu=mfu, island=island))
+    print(f"plot: {plot(loops, merges, Path(args.out))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Where a learner or a synchronizer computes: device choice, autocast, and the one copy to the host.
+
+* :func:`resolve_device` turns a setting (``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``)
+  into a ``torch.device``; ``auto`` picks CUDA, then MPS, then the CPU. Asking for a device this
+  machine does not have is a :class:`DeviceError` that names the knob to change.
+* :func:`autocast` is the inner step's optional bf16 autocast (``autocast="bf16"``); parameters,
+  AdamW state, deltas and all outer-step math stay fp32.
+* :func:`fragment_to_host` moves a fragment's tensors to the host with **one** device-to-host copy
+  (flattened on the device, one :func:`copy_to_host`, then split into views on the host), which is
+  what a learner does once per publish and the synchronizer once per merged fragment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+__all__ = [
+    "AUTOCAST_CHOICES",
+    "DeviceError",
+    "autocast",
+    "check_autocast",
+    "copy_to_host",
+    "fragment_to_device",
+    "fragment_to_host",
+    "resolve_device",
+]
+
+AUTOCAST_CHOICES = ("", "bf16")
+"""Valid ``autocast`` settings: '' (off: fp32 everywhere) or 'bf16' (inner forward/backward)."""
+
+
+class DeviceError(ValueError):
+    """A device setting that this machine cannot honour (the message names the knob)."""
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(setting: str | torch.device | None, *, knob: str = "device") -> torch.device:
+    """The ``torch.device`` for ``setting``; ``None``/``""``/``"auto"``: cuda, then mps, then cpu.
+
+    ``knob`` names the setting in the error (e.g. ``LearnerSpec.device`` or ``--device``).
+    """
+    if isinstance(setting, torch.device):
+        name = str(setting)
+    else:
+        name = (setting or "auto").strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"{knob}={name!r} is not a device: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"{knob}={name!r} but CUDA is not available on this machine (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda or 'none'}): set {knob} to 'auto' or 'cpu', "
+                "or run this learner on a GPU pool with a CUDA build of torch"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"{knob}={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    if dev.type == "mps":
+        if not _mps_available():
+            raise DeviceError(f"{knob}={name!r} but MPS is not available on this machine: set {knob} to 'auto' or 'cpu'")
+        return dev
+    raise DeviceError(f"{knob}={name!r}: atoll supports 'auto', 'cpu', 'cuda[:N]' and 'mps'")
+
+
+def check_autocast(setting: str, *, knob: str = "autocast") -> str:
+    """Validate an autocast setting ('' or 'bf16'; 'none'/'off'/'fp32' mean '')."""
+    value = (setting or "").strip().lower()
+    if value in ("none", "off", "fp32", "false", "0"):
+        value = ""
+    if value not in AUTOCAST_CHOICES:
+        raise DeviceError(f"{knob}={setting!r}: use '' (off) or 'bf16'")
+    return value
+
+
+def autocast(device: torch.device, setting: str) -> contextlib.AbstractContextManager[None]:
+    """The inner step's forward pass context: bf16 autocast on ``device`` or nothing at all."""
+    if check_autocast(setting) == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def copy_to_host(flat: torch.Tensor) -> torch.Tensor:
+    """The single device-to-host copy of a flattened fragment (a no-op on the CPU).
+
+    Kept as its own function so the copy count is observable (tests wrap it)."""
+    return flat.cpu()
+
+
+def fragment_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (one dtype, any device) on the host, with one device-to-host copy.
+
+    The tensors are flattened into one buffer on their device, copied once, and split into
+    contiguous views of that host buffer with the original shapes. Values are unchanged bit for bit.
+    """
+    items = list(tensors.items())
+    if not items:
+        return {}
+    dtypes = {t.dtype for _, t in items}
+    if len(dtypes) != 1:
+        raise ValueError(f"fragment_to_host needs one dtype, got {sorted(map(str, dtypes))}")
+    flat = torch.cat([t.detach().reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1].detach().reshape(-1)
+    host = copy_to_host(flat)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, t in items:
+        n = t.numel()
+        out[name] = host[offset:offset + n].view(t.shape)
+        offset += n
+    return out
+
+
+def fragment_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` on ``device`` (the same tensors when they are already there: no copy on the CPU)."""
+    return {n: t.to(device, non_blocking=device.type == "cuda") for n, t in tensors.items()}

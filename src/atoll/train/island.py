@@ -1,0 +1,217 @@
+"""A learner as a torch.distributed group: one island, N ranks doing DDP inner steps.
+
+An island of ``LearnerSpec.ranks`` processes (one per local GPU, or gloo CPU processes) trains one
+learner's model data-parallel:
+
+* every rank builds the same :class:`~atoll.train.learner.Learner` from the bucket (reads only:
+  recipe, latest global state, the learner's saved inner state), so all start identical;
+* each inner step, every rank draws the island's batch (``ranks * batch_size`` windows, the same
+  data stream as a one-rank learner with that batch) and trains on its slice; DDP averages the
+  gradients, so the island takes the step one process would take on the whole batch (up to the
+  order of floating-point sums); the counters count the island's tokens;
+* **rank 0 does the bucket I/O**: it publishes the due fragment, polls for new commits, adopts
+  new global versions and saves the inner state. After each step it broadcasts what it adopted
+  (and the versions the lr schedule follows, and whether to stop); the other ranks receive the
+  adopted fragments' tensors by broadcast, so every rank holds the same weights again;
+* the island **fails as a unit**: the ranks are started with ``torch.multiprocessing.spawn``,
+  which stops every rank when one fails and raises in the launching process (the learner flow),
+  so orchestration relaunches the whole island, which rejoins from the bucket.
+
+:func:`run_island` is what the learner flow and ``python -m atoll.train.local learner`` call for
+a learner with ``ranks > 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from atoll.storage.bucket import RunStore
+from atoll.train.device import resolve_device
+from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, run_learner
+from atoll.train.run import load_recipe
+
+__all__ = ["island_device", "run_island", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def island_device(setting: str, rank: int) -> str:
+    """Rank ``rank``'s device: ``cuda:<rank>`` when the island runs on CUDA, else the setting."""
+    dev = resolve_device(setting, knob="device")
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{rank}"
+    return str(dev)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this rank when the launching process dies (the island fails as a unit)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: rank 0 also watches its parent pid in the loop
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class _RankZeroLink:
+    """Rank 0's side of the island inside :func:`~atoll.train.learner.run_learner` (which takes the
+    lease, heartbeats, handles SIGTERM, publishes, polls, adopts and saves, as for any learner)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._versions: list[int] = []
+
+    def attach(self, learner: Learner) -> None:
+        # The other ranks build their learner only now, after rank 0 took the lease (an older copy
+        # is fenced and saves nothing more), so they load the inner state rank 0 loaded; they check.
+        dist.broadcast_object_list([(learner.step_count, learner.stream.state_dict(), list(learner.versions))], src=0)
+        _wrap_ddp(learner)  # DDP also broadcasts rank 0's weights
+        self._versions = list(learner.versions)
+
+    def before_step(self, learner: Learner) -> None:
+        adopted = [p for p, (v, seen) in enumerate(zip(learner.versions, self._versions, strict=True)) if v != seen]
+        self._versions = list(learner.versions)
+        _send(learner, adopted, stop=False)
+
+    def finish(self, learner: Learner) -> None:
+        try:
+            _send(learner, [], stop=True)
+        except Exception:  # noqa: BLE001 - a rank is gone already: spawn stops the others
+            pass
+
+
+def _wrap_ddp(learner: Learner) -> None:
+    ids = [learner.device.index] if learner.device.type == "cuda" else None
+    learner.forward_model = DistributedDataParallel(learner.model, device_ids=ids)
+
+
+def _send(learner: Learner, adopted: list[int], *, stop: bool) -> None:
+    """Rank 0 -> every rank: go or stop, the versions the lr schedule follows, and the fragments
+    rank 0 adopted since the last step (their tensors follow, in plan order)."""
+    dist.broadcast_object_list([(stop, adopted, list(learner.versions))], src=0)
+    _broadcast_fragments(learner, adopted)
+
+
+def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
+    with torch.no_grad():
+        for p in fragments:
+            for name in learner.plan.fragments[p]:
+                dist.broadcast(learner.params[name].data, src=0)
+
+
+def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
+            device: str) -> None:
+    """Ranks 1..N-1: the same learner without bucket I/O; each step as rank 0 says."""
+    ready: list[Any] = [None]
+    dist.broadcast_object_list(ready, src=0)  # rank 0 holds the lease and has built its learner
+    step, cursor, versions = ready[0]
+    learner = Learner(store, learner_id, log=lambda _: None, lockstep=False, device=device,
+                      autocast=options.autocast, rank=rank, world=world)
+    if learner.step_count != step or learner.stream.state_dict() != cursor:
+        raise RuntimeError(f"island rank {rank} loaded step {learner.step_count} but rank 0 is at step {step}: "
+                           "the learner's saved state changed while the island started; it is relaunched")
+    learner.versions = list(versions)
+    _wrap_ddp(learner)
+    while True:
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0)
+        stop, adopted, versions = msg[0]
+        _broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
+        if stop:
+            return
+        learner.versions = list(versions)  # the lr schedule follows the run's progress
+        learner.step()  # DDP: the gradients are averaged over the island's ranks
+
+
+def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] | None, learner_id: str,
+               options: LearnerOptions, port: int, result_dir: str, parent_pid: int) -> None:
+    """One rank of the island (a spawned process). Rank 0 handles SIGTERM (forwarded by the
+    launcher) like any learner: it finishes the step, saves, and the island stops with it."""
+    _die_with_parent(parent_pid)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    store = RunStore.open(url, storage_options)
+    spec = load_recipe(store).learner(learner_id)[1]
+    device = island_device(options.device if options.device is not None else spec.device, rank)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank:
+            _follow(store, learner_id, options, rank=rank, world=world, device=device)
+            return
+        summary = run_learner(store, learner_id, options=dataclasses.replace(options, device=device),
+                              should_stop=lambda: os.getppid() != parent_pid, link=_RankZeroLink(world),
+                              log=lambda line: print(line, flush=True))
+        with open(os.path.join(result_dir, "summary.json"), "w") as f:
+            json.dump(dataclasses.asdict(summary), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_island(store: RunStore, learner_id: str, *, options: LearnerOptions | None = None,
+               ranks: int | None = None, storage_options: Mapping[str, Any] | None = None,
+               log: Callable[[str], None] = print) -> LearnerSummary:
+    """Train learner ``learner_id`` as an island of ``ranks`` processes (default: its recipe's ``ranks``).
+
+    Blocks until the island stops (the run is finished, or ``options.max_steps``); returns rank
+    0's summary. Any rank failing stops them all and raises here. Each rank opens the run at
+    ``store.url`` itself, with ``storage_options`` (credentials otherwise come from the environment,
+    which the ranks inherit).
+    """
+    import tempfile
+
+    options = options or LearnerOptions()
+    spec = load_recipe(store).learner(learner_id)[1]
+    world = int(ranks or spec.ranks)
+    if world < 1:
+        raise ValueError(f"an island needs >= 1 rank, got {world}")
+    log(f"{learner_id}: starting an island of {world} ranks")
+    with tempfile.TemporaryDirectory(prefix="atoll-island-") as tmp:
+        ctx = mp.start_processes(_rank_main, nprocs=world, join=False, start_method="spawn",
+                                 args=(world, store.url, dict(storage_options or {}) or None, learner_id, options,
+                                       free_port(), tmp, os.getpid()))
+        assert ctx is not None
+        previous = _forward_sigterm([p.pid for p in ctx.processes if p.pid is not None])
+        try:
+            while not ctx.join():  # raises (and stops every rank) as soon as one rank fails
+                pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        with open(os.path.join(tmp, "summary.json")) as f:
+            data = json.load(f)
+    return LearnerSummary(**data)
+
+
+def _forward_sigterm(pids: list[int]) -> Any:
+    """SIGTERM to the launcher goes to rank 0, which stops the island after its current step."""
+    if threading.current_thread() is not threading.main_thread() or not pids:
+        return None
+
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            os.kill(pids[0], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    return signal.signal(signal.SIGTERM, forward)

@@ -1,0 +1,247 @@
+"""Devices: the device setting, bf16 autocast of the inner steps, one device-to-host copy per publish,
+and the synchronizer's merge device. Runs on the CPU; the same code paths run unchanged on CUDA."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import atoll.train.device as device_mod
+import atoll.train.synchronizer as sync_mod
+from atoll.core.config import ConfigError
+from atoll.core.outer import NesterovOuterOptimizer
+from atoll.core.synchronize import FragmentContribution, synchronize_fragment
+from atoll.core.weights import Counters
+from atoll.storage.bucket import RunStore
+from atoll.train.device import DeviceError, fragment_to_host, resolve_device
+from atoll.train.learner import Learner
+from atoll.train.local import create_run, to_url
+from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
+from atoll.train.synchronizer import Synchronizer, SynchronizerOptions, merge_on_device
+
+
+def _expected_auto() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine has neither CUDA nor MPS (it has neither in CI; on a GPU box too)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device_mod, "_mps_available", lambda: False)
+
+
+def _run(root: Path, **learner_changes: object) -> RunStore:
+    config, recipe = smoke_recipe(2, max_rounds=20)
+    if learner_changes:
+        recipe = recipe.replace(learners=tuple(
+            LearnerSpec(**{**vars(s), **learner_changes}) for s in recipe.learners))  # type: ignore[arg-type]
+    return create_run(to_url(str(root / "run")), config, recipe)
+
+
+# -- the setting ----------------------------------------------------------------------------------
+
+def test_cpu_and_auto_resolve_to_cpu_without_an_accelerator(no_accelerator: None) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device(None) == torch.device("cpu") and resolve_device("") == torch.device("cpu")
+    assert resolve_device(" CPU ") == torch.device("cpu")
+
+
+def test_auto_prefers_cuda_then_mps(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("auto").type == _expected_auto()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device_mod, "_mps_available", lambda: True)
+    assert resolve_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+
+
+def test_cuda_without_cuda_names_the_knob(no_accelerator: None) -> None:
+    with pytest.raises(DeviceError, match=r"--device='cuda' but CUDA is not available.*set --device to 'auto' or 'cpu'"):
+        resolve_device("cuda", knob="--device")
+    with pytest.raises(DeviceError, match="mps"):
+        resolve_device("mps")
+    with pytest.raises(DeviceError, match="not a device"):
+        resolve_device("gpu0")
+
+
+def test_learner_device_comes_from_the_recipe_or_the_launch(tmp_path: Path, no_accelerator: None) -> None:
+    store = _run(tmp_path, device="cuda")
+    with pytest.raises(DeviceError, match=r"LearnerSpec.device of learner-0.*'cuda' but CUDA is not available"):
+        Learner(store, "learner-0", log=lambda _: None)
+    with pytest.raises(DeviceError, match=r"LearnerOptions.device, the learner flow's `device` parameter"):
+        Learner(store, "learner-0", log=lambda _: None, device="cuda:0")
+    learner = Learner(store, "learner-0", log=lambda _: None, device="auto")  # the launch overrides the recipe
+    assert learner.device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in learner.model.parameters())
+
+
+def test_recipe_validates_and_round_trips_the_device_fields() -> None:
+    with pytest.raises(ConfigError, match="device"):
+        LearnerSpec(learner_id="a", device="quantum")
+    with pytest.raises(ConfigError, match="autocast"):
+        LearnerSpec(learner_id="a", autocast="fp8")
+    spec = LearnerSpec(learner_id="a", device="cuda:1", autocast="bf16")  # valid on any machine
+    recipe = Recipe(learners=(spec,))
+    assert Recipe.from_dict(recipe.to_dict()).learners[0] == spec
+    # Runs written before these fields existed load with the defaults.
+    old = recipe.to_dict()
+    for s in old["learners"]:
+        del s["device"], s["autocast"]
+    assert Recipe.from_dict(old).learners[0].device == "auto"
+
+
+# -- one copy per publish -----------------------------------------------------------------------
+
+def test_fragment_to_host_is_one_copy_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = device_mod.copy_to_host
+    monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: calls.append(flat.numel()) or real(flat))
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g), "c": torch.randn(2, 2, 2, generator=g)}
+    host = fragment_to_host(tensors)
+    assert calls == [12 + 5 + 8]
+    assert list(host) == ["a", "b", "c"]
+    for n, t in tensors.items():
+        assert host[n].shape == t.shape and host[n].is_contiguous() and torch.equal(host[n], t)
+    assert len({h.untyped_storage().data_ptr() for h in host.values()}) == 1  # views of one host buffer
+    with pytest.raises(ValueError, match="one dtype"):
+        fragment_to_host({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16)})
+
+
+def test_each_publish_makes_exactly_one_device_to_host_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _run(tmp_path)
+    learner = Learner(store, "learner-0", log=lambda _: None, device="cpu")
+    calls: list[int] = []
+    real = device_mod.copy_to_host
+    monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: calls.append(flat.numel()) or real(flat))
+    for _ in range(6):
+        learner.step()
+    assert learner.summary.published == 6  # H = P = 2: one fragment due every step
+    sizes = [store.plan.fragment_numel(p) for p in (1, 0, 1, 0, 1, 0)]
+    assert calls == sizes
+
+
+# -- bf16 autocast ------------------------------------------------------------------------------
+
+def test_bf16_autocast_trains_and_publishes_finite_fp32_deltas(tmp_path: Path) -> None:
+    store = _run(tmp_path / "bf16")
+    mixed = Learner(store, "learner-0", log=lambda _: None, autocast="bf16")
+    ref = Learner(_run(tmp_path / "fp32"), "learner-0", log=lambda _: None)  # same start, same data, fp32
+    for _ in range(8):
+        mixed.step()
+        ref.step()
+    assert mixed.autocast == "bf16" and ref.autocast == ""
+    assert all(math.isfinite(x) for x in mixed.summary.losses)
+    assert mixed.summary.losses != ref.summary.losses  # autocast really ran in lower precision
+    assert abs(mixed.summary.losses[-1] - ref.summary.losses[-1]) < 0.1  # ... and trains the same model
+    assert mixed.summary.losses[-1] < mixed.summary.losses[0]
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in mixed.opt.state.values())
+    records = store.list_contributions(0, {0}).records
+    assert records and {r.learner_id for r in records} == {"learner-0"}
+    contributions, bad = store.load_contributions(records)
+    assert not bad
+    for c in contributions:
+        for t in c.delta.values():
+            assert t.dtype == torch.float32 and bool(torch.isfinite(t).all())
+        assert any(float(t.abs().max()) > 0 for t in c.delta.values())
+
+
+def test_autocast_can_be_set_in_the_recipe(tmp_path: Path) -> None:
+    store = _run(tmp_path, autocast="bf16")
+    assert Learner(store, "learner-0", log=lambda _: None).autocast == "bf16"
+    assert Learner(store, "learner-0", log=lambda _: None, autocast="").autocast == ""
+
+
+# -- the synchronizer's merge device -------------------------------------------------------------
+
+def _round_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    current = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    old = {n: t - 0.01 * torch.randn(t.shape, generator=g) for n, t in current.items()}
+    contributions = [
+        FragmentContribution(key=f"k{i}", learner_id=f"l{i}", base_version=3 if i else 2,
+                             counters=Counters(c_steps=4 + i, c_tokens=100 * (4 + i)),
+                             delta={n: 0.1 * torch.randn(t.shape, generator=g) for n, t in current.items()})
+        for i in range(3)
+    ]
+    return current, {3: current, 2: old}, contributions
+
+
+def test_merge_on_a_device_equals_the_cpu_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transfer path of merge_on_device, with the device copy stood in by a CPU clone (the
+    code path a CUDA synchronizer takes; a CUDA machine runs it for real)."""
+    current, bases, contributions = _round_inputs()
+    momentum = {"momentum.w": torch.randn(16, 8), "momentum.b": torch.randn(8)}
+    ref_opt = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+    ref_opt.load_state_dict(momentum)
+    ref = synchronize_fragment(current=current, bases=bases, contributions=contributions, optimizer=ref_opt)
+
+    moved: list[int] = []
+
+    def to_device(tensors, device):
+        moved.append(len(tensors))
+        return {n: t.clone() for n, t in tensors.items()}
+
+    copies: list[int] = []
+    real = device_mod.copy_to_host
+    monkeypatch.setattr(sync_mod, "fragment_to_device", to_device)
+    monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: copies.append(flat.numel()) or real(flat))
+    opt = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+    opt.load_state_dict(momentum)
+    out = merge_on_device(torch.device("cuda"), current=current, bases=bases, contributions=contributions,
+                          optimizer=opt)
+    assert ref is not None and out is not None
+    assert moved and len(copies) == 3  # new params, update, momentum: one copy each
+    for n in current:
+        assert torch.equal(out.new_params[n], ref.new_params[n])
+        assert torch.equal(opt.buffers[n], ref_opt.buffers[n]) and opt.buffers[n].device.type == "cpu"
+    assert out.weights == ref.weights
+
+
+def test_synchronizer_device_option(tmp_path: Path, no_accelerator: None) -> None:
+    store = _run(tmp_path)
+    assert Synchronizer(store).device == torch.device("cpu")  # default: cpu, as before
+    assert Synchronizer(store, options=SynchronizerOptions(device="auto")).device == torch.device("cpu")
+    with pytest.raises(DeviceError, match="SynchronizerOptions.device"):
+        Synchronizer(store, options=SynchronizerOptions(device="cuda"))
+
+
+# -- publishing in the background -----------------------------------------------------------------
+
+def test_background_publishing_writes_the_same_contributions(tmp_path: Path) -> None:
+    stores = [_run(tmp_path / "sync"), _run(tmp_path / "background")]
+    sync = Learner(stores[0], "learner-0", log=lambda _: None)
+    background = Learner(stores[1], "learner-0", log=lambda _: None, publish_in_background=True)
+    for _ in range(7):
+        sync.step()
+        background.step()
+    background.flush()
+    for p in (0, 1):
+        a, b = (sorted((r.base_version, r.c_steps, r.c_tokens, r.payload.sha256, r.info["step"])
+                       for r in s.list_contributions(p, {0}).records) for s in stores)
+        assert a == b and len(a) >= 3
+
+
+def test_a_failed_background_write_stops_the_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = Learner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    assert learner.publisher is not None
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("bucket unreachable")
+
+    monkeypatch.setattr(learner.publisher.store, "publish_contribution", broken)
+    learner.step()  # submitted; the write fails in the background
+    with pytest.raises(OSError, match="bucket unreachable"):
+        learner.flush()
+    with pytest.raises(OSError, match="bucket unreachable"):
+        learner.step()
