@@ -1,8 +1,9 @@
-"""A learner as a torch.distributed group (gloo on CPU): an island of ranks doing DDP inner steps."""
+"""A learner as a torch.distributed group (gloo on CPU): an island of ranks doing DDP or FSDP2 inner steps."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -28,7 +29,9 @@ published over 6 AdamW steps (entries of about 1e-2): per tensor, ||island - sin
 ||single||, and no entry differs by more than 1e-4. DDP averages the two ranks' mean gradients
 where one rank takes the mean over the whole batch: the same sum in another order. AdamW's
 normalised update amplifies that rounding where a gradient entry is near zero, so single entries
-differ by up to ~1e-5 (measured), while the relative L2 error stays around 1e-5."""
+differ by up to ~1e-5 (measured), while the relative L2 error stays around 1e-5. FSDP2
+(``shard="fsdp2"``) reduce-scatters the same averaged gradients into shards: the same tolerance
+holds, for the deltas and for the saved AdamW moments."""
 
 
 def _run(root: Path, learners: tuple[LearnerSpec, ...], *, rounds: int = 100) -> RunStore:
@@ -52,8 +55,9 @@ def _published(store: RunStore, learner_id: str) -> dict[tuple[int, int], dict[s
     return out
 
 
-def test_two_rank_island_matches_one_rank_with_the_doubled_batch(tmp_path: Path) -> None:
-    island = _run(tmp_path / "island", (LearnerSpec(learner_id="l0", batch_size=2, ranks=2),))
+@pytest.mark.parametrize("shard", ["ddp", "fsdp2"])
+def test_two_rank_island_matches_one_rank_with_the_doubled_batch(tmp_path: Path, shard: str) -> None:
+    island = _run(tmp_path / "island", (LearnerSpec(learner_id="l0", batch_size=2, ranks=2, shard=shard),))
     single = _run(tmp_path / "single", (LearnerSpec(learner_id="l0", batch_size=4),))
     options = LearnerOptions(max_steps=STEPS, threads=1, lockstep=False)  # K = M = 1: lock-step otherwise
     summary = run_island(island, "l0", options=options, log=lambda _: None)
@@ -72,7 +76,29 @@ def test_two_rank_island_matches_one_rank_with_the_doubled_batch(tmp_path: Path)
     # Rank 0 saved the island's inner state: step counter and tokens of the whole island.
     saved = island.load_learner_state("l0")
     assert saved is not None and saved.meta["step"] == STEPS and saved.meta["tokens"] == STEPS * 4 * 64
+    # ... in the one-rank layout (FSDP2: gathered from the shards), with the reference's moments.
+    one.save()
+    ref = single.load_learner_state("l0")
+    assert ref is not None and set(saved.tensors) == set(ref.tensors)
+    for name, b in ref.tensors.items():
+        a = saved.tensors[name]
+        assert a.shape == b.shape, name
+        assert float((a - b).norm()) <= REL_L2 * float(b.norm()) + 1e-12, name
+        assert float((a - b).abs().max()) <= MAX_ABS * max(1.0, float(b.abs().max())), name
 
+
+def test_an_fsdp2_island_rejoins_from_its_saved_state(tmp_path: Path) -> None:
+    store = _run(tmp_path, (LearnerSpec(learner_id="l0", batch_size=2, ranks=2, shard="fsdp2"),))
+    options = LearnerOptions(max_steps=3, threads=1, lockstep=False)
+    first = run_island(store, "l0", options=options, log=lambda _: None)
+    assert not first.resumed_inner_state
+    before = store.load_learner_state("l0")
+    assert before is not None and before.meta["step"] == 3
+    again = run_island(store, "l0", options=options, log=lambda _: None)  # loads it, shards it, trains on
+    assert again.resumed_inner_state and again.steps == 3
+    after = store.load_learner_state("l0")
+    assert after is not None and after.meta["step"] == 6
+    assert float(after.tensors["adamw.tok_emb.weight.step"][0]) == 6.0  # AdamW's step went on from 3
 
 def test_token_bounds_count_every_rank() -> None:
     recipe = Recipe(model="micro", learners=(LearnerSpec(learner_id="a", batch_size=3, ranks=4),
@@ -82,9 +108,10 @@ def test_token_bounds_count_every_rank() -> None:
     assert island_device("cpu", 1) == "cpu"
 
 
-def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shard", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp_path: Path, shard: str) -> None:
     store = _run(tmp_path, (LearnerSpec(learner_id="solo", batch_size=2),
-                            LearnerSpec(learner_id="pair", batch_size=2, ranks=2)), rounds=16)
+                            LearnerSpec(learner_id="pair", batch_size=2, ranks=2, shard=shard)), rounds=16)
     with LocalRun(store.url, log_dir=tmp_path / "logs") as run:
         run.start_learner("solo")
         run.start_learner("pair")
@@ -114,6 +141,12 @@ def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp
             assert w["pair"] / w["solo"] == pytest.approx(raw["pair"] / raw["solo"])
     assert both >= 1, [[(a.learner_id, a.c_tokens) for a in r.accepted] for r in history]
     assert any(a.learner_id == "pair" for r in history for a in r.accepted)
+    # The island adopted new global versions (and kept publishing against them).
+    log = (tmp_path / "logs" / "pair.log").read_text()
+    aligned = re.search(r"exited \(.*\) at step \d+ \((\d+) published, (\d+) aligned\)", log)
+    assert aligned is not None and int(aligned.group(2)) >= 1, log[-3000:]
+    bases = {a.base_version for r in history for a in r.accepted if a.learner_id == "pair"}
+    assert max(bases) >= 1, bases  # a contribution against a version the island adopted
 
 
 def _children(pid: int) -> list[int]:

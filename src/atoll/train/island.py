@@ -1,4 +1,4 @@
-"""A learner as a torch.distributed group: one island, N ranks doing DDP inner steps.
+"""A learner as a torch.distributed group: one island, N ranks doing DDP (or FSDP2) inner steps.
 
 An island of ``LearnerSpec.ranks`` processes (one per local GPU, or gloo CPU processes) trains one
 learner's model data-parallel:
@@ -13,6 +13,15 @@ learner's model data-parallel:
   new global versions and saves the inner state. After each step it broadcasts what it adopted
   (and the versions the lr schedule follows, and whether to stop); the other ranks receive the
   adopted fragments' tensors by broadcast, so every rank holds the same weights again;
+* with ``LearnerSpec.shard = "fsdp2"`` the model is wrapped with
+  ``torch.distributed.fsdp.fully_shard`` (each block of every ``nn.ModuleList``, then the root)
+  instead of DDP: parameters, gradients, AdamW state and the learner's bases are DTensor shards.
+  Every rank then takes part in what touches them: a publish gathers the due fragment's delta
+  (``full_tensor()``) on every rank and rank 0 writes it; a fragment rank 0 adopted is scattered
+  from rank 0 into every rank's shards (``distribute_tensor``) before the next step; a save gathers
+  the full AdamW state on rank 0 (``get_optimizer_state_dict`` with ``full_state_dict``) in the same
+  layout a one-rank learner saves, and a rejoin distributes it back. Every rank loads the global
+  state of the round rank 0 started from, so their shards agree;
 * the island **fails as a unit**: the ranks are started with ``torch.multiprocessing.spawn``,
   which stops every rank when one fails and raises in the launching process (the learner flow),
   so orchestration relaunches the whole island, which rejoins from the bucket.
@@ -35,11 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from atoll.storage.bucket import RunStore
 from atoll.train.device import resolve_device
-from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, run_learner
+from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, inner_state_tensors, run_learner
 from atoll.train.run import load_recipe
 
 __all__ = ["island_device", "run_island", "free_port"]
@@ -75,27 +87,47 @@ class _RankZeroLink:
     """Rank 0's side of the island inside :func:`~atoll.train.learner.run_learner` (which takes the
     lease, heartbeats, handles SIGTERM, publishes, polls, adopts and saves, as for any learner)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, shard: str = "ddp") -> None:
         self.world = world
+        self.shard = shard
         self._versions: list[int] = []
+        self._final: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._stopped = False
 
     def attach(self, learner: Learner) -> None:
         # The other ranks build their learner only now, after rank 0 took the lease (an older copy
         # is fenced and saves nothing more), so they load the inner state rank 0 loaded; they check.
-        dist.broadcast_object_list([(learner.step_count, learner.stream.state_dict(), list(learner.versions))], src=0)
-        _wrap_ddp(learner)  # DDP also broadcasts rank 0's weights
+        dist.broadcast_object_list([(learner.step_count, learner.stream.state_dict(), list(learner.versions),
+                                     learner.start_round)], src=0)
+        if self.shard == "fsdp2":
+            _wrap_fsdp2(learner)
+            learner.gather_inner_state = lambda: self._gather(learner)
+        else:
+            _wrap_ddp(learner)  # DDP also broadcasts rank 0's weights
         self._versions = list(learner.versions)
 
     def before_step(self, learner: Learner) -> None:
         adopted = [p for p, (v, seen) in enumerate(zip(learner.versions, self._versions, strict=True)) if v != seen]
         self._versions = list(learner.versions)
-        _send(learner, adopted, stop=False)
+        _send(learner, adopted, command="step")
 
-    def finish(self, learner: Learner) -> None:
+    def _gather(self, learner: Learner) -> dict[str, torch.Tensor]:
+        """FSDP2: the island's full AdamW state on rank 0 (the other ranks join the gather)."""
+        if self._stopped:  # the final save, after the loop: gathered by finish()
+            if self._final is None or self._final[0] != learner.step_count:
+                raise RuntimeError("the island stopped without gathering its final state")
+            return self._final[1]
+        _send(learner, [], command="save")
+        return _full_inner_state(learner)
+
+    def finish(self, learner: Learner, *, clean: bool) -> None:
         try:
-            _send(learner, [], stop=True)
+            if clean and self.shard == "fsdp2":  # rank 0 saves next: gather while every rank is here
+                self._final = (learner.step_count, self._gather(learner))
+            self._stopped = True
+            _send(learner, [], command="stop")
         except Exception:  # noqa: BLE001 - a rank is gone already: spawn stops the others
-            pass
+            self._stopped = True
 
 
 def _wrap_ddp(learner: Learner) -> None:
@@ -103,42 +135,105 @@ def _wrap_ddp(learner: Learner) -> None:
     learner.forward_model = DistributedDataParallel(learner.model, device_ids=ids)
 
 
-def _send(learner: Learner, adopted: list[int], *, stop: bool) -> None:
-    """Rank 0 -> every rank: go or stop, the versions the lr schedule follows, and the fragments
-    rank 0 adopted since the last step (their tensors follow, in plan order)."""
-    dist.broadcast_object_list([(stop, adopted, list(learner.versions))], src=0)
+def _wrap_fsdp2(learner: Learner) -> None:
+    """Shard the learner's model with FSDP2 (every rank, collectively) and move its bases and the
+    AdamW state it loaded into DTensor shards of the same layout (each rank keeps its slice: all
+    ranks loaded the same values). The optimizer is rebuilt on the sharded parameters."""
+    model = learner.model
+    loaded = {name: learner.opt.state.get(p, {}) for name, p in learner.params.items()}
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                if any(True for _ in block.parameters()):
+                    fully_shard(block)
+    fully_shard(model)
+    learner.forward_model = model
+    learner.params = dict(model.named_parameters())
+    learner.sharded = True
+
+    def shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        assert isinstance(param, DTensor)
+        full = value.detach().to(device=param.device, dtype=param.dtype)
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+    with torch.no_grad():
+        learner.bases = [{n: shard_like(t, learner.params[n]) for n, t in base.items()} for base in learner.bases]
+    learner.opt = learner.recipe.inner.make(model.parameters())
+    for name, p in learner.params.items():
+        st = loaded.get(name)
+        if st:
+            learner.opt.state[p] = {"step": torch.as_tensor(st["step"]).detach().clone(),
+                                    "exp_avg": shard_like(st["exp_avg"], p),
+                                    "exp_avg_sq": shard_like(st["exp_avg_sq"], p)}
+
+
+def _full_inner_state(learner: Learner) -> dict[str, torch.Tensor]:
+    """FSDP2, every rank: gather the AdamW state to rank 0's host (empty on the other ranks)."""
+    sd = get_optimizer_state_dict(learner.model, learner.opt,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state: Any = sd.get("state", {})
+    return inner_state_tensors(state) if learner.rank == 0 else {}
+
+
+def _send(learner: Learner, adopted: list[int], *, command: str) -> None:
+    """Rank 0 -> every rank: "step", "save" (gather the AdamW state) or "stop", the versions the
+    lr schedule follows, and the fragments rank 0 adopted since the last step (their tensors follow,
+    in plan order)."""
+    dist.broadcast_object_list([(command, adopted, list(learner.versions))], src=0)
     _broadcast_fragments(learner, adopted)
 
 
 def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
+    """Every rank: take rank 0's value of each fragment in ``fragments`` (AdamW moments stay)."""
     with torch.no_grad():
         for p in fragments:
+            if not learner.sharded:
+                for name in learner.plan.fragments[p]:
+                    dist.broadcast(learner.params[name].data, src=0)
+                continue
+            # FSDP2: rank 0 holds the adopted values (host); it scatters them into every rank's
+            # shards, which also become the fragment's base. The counters restart on every rank.
+            values = learner.unwritten.pop(p, {}) if learner.rank == 0 else {}
             for name in learner.plan.fragments[p]:
-                dist.broadcast(learner.params[name].data, src=0)
+                param = learner.params[name]
+                assert isinstance(param, DTensor)
+                src = values[name].to(device=param.device, dtype=param.dtype) if learner.rank == 0 else \
+                    torch.empty(param.shape, device=param.device, dtype=param.dtype)
+                shard = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=0)
+                param.copy_(shard)
+                learner.bases[p][name] = shard
+            if learner.rank != 0:
+                learner.counters.reset(p, learner.versions[p])
 
 
 def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
-            device: str) -> None:
+            device: str, shard: str) -> None:
     """Ranks 1..N-1: the same learner without bucket I/O; each step as rank 0 says."""
     ready: list[Any] = [None]
     dist.broadcast_object_list(ready, src=0)  # rank 0 holds the lease and has built its learner
-    step, cursor, versions = ready[0]
+    step, cursor, versions, start_round = ready[0]
     learner = Learner(store, learner_id, log=lambda _: None, lockstep=False, device=device,
-                      autocast=options.autocast, rank=rank, world=world)
+                      autocast=options.autocast, rank=rank, world=world, start_round=start_round)
     if learner.step_count != step or learner.stream.state_dict() != cursor:
         raise RuntimeError(f"island rank {rank} loaded step {learner.step_count} but rank 0 is at step {step}: "
                            "the learner's saved state changed while the island started; it is relaunched")
     learner.versions = list(versions)
-    _wrap_ddp(learner)
+    if shard == "fsdp2":
+        _wrap_fsdp2(learner)
+    else:
+        _wrap_ddp(learner)
     while True:
         msg: list[Any] = [None]
         dist.broadcast_object_list(msg, src=0)
-        stop, adopted, versions = msg[0]
-        _broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
-        if stop:
-            return
+        command, adopted, versions = msg[0]
         learner.versions = list(versions)  # the lr schedule follows the run's progress
-        learner.step()  # DDP: the gradients are averaged over the island's ranks
+        _broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
+        if command == "stop":
+            return
+        if command == "save":  # FSDP2: rank 0 saves; every rank joins the gather
+            _full_inner_state(learner)
+            continue
+        learner.step()  # DDP / FSDP2: the gradients are averaged over the island's ranks
 
 
 def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] | None, learner_id: str,
@@ -157,10 +252,10 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         if rank:
-            _follow(store, learner_id, options, rank=rank, world=world, device=device)
+            _follow(store, learner_id, options, rank=rank, world=world, device=device, shard=spec.shard)
             return
         summary = run_learner(store, learner_id, options=dataclasses.replace(options, device=device),
-                              should_stop=lambda: os.getppid() != parent_pid, link=_RankZeroLink(world),
+                              should_stop=lambda: os.getppid() != parent_pid, link=_RankZeroLink(world, spec.shard),
                               log=lambda line: print(line, flush=True))
         with open(os.path.join(result_dir, "summary.json"), "w") as f:
             json.dump(dataclasses.asdict(summary), f)
@@ -185,7 +280,7 @@ def run_island(store: RunStore, learner_id: str, *, options: LearnerOptions | No
     world = int(ranks or spec.ranks)
     if world < 1:
         raise ValueError(f"an island needs >= 1 rank, got {world}")
-    log(f"{learner_id}: starting an island of {world} ranks")
+    log(f"{learner_id}: starting an island of {world} ranks ({spec.shard})")
     with tempfile.TemporaryDirectory(prefix="atoll-island-") as tmp:
         ctx = mp.start_processes(_rank_main, nprocs=world, join=False, start_method="spawn",
                                  args=(world, store.url, dict(storage_options or {}) or None, learner_id, options,

@@ -35,14 +35,14 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from atoll.core.align import LearnerCounters, align_fragment
-from atoll.core.pseudograd import learner_delta
+from atoll.core.pseudograd import check_same_layout, learner_delta
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
@@ -190,8 +190,9 @@ class IslandLink(Protocol):
     def before_step(self, learner: Learner) -> None:
         """Before every step: the other ranks learn to take it, with what rank 0 adopted since."""
 
-    def finish(self, learner: Learner) -> None:
-        """When the loop ends, for any reason: the other ranks stop."""
+    def finish(self, learner: Learner, *, clean: bool) -> None:
+        """When the loop ends, for any reason: the other ranks stop. ``clean``: the loop ended
+        without an error (rank 0 may save next: a sharded island gathers its state first)."""
 
 
 class FetchError(RuntimeError):
@@ -262,16 +263,22 @@ class _Fetcher(threading.Thread):
             ) from self.failed
 
 
-def _save_inner_state(store: RunStore, learner_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                      step: int, cursor: dict[str, Any], tokens: int) -> None:
+def inner_state_tensors(states: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """AdamW state by parameter name -> the saved layout (``adamw.<name>.exp_avg`` …, fp32, host).
+
+    The layout does not depend on how the island was sharded: a DDP island can rejoin as FSDP2
+    and back."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        st = opt.state.get(p)
+    for name, st in states.items():
         if st:
             tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous().cpu()
             tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous().cpu()
             tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
-    store.save_learner_state(learner_id, tensors, {"step": step, "cursor": cursor, "tokens": tokens})
+    return tensors
+
+
+def _local_inner_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return inner_state_tensors({name: opt.state.get(p, {}) for name, p in model.named_parameters()})
 
 
 def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -313,7 +320,7 @@ class Learner:
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
                  lockstep: bool | None = None, incarnation: int = 0, device: str | None = None,
                  autocast: str | None = None, publish_in_background: bool = False, rank: int = 0,
-                 world: int = 1) -> None:
+                 world: int = 1, start_round: int | None = None) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.incarnation = incarnation
         """The lease incarnation every contribution carries (0: no lease)."""
@@ -336,6 +343,14 @@ class Learner:
         # only rank 0 publishes.
         self.rank, self.world = rank, world
         self.forward_model: torch.nn.Module = self.model
+        self.sharded = False
+        """An FSDP2 island: parameters, bases and AdamW state are DTensor shards; publishing gathers
+        the due fragment's delta on every rank, and adopted fragments wait in ``unwritten`` until
+        the ranks write them into their shards together (atoll.train.island)."""
+        self.unwritten: dict[int, dict[str, torch.Tensor]] = {}
+        """Sharded only: fragments adopted by rank 0 and not yet written into the shards."""
+        self.gather_inner_state: Callable[[], dict[str, torch.Tensor]] | None = None
+        """Sharded only (rank 0): the island's full AdamW state in the saved layout (collective)."""
         self.params = dict(self.model.named_parameters())
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
@@ -344,7 +359,7 @@ class Learner:
         self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
                                   learner_index=self.index, num_learners=self.config.num_learners,
                                   seed=self.recipe.data.seed, interleave=self.recipe.data.shard == "interleaved")
-        self.start_round = store.latest_round()
+        self.start_round = store.latest_round() if start_round is None else start_round
         state = store.read_global_state(self.start_round)
         with torch.no_grad():
             for name, p in self.params.items():
@@ -419,12 +434,17 @@ class Learner:
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
-        if p is not None and self.rank == 0 and self.counters.fragments[p].c_steps > 0 and publish_due(
+        if p is not None and (self.rank == 0 or self.sharded) and self.counters.fragments[p].c_steps > 0 and publish_due(
                 self.counters.fragments[p].c_steps, self.config.inner_steps):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives and reaches the host in one copy.
-            delta = fragment_to_host(learner_delta(self.bases[p], self.plan.select(self.params, p)))
+            delta_dev = learner_delta(self.bases[p], self.plan.select(self.params, p))
+            if self.sharded:  # each rank holds a shard of the delta: every rank gathers (collective)
+                delta_dev = {n: d.full_tensor() for n, d in delta_dev.items()}  # type: ignore[attr-defined]
+                if self.rank != 0:
+                    return
+            delta = fragment_to_host(delta_dev)
             info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
             if self.publisher is not None:  # written in the background (the guard is asked right before)
@@ -451,6 +471,13 @@ class Learner:
         """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
         if round_ <= self.versions[fragment]:
             return False
+        if self.sharded:  # written into every rank's shards before the next step (atoll.train.island)
+            check_same_layout(self.plan.select(self.params, fragment), tensors, what=f"global fragment {fragment}")
+            self.unwritten[fragment] = dict(tensors)
+            self.counters.reset(fragment, round_)
+            self.versions[fragment] = round_
+            self.summary.aligned += 1
+            return True
         base = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment, version=round_)
         self.bases[fragment] = fragment_to_device(base, self.device)
         self.versions[fragment] = round_
@@ -478,8 +505,11 @@ class Learner:
         Contributions still being written go first: a saved step never runs ahead of what the
         bucket holds from this learner."""
         self.flush()
-        _save_inner_state(self.store, self.learner_id, self.model, self.opt, self.step_count,
-                          self.stream.state_dict(), self.tokens_total)
+        tensors = self.gather_inner_state() if self.gather_inner_state is not None else \
+            _local_inner_state(self.model, self.opt)
+        self.store.save_learner_state(self.learner_id, tensors, {"step": self.step_count,
+                                                                 "cursor": self.stream.state_dict(),
+                                                                 "tokens": self.tokens_total})
 
     def progress_line(self) -> str:
         ms = (self.step_ema or 0.0) * 1000
@@ -586,6 +616,7 @@ def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: Le
         return None
 
     reason: str | None = None
+    clean = False
     try:
         while True:
             keeper.tick(learner.step_count)
@@ -610,9 +641,10 @@ def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: Le
                 learner.save()
             if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
                 log(learner.progress_line())
+        clean = True
     finally:
         if link is not None:  # the other ranks stop with rank 0 (however this loop ends)
-            link.finish(learner)
+            link.finish(learner, clean=clean)
         fetcher.stop.set()
         fetcher.join(timeout=5)
     details = {"finished": f"finished: round {fetcher.latest_round} of {recipe.max_rounds} committed",

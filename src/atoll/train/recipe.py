@@ -23,6 +23,7 @@ from atoll.train.device import DeviceError, check_autocast
 __all__ = [
     "InnerOptimConfig",
     "LearnerSpec",
+    "SHARD_CHOICES",
     "DataSpec",
     "Recipe",
     "lr_at_step",
@@ -104,6 +105,10 @@ def lr_at_step(cfg: InnerOptimConfig, step: int, progress: float | None = None) 
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+SHARD_CHOICES = ("ddp", "fsdp2")
+"""Valid ``LearnerSpec.shard`` settings."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LearnerSpec:
     """One island: who it is and how it differs from the others."""
@@ -117,7 +122,14 @@ class LearnerSpec:
 
     ranks: int = 1
     """Processes of this island (one per local GPU; gloo CPU processes in tests): a torch.distributed
-    group doing DDP inner steps, rank 0 doing the bucket I/O. Give its pool ``ranks`` GPUs per learner."""
+    group doing DDP inner steps (or FSDP2: ``shard``), rank 0 doing the bucket I/O. Give its pool
+    ``ranks`` GPUs per learner."""
+
+    shard: str = "ddp"
+    """How an island of ``ranks > 1`` splits the work: 'ddp' (every rank holds the whole model and
+    its AdamW state; gradients are all-reduced) or 'fsdp2' (``torch.distributed.fsdp.fully_shard``:
+    parameters, gradients and AdamW state are sharded over the ranks, for models that do not fit
+    on one device). Ignored by a one-rank learner."""
 
     slowdown: float = 1.0
     """>= 1: each step takes this many times longer (stands in for older chips locally)."""
@@ -154,6 +166,8 @@ class LearnerSpec:
             raise ConfigError(f"learner {self.learner_id}: batch_size must be >= 1")
         if self.ranks < 1:
             raise ConfigError(f"learner {self.learner_id}: ranks must be >= 1")
+        if self.shard not in SHARD_CHOICES:
+            raise ConfigError(f"learner {self.learner_id}: shard must be one of {SHARD_CHOICES} (got {self.shard!r})")
         if not (self.slowdown >= 1 and math.isfinite(self.slowdown)):
             raise ConfigError(f"learner {self.learner_id}: slowdown must be >= 1 (got {self.slowdown!r})")
 
