@@ -14,9 +14,13 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
   hits both. Goal: learner >= 0.97x bare.
 * **(b) synchronizer merge + outer step in GB/s vs a memcpy of the same bytes**: M deltas of one
   fragment (re-anchor, token weights, RDA or mean, Nesterov step; ``merge_on_device`` exactly as
-  the synchronizer calls it; half the deltas against an older base), its bytes counted as every
-  fp32 tensor the round has to read (M deltas, the current fragment, the older base, the momentum),
-  against ``dst.copy_(src)`` of that many bytes on the same device. Goal: >= 0.5x memcpy.
+  the synchronizer calls it in steady state: with its reused ``MergeWorkspace`` and, as ``out``,
+  the fragment version the previous round retired; half the deltas against an older base). The
+  bytes counted are every fp32 tensor the round has to read (M deltas, the current fragment, the
+  older base, the momentum: (M + 3) x fragment); the baseline is ``dst.copy_(src)`` of exactly that
+  many bytes into a preallocated ``dst`` on the same device (reads and writes those bytes once:
+  the least a pass over the inputs can cost). The merge also writes the new fragment, the momentum
+  and the merged update, and reads some intermediates more than once. Goal: >= 0.5x memcpy.
 * **(c) island scaling 1 -> 2 ranks**: the same learner as an island of 1 and of 2 ranks
   (:mod:`atoll.train.island`: DDP inner steps, gloo on CPU, NCCL on CUDA; rank 0 publishes), each
   rank with the same per-rank batch, timed inside the ranks after warm-up; scaling efficiency =
@@ -45,7 +49,7 @@ import torch
 
 from atoll.core.config import DilocoConfig
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.synchronize import FragmentContribution
+from atoll.core.synchronize import FragmentContribution, MergeWorkspace
 from atoll.core.weights import Counters
 from atoll.storage.paths import to_url
 from atoll.train.data import BatchStream
@@ -319,10 +323,14 @@ def bench_merge(args: argparse.Namespace, device: torch.device) -> list[MergeRes
     for rule in rules:
         opts[rule] = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
         opts[rule].buffers = {n: torch.zeros_like(t) for n, t in current.items()}
+    # As the synchronizer keeps them: one workspace, and the version a won round retired as the
+    # next round's output (here: the same buffers every round, as in steady state).
+    workspace = MergeWorkspace()
+    retired = {n: torch.empty_like(t) for n, t in current.items()} if device.type == "cpu" else None
 
     def merge(rule: str) -> None:
         merge_on_device(device, current=current, bases={3: current, 2: old}, contributions=contributions,
-                        optimizer=opts[rule], merge=rule)
+                        optimizer=opts[rule], merge=rule, workspace=workspace, out=retired)
 
     # Interleaved (memcpy, rda, mean, memcpy, ...): a busy machine slows all three alike.
     times: dict[str, list[float]] = {"memcpy": [], **{r: [] for r in rules}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from atoll.core.merge import rda, weighted_mean
@@ -68,3 +69,77 @@ def test_momentum_is_updated_in_place_but_loaded_state_is_a_copy() -> None:
     opt.step(theta, {"a": torch.full((3,), 0.3)})
     assert torch.equal(clone.buffers["a"], before)
     torch.testing.assert_close(opt.buffers["a"], 0.9 * before + 0.3)
+
+
+def test_a_reused_workspace_and_output_change_no_bit_of_a_round() -> None:
+    from atoll.core.synchronize import MergeWorkspace
+
+    g = torch.Generator().manual_seed(5)
+    shapes = {"a": (33, 7), "emb": (16, 4), "b": (129,)}
+    current = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    old = {n: t - 0.1 * torch.randn(t.shape, generator=g) for n, t in current.items()}
+    cs = [FragmentContribution(key=f"k{i}", learner_id=f"l{i}", base_version=5 if i % 2 else 4,
+                               counters=Counters(c_steps=2 + i, c_tokens=10 * (i + 1)),
+                               delta={n: 0.05 * torch.randn(s, generator=g) for n, s in shapes.items()})
+          for i in range(4)]
+    for merge in ("rda", "mean"):
+        for momentum in (0.9, 0.0):
+            plain, fast = (NesterovOuterOptimizer(lr=0.7, momentum=momentum) for _ in range(2))
+            workspace, spare = MergeWorkspace(), {n: torch.full(s, 7.0) for n, s in shapes.items()}
+            cur_plain, cur_fast = current, {n: t.clone() for n, t in current.items()}
+            for _ in range(3):  # momentum carries over; the workspace is reused; outputs recycled
+                want = synchronize_fragment(current=cur_plain, bases={5: cur_plain, 4: old}, contributions=cs,
+                                            optimizer=plain, merge=merge, embedding_names={"emb"})
+                got = synchronize_fragment(current=cur_fast, bases={5: cur_fast, 4: old}, contributions=cs,
+                                           optimizer=fast, merge=merge, embedding_names={"emb"},
+                                           workspace=workspace, out=spare)
+                assert want is not None and got is not None
+                for n in shapes:
+                    assert torch.equal(got.new_params[n], want.new_params[n]), (merge, momentum, n)
+                    assert torch.equal(got.update[n], want.update[n]), (merge, momentum, n)
+                    assert torch.equal(fast.buffers[n], plain.buffers[n]), (merge, momentum, n)
+                assert got.new_params["a"].data_ptr() == spare["a"].data_ptr()  # written in place
+                assert got.update_norm == want.update_norm and got.norms == want.norms
+                spare, cur_fast, cur_plain = cur_fast, got.new_params, want.new_params
+    assert workspace.nbytes > 0
+
+
+def test_blocked_passes_give_the_whole_tensor_passes_values_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, tensors above core.merge.BLOCK elements are merged and stepped block by block;
+    the reference here runs every operation on whole tensors (the blocking switched off)."""
+    import atoll.core.merge as merge_mod
+    import atoll.core.outer as outer_mod
+    from atoll.core.synchronize import MergeWorkspace
+
+    g = torch.Generator().manual_seed(11)
+    shapes = {"big": (3 * merge_mod.BLOCK + 77,), "mat": (2 * merge_mod.BLOCK // 64, 64), "small": (300,)}
+    current = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    old = {n: t - 0.1 * torch.randn(t.shape, generator=g) for n, t in current.items()}
+    cs = [FragmentContribution(key=f"k{i}", learner_id=f"l{i}", base_version=5 if i % 2 else 4,
+                               counters=Counters(c_steps=2 + i, c_tokens=10 * (i + 1)),
+                               delta={n: 0.05 * torch.randn(s, generator=g) for n, s in shapes.items()})
+          for i in range(4)]
+
+    def rounds(blocked: bool, merge: str, momentum: float) -> list[tuple[dict[str, torch.Tensor], ...]]:
+        with monkeypatch.context() as m:
+            if not blocked:
+                m.setattr(merge_mod, "blocked", lambda *t: False)
+                m.setattr(outer_mod, "blocked", lambda *t: False)
+            opt = NesterovOuterOptimizer(lr=0.7, momentum=momentum)
+            workspace, spare = MergeWorkspace(), {n: torch.zeros(s) for n, s in shapes.items()}
+            cur, out = {n: t.clone() for n, t in current.items()}, []
+            for _ in range(3):
+                res = synchronize_fragment(current=cur, bases={5: cur, 4: old}, contributions=cs, optimizer=opt,
+                                           merge=merge, workspace=workspace, out=spare)
+                assert res is not None
+                out.append(tuple({n: t.clone() for n, t in d.items()}
+                                 for d in (res.new_params, res.update, opt.buffers)))
+                spare, cur = cur, res.new_params
+            return out
+
+    for merge in ("rda", "mean"):
+        for momentum in (0.9, 0.0):
+            for got, want in zip(rounds(True, merge, momentum), rounds(False, merge, momentum), strict=True):
+                for a, b in zip(got, want, strict=True):
+                    for n in shapes:
+                        assert torch.equal(a[n], b[n]), (merge, momentum, n)

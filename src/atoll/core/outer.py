@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
+from atoll.core.merge import BLOCK, blocked, blocks, scale_
+
 __all__ = ["NesterovOuterOptimizer"]
 
 
@@ -29,21 +31,47 @@ class NesterovOuterOptimizer:
         self.momentum = momentum
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def step(self, params: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Apply one outer step for the tensors in ``update``; returns the new parameters."""
+    def step(self, params: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor], *,
+             out: Mapping[str, torch.Tensor] | None = None,
+             scratch: Mapping[str, torch.Tensor] | None = None,
+             scale: Mapping[str, float | None] | None = None) -> dict[str, torch.Tensor]:
+        """Apply one outer step for the tensors in ``update``; returns the new parameters.
+
+        ``out[name]`` (fp32, the parameter's shape, aliasing none of the inputs), where given,
+        receives the new parameter; ``scratch[name]`` holds the step ``lr * (Delta + mu * b)``
+        on the way. Both are for reused buffers (no fresh, page-faulting allocation per round);
+        the values are the same bit for bit. ``scale[name]``: first scale ``update[name]`` in
+        place by that factor (None: zero it), RDA's last pass (``core.merge.rda_direction``), fused
+        into this one. On the CPU, with ``out`` and an existing momentum buffer, the whole step
+        runs block by block (the same element-wise operations in the same order): one read of the
+        update, momentum and parameter and one write of each result, instead of a pass per operation."""
         if set(update) - set(params):
             raise KeyError(f"update names not in params: {sorted(set(update) - set(params))[:5]}")
         new: dict[str, torch.Tensor] = {}
+        block: torch.Tensor | None = None
         for name, delta in update.items():
             theta = params[name]
             delta32 = delta.float()
             if delta32.shape != theta.shape:
                 raise ValueError(f"update for {name!r} has shape {tuple(delta32.shape)}, param {tuple(theta.shape)}")
+            scaled = scale is not None and name in scale
+            factor = scale[name] if scale is not None and name in scale else None
+            buf = self.buffers.get(name)
+            target = out.get(name) if out is not None else None
+            if (target is not None and buf is not None and buf.shape == theta.shape
+                    and blocked(theta, delta32, target, buf)):
+                if block is None:
+                    block = torch.empty(BLOCK, dtype=torch.float32)
+                new[name] = self._blocked_step(theta, delta32, buf, target, block, scaled, factor)
+                if not self.momentum:
+                    self.buffers[name] = delta32
+                continue
+            if scaled:
+                scale_(delta32, factor)
             # The same operations, in the same order, as torch.optim.SGD(nesterov=True) (tests
             # compare bit for bit), with as few fresh buffers as that allows (a merge is bound by
             # memory traffic). The momentum buffers are this optimizer's own (load_state_dict
             # copies) and are updated in place.
-            buf = self.buffers.get(name)
             if buf is None:
                 buf = delta32.clone()
             elif self.momentum:
@@ -51,12 +79,34 @@ class NesterovOuterOptimizer:
             else:
                 buf = delta32  # mu = 0: b = 0 * b + Delta = Delta, without two passes over memory
             self.buffers[name] = buf
+            tmp = scratch.get(name) if scratch is not None else None
             if self.momentum:
-                step = delta32.add(buf, alpha=self.momentum).mul_(self.lr)
+                step = (delta32.add(buf, alpha=self.momentum) if tmp is None else
+                        torch.add(delta32, buf, alpha=self.momentum, out=tmp)).mul_(self.lr)
             else:
-                step = delta32 * self.lr
-            new[name] = (theta.float() - step).to(theta.dtype)
+                step = delta32 * self.lr if tmp is None else torch.mul(delta32, self.lr, out=tmp)
+            if target is not None and theta.dtype == torch.float32:
+                new[name] = torch.sub(theta, step, out=target)
+            else:
+                new[name] = (theta.float() - step).to(theta.dtype)
         return new
+
+    def _blocked_step(self, theta: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor, target: torch.Tensor,
+                      block: torch.Tensor, scaled: bool, factor: float | None) -> torch.Tensor:
+        """:meth:`step` for one tensor, block by block (CPU; everything fp32 and contiguous)."""
+        th, d, b, t = theta.view(-1), delta.view(-1), buf.view(-1), target.view(-1)
+        for s in blocks(th.numel()):
+            e = min(th.numel(), s + BLOCK)
+            db, tmp = d[s:e], block[:e - s]
+            if scaled:
+                scale_(db, factor)
+            if self.momentum:
+                bb = b[s:e].mul_(self.momentum).add_(db)
+                torch.add(db, bb, alpha=self.momentum, out=tmp).mul_(self.lr)
+            else:
+                torch.mul(db, self.lr, out=tmp)
+            torch.sub(th[s:e], tmp, out=t[s:e])
+        return target
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Momentum buffers keyed ``momentum.<param name>`` (safetensors-ready, contiguous fp32).
@@ -65,10 +115,20 @@ class NesterovOuterOptimizer:
         :meth:`load_state_dict` (which copies) them before stepping again."""
         return {f"momentum.{n}": b.contiguous() for n, b in self.buffers.items()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], *,
+                        reuse: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy ``state`` in. ``reuse``: tensors nobody else uses any more (e.g. the buffers of a
+        retired copy of this optimizer) to copy into where name, shape, device and dtype (fp32)
+        match, instead of fresh buffers; the values are the same."""
         buffers: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             if not key.startswith("momentum."):
                 raise KeyError(f"unexpected outer optimizer state key {key!r}")
-            buffers[key[len("momentum."):]] = value.float().clone()
+            name = key[len("momentum."):]
+            target = reuse.get(name) if reuse is not None else None
+            if (target is not None and target.shape == value.shape and target.dtype == torch.float32
+                    and target.device == value.device and target.data_ptr() != value.data_ptr()):
+                buffers[name] = target.copy_(value)
+            else:
+                buffers[name] = value.float().clone()
         self.buffers = buffers

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atoll.core.merge import merge_fragment
+from atoll.core.merge import merge_fragment_unscaled
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.pseudograd import anchor_gradient, check_same_layout, outer_gradient
+from atoll.core.pseudograd import check_same_layout, outer_gradients
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.weights import Counters, contribution_weights, unweighable
 
-__all__ = ["FragmentContribution", "FragmentRoundResult", "synchronize_fragment"]
+__all__ = ["FragmentContribution", "FragmentRoundResult", "MergeWorkspace", "synchronize_fragment"]
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -68,6 +68,45 @@ class FragmentRoundResult:
     """L2 norm of Delta."""
 
 
+class MergeWorkspace:
+    """Scratch buffers a merge reuses from round to round.
+
+    A round writes several fragment-sized intermediates (the re-anchoring terms, re-anchored
+    outer gradients, the merged update, the outer step). Fresh buffers of that size cost a page
+    fault per 4 KiB page on the CPU each round (writing a fresh 64 MB buffer took ~3x a copy into
+    an existing one, measured); the workspace keeps one flat fp32 buffer per role and device,
+    grown to the largest fragment seen, and hands out views shaped like the fragment's tensors.
+    Memory held: about (2 + older bases + re-anchored contributions) x the largest fragment.
+
+    What a round returns in a workspace view (``FragmentRoundResult.update`` when the outer
+    momentum is not 0) is valid until the next round that uses the same workspace.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def views(self, role: str, like: Tensors) -> dict[str, torch.Tensor]:
+        """Views of ``role``'s buffer with ``like``'s names and shapes (fp32, on ``like``'s device)."""
+        if not like:
+            return {}
+        device = next(iter(like.values())).device
+        numel = sum(t.numel() for t in like.values())
+        flat = self._flat.get((role, device))
+        if flat is None or flat.numel() < numel:
+            flat = self._flat[(role, device)] = torch.empty(numel, dtype=torch.float32, device=device)
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, t in like.items():
+            out[name] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
 def _norm(t: Tensors) -> float:
     return _total(_tensor_norms(t))
 
@@ -91,6 +130,8 @@ def synchronize_fragment(
     embedding_names: Collection[str] = (),
     rda_embeddings: bool = False,
     outlier_norm_ratio: float | None = None,
+    workspace: MergeWorkspace | None = None,
+    out: Tensors | None = None,
 ) -> FragmentRoundResult | None:
     """Merge ``contributions`` into ``current`` and take one Nesterov outer step.
 
@@ -99,6 +140,11 @@ def synchronize_fragment(
     does not match, whose values are not finite, or whose outer-gradient norm exceeds
     ``outlier_norm_ratio`` times the median of the round get weight 0 with a reason. Returns
     None (and leaves the optimizer untouched) if nothing is left to merge.
+
+    ``workspace`` (kept by the caller across rounds) holds the round's intermediates instead of
+    fresh buffers; ``out`` (fp32 tensors of ``current``'s layout, aliasing no input, e.g. a
+    retired version of this fragment) receives the new parameters. Neither changes a value: the
+    operations and their order are the same, bit for bit.
     """
     rejected: dict[str, Rejection] = {}
     grads: dict[str, dict[str, torch.Tensor]] = {}
@@ -107,10 +153,12 @@ def synchronize_fragment(
     tensor_norms: dict[str, dict[str, float]] = {}
     # Theta(current) - Theta(b), once per base version (not once per contribution); zero, and
     # skipped, for contributions computed against the current version itself.
-    anchors: dict[int, dict[str, torch.Tensor] | None] = {}
+    valid: list[FragmentContribution] = []
+    seen: set[str] = set()
     for c in contributions:
-        if c.key in grads or c.key in rejected:
+        if c.key in seen:
             raise ValueError(f"duplicate contribution key {c.key!r}")
+        seen.add(c.key)
         why = unweighable(c.counters.c_steps, c.counters.c_tokens)
         if why is not None:
             rejected[c.key] = why
@@ -125,9 +173,27 @@ def synchronize_fragment(
         except ValueError as e:
             rejected[c.key] = Rejection(RejectionKind.LAYOUT, str(e))
             continue
-        if c.base_version not in anchors:
-            anchors[c.base_version] = None if base is current else anchor_gradient(current, base)
-        v = outer_gradient(current, base, c.delta, anchor=anchors[c.base_version])
+        valid.append(c)
+    # Outer gradients, one base version at a time: Theta(current) - Theta(b) once per version
+    # (not once per contribution; on the CPU with a workspace it never leaves the cache); nothing
+    # for contributions computed against the current version itself (v is their delta).
+    by_base: dict[int, list[FragmentContribution]] = {}
+    for c in valid:
+        by_base.setdefault(c.base_version, []).append(c)
+    vs: dict[str, dict[str, torch.Tensor]] = {}
+    reanchored = 0
+    for version, group in by_base.items():
+        base = bases[version]
+        outs = None
+        if workspace is not None and base is not current:
+            outs = [workspace.views(f"grad.{reanchored + i}", current) for i in range(len(group))]
+            reanchored += len(group)
+        anchor_out = workspace.views(f"anchor.{version}", current) if workspace is not None else None
+        for c, v in zip(group, outer_gradients(current, base, [c.delta for c in group], out=outs,
+                                               anchor_out=anchor_out), strict=True):
+            vs[c.key] = v
+    for c in valid:
+        v = vs[c.key]
         per_tensor = _tensor_norms(v)
         n = _total(per_tensor)
         if not math.isfinite(n):
@@ -148,15 +214,26 @@ def synchronize_fragment(
     keys = [k for k in grads if k in w.weights]
     if not keys:
         return None
-    update = merge_fragment(
+    update_out: dict[str, torch.Tensor] | None = None
+    if workspace is not None:
+        update_out = workspace.views("update", current)
+        if not optimizer.momentum:  # mu = 0: the update becomes the momentum buffer, so it must not
+            # live in the workspace; the optimizer's own buffer of that name is reused when it has one.
+            update_out = {n: b for n, b in optimizer.buffers.items()
+                          if n in current and b.shape == current[n].shape and b.dtype == torch.float32
+                          and b.device == current[n].device and b.is_contiguous()}
+    update, factors = merge_fragment_unscaled(
         [grads[k] for k in keys],
         [w.weights[k] for k in keys],
         rule=merge,
         embedding_names=embedding_names,
         rda_embeddings=rda_embeddings,
         norms=[tensor_norms[k] for k in keys],
+        out=update_out,
     )
-    new_params = optimizer.step(current, update)
+    # RDA's last pass (scaling the direction to the radius) is fused into the outer step's pass.
+    new_params = optimizer.step(current, update, out=out, scale=factors,
+                                scratch=workspace.views("step", current) if workspace is not None else None)
     return FragmentRoundResult(
         new_params=new_params,
         update=update,

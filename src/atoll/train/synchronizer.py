@@ -45,7 +45,7 @@ from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import ROUND_RETRY
-from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
+from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, MergeWorkspace, synchronize_fragment
 from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
 from atoll.storage.integrity import IntegrityError
@@ -208,6 +208,13 @@ class Synchronizer:
         self.round = state.round
         self.versions = list(state.versions)
         self.fragments = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
+        # Buffers reused from round to round (no fresh fragment-sized, page-faulting buffers):
+        # the merge's scratch, and per fragment the version and momentum a won round retired.
+        # Only tensors this process allocated are recycled (not ones decoded from the bucket).
+        self._workspace = MergeWorkspace()
+        self._spare_params: dict[int, dict[str, torch.Tensor]] = {}
+        self._spare_momentum: dict[int, dict[str, torch.Tensor]] = {}
+        self._merged_here: set[int] = set()
         self.optimizers = []
         for p in range(self.plan.num_fragments):
             opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
@@ -425,14 +432,15 @@ class Synchronizer:
         # A fixed merge order makes a round's result independent of arrival order (bit for bit).
         contributions.sort(key=lambda c: (c.learner_id, c.key))
         opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
-        opt.load_state_dict(self.optimizers[p].state_dict())
+        opt.load_state_dict(self.optimizers[p].state_dict(), reuse=self._spare_momentum.pop(p, None))
         if not contributions:
             return None, opt
         result = merge_on_device(
             self.device, current=self.fragments[p], bases=self._bases(p, contributions), contributions=contributions,
             optimizer=opt, merge=self.config.merge, weighting=self.config.weighting,
             embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
-            outlier_norm_ratio=self.config.outlier_norm_ratio,
+            outlier_norm_ratio=self.config.outlier_norm_ratio, workspace=self._workspace,
+            out=self._spare_params.pop(p, None),
         )
         if result is not None:
             rejected.update(result.rejected)
@@ -470,9 +478,17 @@ class Synchronizer:
         self._rounds_closed += 1
         self._saw(record.round)
         if result is not None:
-            self.versions[record.fragment] = record.round
-            self.fragments[record.fragment] = {n: t.float() for n, t in result.new_params.items()}
-            self.optimizers[record.fragment] = opt
+            p = record.fragment
+            retired, retired_opt = self.fragments[p], self.optimizers[p]
+            self.versions[p] = record.round
+            self.fragments[p] = {n: t.float() for n, t in result.new_params.items()}
+            self.optimizers[p] = opt
+            # The retired version is nobody's base in memory (older bases are read from the bucket):
+            # the next round of this fragment writes into it, if this process allocated it.
+            if p in self._merged_here:
+                self._spare_params[p] = retired
+            self._merged_here.add(p)
+            self._spare_momentum[p] = retired_opt.buffers
         self.ema = timings
         self._consume(record)
 
@@ -492,11 +508,13 @@ def merge_on_device(device: torch.device, *, current: Mapping[str, torch.Tensor]
 
     On the CPU this is exactly ``synchronize_fragment``. Elsewhere the inputs go to the device,
     the merge and outer step run there (fp32), and the new fragment, the merged update and the
-    optimizer's momentum come back with one device-to-host copy each.
+    optimizer's momentum come back with one device-to-host copy each (``out``, host tensors for
+    the new fragment, is then not used; a ``workspace`` holds device buffers).
     """
     if device.type == "cpu":
         return synchronize_fragment(current=current, bases=bases, contributions=contributions,
                                     optimizer=optimizer, **kwargs)
+    kwargs.pop("out", None)
     optimizer.buffers = fragment_to_device(optimizer.buffers, device)
     current_on = fragment_to_device(current, device)
     result = synchronize_fragment(
