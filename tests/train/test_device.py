@@ -117,6 +117,28 @@ def test_fragment_to_host_is_one_copy_and_exact(monkeypatch: pytest.MonkeyPatch)
         fragment_to_host({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16)})
 
 
+def test_fragment_delta_to_host_is_the_learner_delta_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atoll.core.pseudograd import learner_delta
+    from atoll.train.device import fragment_delta_to_host
+
+    calls: list[int] = []
+    real = device_mod.copy_to_host
+    monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: calls.append(flat.numel()) or real(flat))
+    g = torch.Generator().manual_seed(1)
+    base = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)}
+    local = {"b": torch.randn(5, generator=g), "a": torch.randn(3, 4, generator=g).bfloat16()}
+    host = fragment_delta_to_host(base, local)
+    want = learner_delta(base, local)
+    assert calls == [17] and list(host) == ["a", "b"]
+    for n in want:
+        assert host[n].dtype == torch.float32 and torch.equal(host[n], want[n])
+    assert len({h.untyped_storage().data_ptr() for h in host.values()}) == 1  # views of one host buffer
+    with pytest.raises(ValueError, match="names differ"):
+        fragment_delta_to_host(base, {"a": local["a"]})
+    with pytest.raises(ValueError, match="shape of 'b'"):
+        fragment_delta_to_host(base, {"a": local["a"], "b": torch.zeros(4)})
+
+
 def test_each_publish_makes_exactly_one_device_to_host_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = _run(tmp_path)
     learner = Learner(store, "learner-0", log=lambda _: None, device="cpu")

@@ -73,3 +73,21 @@ def test_inconsistent_payload_is_refused() -> None:
         decode(EncodedTensor("fp32", (5,), {"data": torch.ones(4)}))
     with pytest.raises(CompressionError, match="needs"):
         decode(EncodedTensor("int4", (4,), {"codes": torch.zeros(2, dtype=torch.uint8)}, 4))
+
+
+def test_safetensors_bytes_are_written_without_copies_and_read_by_safetensors() -> None:
+    import safetensors.torch
+
+    from atoll.storage.codec import bytes_to_tensors, tensors_to_bytes
+
+    flat = torch.randn(400)
+    tensors = {"a": flat[:100].view(10, 10), "b": flat[100:300], "scalar": torch.tensor(3.5),
+               "empty": torch.zeros(0, 4), "bf": torch.randn(7).bfloat16(), "u8": torch.arange(9, dtype=torch.uint8),
+               "i64": torch.arange(5), "bool": torch.tensor([True, False, True]), "t": torch.randn(4, 6).t()}
+    data = tensors_to_bytes(tensors, metadata={"format": "test"})
+    header_len = int.from_bytes(data[:8], "little")
+    assert header_len % 8 == 0 and data[8:9] == b"{"
+    for back in (safetensors.torch.load(data), bytes_to_tensors(data)):
+        assert list(sorted(back)) == sorted(tensors)
+        for name, t in tensors.items():
+            assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name

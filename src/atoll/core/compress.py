@@ -54,8 +54,11 @@ def _check_codec(codec: str, block_size: int) -> None:
         raise CompressionError(f"int4 block_size must be an even integer >= 2, got {block_size!r}")
 
 
-def encode(x: torch.Tensor, codec: str = "fp32", *, block_size: int = 32) -> EncodedTensor:
-    """Encode a floating tensor. NaN/Inf and empty tensors are refused (they are never valid deltas)."""
+def encode(x: torch.Tensor, codec: str = "fp32", *, block_size: int = 32, copy: bool = True) -> EncodedTensor:
+    """Encode a floating tensor. NaN/Inf and empty tensors are refused (they are never valid deltas).
+
+    ``copy=False``: an fp32 encoding may hold ``x`` itself (when it is fp32 and contiguous) rather
+    than a copy, for a caller that serializes it before ``x`` can change."""
     _check_codec(codec, block_size)
     if not x.is_floating_point():
         raise CompressionError(f"only floating tensors can be encoded, got {x.dtype}")
@@ -66,7 +69,7 @@ def encode(x: torch.Tensor, codec: str = "fp32", *, block_size: int = 32) -> Enc
         raise CompressionError("cannot encode a tensor with NaN or Inf values", RejectionKind.NON_FINITE)
     shape = tuple(x32.shape)
     if codec == "fp32":
-        return EncodedTensor(codec, shape, {"data": x32.clone()})
+        return EncodedTensor(codec, shape, {"data": x32.clone() if copy else x32})
     if codec == "bf16":
         return EncodedTensor(codec, shape, {"data": x32.to(torch.bfloat16)})
     flat = x32.reshape(-1)

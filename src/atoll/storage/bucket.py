@@ -429,7 +429,8 @@ class RunStore:
                 encoded[name] = value
                 continue
             try:
-                encoded[name] = encode(value, codec, block_size=block_size)
+                # Serialized below, before this call returns: no copy of the delta is needed.
+                encoded[name] = encode(value, codec, block_size=block_size, copy=False)
             except CompressionError as e:
                 raise InvalidInput(e.kind, f"delta {name!r}: {e}") from None
         shapes = {n: e.shape for n, e in encoded.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,10 +65,39 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
 def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Safetensors bytes of CPU-contiguous copies (no shared storage, so views are fine)."""
-    plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
-    return safetensors.torch.save(plain, metadata=dict(metadata) if metadata else None)
+    """Safetensors bytes of ``tensors`` (any device and layout; views of one buffer are fine).
+
+    Written here rather than by ``safetensors.torch.save``, which needs tensors that share no
+    storage (a copy of each) and then copies them again into its output: this writes the header
+    and joins the tensors' raw bytes into the output once. The format is safetensors' own (an
+    8-byte little-endian header length, the JSON header, the data at the header's offsets), read
+    by ``safetensors.torch.load`` (:func:`bytes_to_tensors`) and by any safetensors reader."""
+    if sys.byteorder != "little" or any(t.dtype not in _ST_DTYPES for t in tensors.values()):
+        plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+        return safetensors.torch.save(plain, metadata=dict(metadata) if metadata else None)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    chunks: list[memoryview] = []
+    offset = 0
+    for name, t in tensors.items():
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        header[name] = {"dtype": _ST_DTYPES[flat.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        if nbytes:
+            chunks.append(flat.view(torch.uint8).numpy().data)
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+    return b"".join([len(head).to_bytes(8, "little"), head, *chunks])
 
 
 def bytes_to_tensors(data: bytes, *, url: str | None = None) -> dict[str, torch.Tensor]:

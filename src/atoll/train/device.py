@@ -23,6 +23,7 @@ __all__ = [
     "autocast",
     "check_autocast",
     "copy_to_host",
+    "fragment_delta_to_host",
     "fragment_to_device",
     "fragment_to_host",
     "resolve_device",
@@ -123,6 +124,39 @@ def fragment_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
         n = t.numel()
         out[name] = host[offset:offset + n].view(t.shape)
         offset += n
+    return out
+
+
+def fragment_delta_to_host(base: Mapping[str, torch.Tensor],
+                           local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``base - local`` in fp32 (``core.pseudograd.learner_delta``, the same values) on the host,
+    with one device-to-host copy, and no buffer but the flat one that is copied.
+
+    Each tensor's difference is written straight into its slice of one flat buffer on the device
+    (no per-tensor delta, no concatenation), which is copied once (:func:`copy_to_host`; nothing
+    on the CPU) and split into views with the original shapes. Names and shapes must match."""
+    names = list(base)
+    if set(names) != set(local):
+        raise ValueError(f"fragment_delta_to_host: tensor names differ: {sorted(set(names) ^ set(local))[:5]}")
+    if not names:
+        return {}
+    device = base[names[0]].device
+    numel = sum(base[n].numel() for n in names)
+    flat = torch.empty(numel, dtype=torch.float32, device=device)
+    offset = 0
+    for n in names:
+        b, x = base[n].detach(), local[n].detach()
+        if b.shape != x.shape:
+            raise ValueError(f"fragment_delta_to_host: shape of {n!r} is {tuple(x.shape)}, expected {tuple(b.shape)}")
+        torch.sub(b.float(), x.float(), out=flat[offset:offset + b.numel()].view(b.shape))
+        offset += b.numel()
+    host = copy_to_host(flat)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for n in names:
+        k = base[n].numel()
+        out[n] = host[offset:offset + k].view(base[n].shape)
+        offset += k
     return out
 
 

@@ -48,7 +48,13 @@ from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
-from atoll.train.device import check_autocast, fragment_to_device, fragment_to_host, resolve_device
+from atoll.train.device import (
+    check_autocast,
+    fragment_delta_to_host,
+    fragment_to_device,
+    fragment_to_host,
+    resolve_device,
+)
 from atoll.train.lifecycle import LeaseKeeper, sigterm_flag
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
@@ -438,13 +444,16 @@ class Learner:
                 self.counters.fragments[p].c_steps, self.config.inner_steps):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
-            # The delta is computed where the model lives and reaches the host in one copy.
-            delta_dev = learner_delta(self.bases[p], self.plan.select(self.params, p))
+            # The delta is computed where the model lives, into one flat buffer that reaches the
+            # host in one copy.
             if self.sharded:  # each rank holds a shard of the delta: every rank gathers (collective)
-                delta_dev = {n: d.full_tensor() for n, d in delta_dev.items()}  # type: ignore[attr-defined]
+                shards = learner_delta(self.bases[p], self.plan.select(self.params, p))
+                gathered = {n: d.full_tensor() for n, d in shards.items()}  # type: ignore[attr-defined]
                 if self.rank != 0:
                     return
-            delta = fragment_to_host(delta_dev)
+                delta = fragment_to_host(gathered)
+            else:
+                delta = fragment_delta_to_host(self.bases[p], self.plan.select(self.params, p))
             info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
             if self.publisher is not None:  # written in the background (the guard is asked right before)
