@@ -11,7 +11,8 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
   on *every* step (delta on the device, one device-to-host copy, encode, sha256, payload + record
   written create-once), plus its periodic inner-state saves. Blocks of steps alternate between the
   two (bare, learner, bare, ...) and each side's median block counts, so drift on a noisy machine
-  hits both. Goal: learner >= 0.97x bare.
+  hits both. Goal: learner >= 0.97x bare. Also per CPU-second of the whole process (every
+  thread), which a machine shared with other jobs disturbs far less than wall time.
 * **(b) synchronizer merge + outer step in GB/s vs a memcpy of the same bytes**: M deltas of one
   fragment (re-anchor, token weights, RDA or mean, Nesterov step; ``merge_on_device`` exactly as
   the synchronizer calls it in steady state: with its reused ``MergeWorkspace`` and, as ``out``,
@@ -93,14 +94,20 @@ class LoopResult:
     name: str
     blocks: list[float] = field(default_factory=list)
     """tokens/s of each timed block"""
+    cpu_blocks: list[float] = field(default_factory=list)
+    """tokens per CPU-second of this process (every thread: the background writer's work counts)"""
 
     @property
     def tokens_per_s(self) -> float:
         return statistics.median(self.blocks)
 
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return statistics.median(self.cpu_blocks)
+
 
 def make_run(root: Path, args: argparse.Namespace) -> tuple[str, Recipe]:
-    config = DilocoConfig(num_learners=1, num_fragments=args.fragments, inner_steps=args.fragments,
+    config = DilocoConfig(num_learners=1, num_fragments=args.fragments, inner_steps=args.inner_steps or args.fragments,
                           overlap_steps=1, min_quorum=1)
     recipe = Recipe(
         model=args.model, data=DataSpec(max_corpus_mb=args.corpus_mb),
@@ -145,16 +152,19 @@ class BareLoop:
 
 
 def timed_block(step: Callable[[], int], steps: int, device: torch.device,
-                flush: Callable[[], None] | None = None) -> float:
-    """tokens/s of ``steps`` steps; ``flush`` (the background writer's) is inside the timing, so
-    writes that have not finished by the end of the block count against the block."""
+                flush: Callable[[], None] | None = None) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU-second) of ``steps`` steps; ``flush`` (the background writer's)
+    is inside the timing, so writes that have not finished by the end of the block count against
+    the block. CPU seconds are the whole process's (``time.process_time``: every thread), so on a
+    shared machine, where wall time also counts waiting for a core, they still charge the
+    learner for all its work, the background writer's included."""
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = sum(step() for _ in range(steps))
     if flush is not None:
         flush()
     sync(device)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), tokens / max(1e-9, time.process_time() - c0)
 
 
 def publish_every_due_fragment() -> None:
@@ -199,7 +209,9 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
     for _ in range(args.blocks):
         for res, (name, step) in zip(results, loops, strict=True):
             flush = learners[True].flush if name == "atoll learner" else None
-            res.blocks.append(timed_block(step, args.block_steps, device, flush=flush))
+            wall, cpu = timed_block(step, args.block_steps, device, flush=flush)
+            res.blocks.append(wall)
+            res.cpu_blocks.append(cpu)
     return results, count_parameters(bare.model)
 
 
@@ -358,6 +370,8 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
                  f"{bare.tokens_per_s:>14,.0f} {ratio:>7.3f} {'>=0.97':>7}")
     lines.append(f"{'    same, writing contributions in the step':<44} {inline.tokens_per_s:>14,.0f} "
                  f"{bare.tokens_per_s:>14,.0f} {inline.tokens_per_s / bare.tokens_per_s:>7.3f}")
+    lines.append(f"{'    tokens per CPU-second (all threads)':<44} {learner.tokens_per_cpu_s:>14,.0f} "
+                 f"{bare.tokens_per_cpu_s:>14,.0f} {learner.tokens_per_cpu_s / bare.tokens_per_cpu_s:>7.3f}")
     if mfu is not None:
         lines.append(f"{'    MFU (learner / bare)':<44} {mfu[1]:>13.1%} {mfu[0]:>13.1%}")
     for m in merges:
@@ -405,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model preset (default: tiny on CPU, small on CUDA)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on CPU, 16 on CUDA)")
     p.add_argument("--autocast", default=None, help="'' or bf16 (default: bf16 on CUDA, off elsewhere)")
-    p.add_argument("--fragments", type=int, default=8, help="P = H: one fragment published every step")
+    p.add_argument("--fragments", type=int, default=8, help="P (= H unless --inner-steps): with H = P one fragment is "
+                   "published every step")
+    p.add_argument("--inner-steps", type=int, default=None, help="H >= P: a fragment is published every H / P steps")
     p.add_argument("--save-every", type=int, default=50, help="learner inner-state save cadence (steps)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--blocks", type=int, default=7)
@@ -447,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           f"{os.cpu_count()} CPUs)"
     print()
     print(f"device {name}; model {args.model} ({params / 1e6:.2f} M params), batch {args.batch}, "
-          f"autocast {args.autocast or 'off'}, P = H = {args.fragments} (a publish every step); "
+          f"autocast {args.autocast or 'off'}, P = {args.fragments}, H = {args.inner_steps or args.fragments} "
+          f"(a publish every {(args.inner_steps or args.fragments) / args.fragments:g} steps); "
           f"medians of {args.blocks} blocks x {args.block_steps} steps; fragment {args.fragment_mb:g} MB, "
           f"M = {args.contributions}")
     print(table(loops, merges, mfu=mfu, island=island))

@@ -91,3 +91,15 @@ def test_safetensors_bytes_are_written_without_copies_and_read_by_safetensors() 
         assert list(sorted(back)) == sorted(tensors)
         for name, t in tensors.items():
             assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+
+
+def test_all_finite_finds_nan_and_inf_anywhere() -> None:
+    from atoll.core.compress import all_finite
+
+    x = torch.randn(1000)
+    assert all_finite(x) and all_finite(torch.zeros(0)) and all_finite(x.bfloat16())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 500, 999):
+            y = x.clone()
+            y[at] = bad
+            assert not all_finite(y), (bad, at)

@@ -19,7 +19,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from atoll.core.compress import CompressionError, EncodedTensor, decode
+from atoll.core.compress import CompressionError, EncodedTensor, all_finite, decode
 from atoll.storage.validation import InvalidInput
 
 __all__ = [
@@ -152,7 +152,7 @@ def bytes_to_encoded(
             want = _PART_DTYPES[(codec, part)]
             if t.dtype != want:
                 raise InvalidInput("layout", f"{name!r}: part {part!r} has dtype {t.dtype}, {codec} needs {want}", url=url)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and not all_finite(t):
                 raise InvalidInput("non_finite", f"{name!r}: part {part!r} has NaN or Inf values", url=url)
         try:
             shape = tuple(int(d) for d in m["shape"])
@@ -162,7 +162,7 @@ def bytes_to_encoded(
             raise InvalidInput("layout", f"{name!r}: {e}", url=url) from None
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidInput("schema", f"{name!r}: bad tensor metadata {dict(m)!r}: {e}", url=url) from None
-        if not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             raise InvalidInput("non_finite", f"{name!r} decodes to NaN or Inf values", url=url)
         out[name] = value
     return out

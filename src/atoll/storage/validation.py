@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from atoll.core.compress import all_finite
 from atoll.core.rejection import STORAGE_KINDS, Rejection, RejectionKind
 
 __all__ = [
@@ -152,7 +153,7 @@ def check_tensor_layout(
 
 def check_finite(tensors: Mapping[str, torch.Tensor], *, what: str) -> None:
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not all_finite(t):
             raise InvalidInput("non_finite", f"{what}: {name!r} has NaN or Inf values")
 
 
