@@ -76,7 +76,9 @@ class MergeWorkspace:
     fault per 4 KiB page on the CPU each round (writing a fresh 64 MB buffer took ~3x a copy into
     an existing one, measured); the workspace keeps one flat fp32 buffer per role and device,
     grown to the largest fragment seen, and hands out views shaped like the fragment's tensors.
-    Memory held: about (2 + older bases + re-anchored contributions) x the largest fragment.
+    Memory held: about (2 + older bases + re-anchored contributions) x the largest fragment, of
+    which only what a round writes is ever touched (on the CPU the blocked passes keep the
+    re-anchoring terms and the outer step in a block-sized buffer instead).
 
     What a round returns in a workspace view (``FragmentRoundResult.update`` when the outer
     momentum is not 0) is valid until the next round that uses the same workspace.
@@ -181,14 +183,15 @@ def synchronize_fragment(
     for c in valid:
         by_base.setdefault(c.base_version, []).append(c)
     vs: dict[str, dict[str, torch.Tensor]] = {}
-    reanchored = 0
+    reanchored = older = 0
     for version, group in by_base.items():
         base = bases[version]
-        outs = None
+        outs = anchor_out = None
         if workspace is not None and base is not current:
             outs = [workspace.views(f"grad.{reanchored + i}", current) for i in range(len(group))]
             reanchored += len(group)
-        anchor_out = workspace.views(f"anchor.{version}", current) if workspace is not None else None
+            anchor_out = workspace.views(f"anchor.{older}", current)  # used off the CPU only
+            older += 1
         for c, v in zip(group, outer_gradients(current, base, [c.delta for c in group], out=outs,
                                                anchor_out=anchor_out), strict=True):
             vs[c.key] = v
