@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from atoll.core import Counters, FragmentContribution, NesterovOuterOptimizer, synchronize_fragment
@@ -36,6 +37,9 @@ def test_each_bad_contribution_gets_a_reason_and_the_rest_merge() -> None:
     assert "base version 9" in res.rejected["nobase"].detail and "c_steps=0" in res.rejected["nosteps"].detail
     assert torch.isfinite(res.new_params["w"]).all()
     assert res.update_norm > 0
+    # For RDA tensors the update's norm is its radius: the norm of Delta up to rounding.
+    norm = float(torch.linalg.vector_norm(torch.cat([u.reshape(-1) for u in res.update.values()])))
+    assert res.update_norm == pytest.approx(norm, rel=1e-5)
 
 
 def test_nothing_valid_returns_none_and_keeps_optimizer_state() -> None:

@@ -101,10 +101,11 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
 
 def rda_direction(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
                   norms: Sequence[float] | None = None,
-                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None]:
-    """RDA before its last pass: ``(direction, factor)`` with ``rda(...) == direction * factor``
-    (``factor`` None: the result is zero, see RDA_CANCEL_TOL), for a caller that fuses the scaling
-    into its own pass over the tensor. See :func:`rda`."""
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None, float]:
+    """RDA before its last pass: ``(direction, factor, radius)`` with ``rda(...) == direction *
+    factor`` (``factor`` None: the result is zero, see RDA_CANCEL_TOL), for a caller that fuses the
+    scaling into its own pass over the tensor. ``radius`` is the result's L2 norm (up to rounding)
+    unless it is zero. See :func:`rda`."""
     _check(tensors, weights)
     if norms is not None and len(norms) != len(tensors):
         raise ValueError(f"{len(tensors)} tensors but {len(norms)} norms")
@@ -124,11 +125,13 @@ def rda_direction(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
         radius += w / total * norm
     if not terms:  # every outer gradient is zero
         if out is not None:
-            return out.zero_(), None
-        return torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device), None
+            return out.zero_(), None, 0.0
+        return torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device), None, 0.0
     direction = _accumulate(terms, out)
     agreement = float(torch.linalg.vector_norm(direction))
-    return direction, None if agreement < RDA_CANCEL_TOL else radius / agreement
+    if agreement < RDA_CANCEL_TOL:
+        return direction, None, 0.0
+    return direction, radius / agreement, radius
 
 
 def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
@@ -142,7 +145,7 @@ def rda(tensors: Sequence[torch.Tensor], weights: Sequence[float], *,
     costs. ``out``: write the result there (fp32, same shape; a reused workspace: no fresh
     page-faulting buffer), same values.
     """
-    direction, factor = rda_direction(tensors, weights, norms=norms, out=out)
+    direction, factor, _ = rda_direction(tensors, weights, norms=norms, out=out)
     return direction.zero_() if factor is None else direction.mul_(factor)
 
 
@@ -168,8 +171,8 @@ def merge_fragment(
     ``outer_grads[i][name]`` (the caller computed them already). ``out[name]``, where given, receives
     the merged tensor (fp32, same shape: a reused buffer); other names get fresh tensors.
     """
-    merged, factors = merge_fragment_unscaled(outer_grads, weights, rule=rule, embedding_names=embedding_names,
-                                              rda_embeddings=rda_embeddings, norms=norms, out=out)
+    merged, factors, _ = merge_fragment_unscaled(outer_grads, weights, rule=rule, embedding_names=embedding_names,
+                                                 rda_embeddings=rda_embeddings, norms=norms, out=out)
     for name, factor in factors.items():
         scale_(merged[name], factor)
     return merged
@@ -184,9 +187,10 @@ def merge_fragment_unscaled(
     rda_embeddings: bool = False,
     norms: Sequence[Mapping[str, float]] | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, float | None]]:
-    """:func:`merge_fragment` without RDA's last pass: the merged tensors, and for each RDA tensor
-    the factor to scale it by in place (:func:`scale_`), which the caller fuses into its next pass."""
+) -> tuple[dict[str, torch.Tensor], dict[str, float | None], dict[str, float]]:
+    """:func:`merge_fragment` without RDA's last pass: the merged tensors, for each RDA tensor the
+    factor to scale it by in place (:func:`scale_`), which the caller fuses into its next pass,
+    and its norm once scaled (RDA's radius, or 0; up to rounding)."""
     if rule not in ("rda", "mean"):
         raise ValueError(f"merge rule must be 'rda' or 'mean', got {rule!r}")
     if not outer_grads:
@@ -197,13 +201,14 @@ def merge_fragment_unscaled(
             raise ValueError("contributions to one fragment must carry the same tensor names")
     merged: dict[str, torch.Tensor] = {}
     factors: dict[str, float | None] = {}
+    radii: dict[str, float] = {}
     for name in names:
         column = [g[name] for g in outer_grads]
         use_rda = rule == "rda" and (rda_embeddings or name not in embedding_names)
         target = out.get(name) if out is not None else None
         if use_rda:
-            merged[name], factors[name] = rda_direction(
+            merged[name], factors[name], radii[name] = rda_direction(
                 column, weights, norms=[n[name] for n in norms] if norms is not None else None, out=target)
         else:
             merged[name] = weighted_mean(column, weights, out=target)
-    return merged, factors
+    return merged, factors, radii

@@ -65,7 +65,7 @@ class FragmentRoundResult:
     """L2 norm of each contribution's outer gradient v (for the round's table)."""
 
     update_norm: float = 0.0
-    """L2 norm of Delta."""
+    """L2 norm of Delta (for RDA tensors their radius, which is that norm up to rounding)."""
 
 
 class MergeWorkspace:
@@ -107,10 +107,6 @@ class MergeWorkspace:
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-
-def _norm(t: Tensors) -> float:
-    return _total(_tensor_norms(t))
 
 
 def _tensor_norms(t: Tensors) -> dict[str, float]:
@@ -225,7 +221,7 @@ def synchronize_fragment(
             update_out = {n: b for n, b in optimizer.buffers.items()
                           if n in current and b.shape == current[n].shape and b.dtype == torch.float32
                           and b.device == current[n].device and b.is_contiguous()}
-    update, factors = merge_fragment_unscaled(
+    update, factors, radii = merge_fragment_unscaled(
         [grads[k] for k in keys],
         [w.weights[k] for k in keys],
         rule=merge,
@@ -243,5 +239,7 @@ def synchronize_fragment(
         weights={k: w.weights[k] for k in keys},
         rejected=rejected,
         norms=norms,
-        update_norm=_norm(update),
+        # An RDA tensor's norm is its radius (the weighted mean of the norms): no pass over it.
+        update_norm=_total({n: radii[n] if n in radii else float(torch.linalg.vector_norm(u))
+                            for n, u in update.items()}),
     )
