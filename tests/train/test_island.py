@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -106,6 +107,18 @@ def test_token_bounds_count_every_rank() -> None:
     bounds = TokenBounds.of_recipe(recipe)
     assert bounds is not None and bounds.of("a") == 12 * 64 and bounds.of("b") == 5 * 64
     assert island_device("cpu", 1) == "cpu"
+
+
+@pytest.mark.slow  # ~20 s: one more island start
+def test_an_fsdp2_island_trains_under_bf16_autocast(tmp_path: Path) -> None:
+    store = _run(tmp_path, (LearnerSpec(learner_id="l0", batch_size=2, ranks=2, shard="fsdp2", autocast="bf16"),))
+    summary = run_island(store, "l0", options=LearnerOptions(max_steps=3, threads=1, lockstep=False),
+                         log=lambda _: None)
+    assert summary.steps == 3 and summary.published == 3 and all(map(math.isfinite, summary.losses))
+    for key, delta in _published(store, "l0").items():
+        for name, t in delta.items():
+            if name != "tokens":
+                assert t.dtype == torch.float32 and bool(torch.isfinite(t).all()), (key, name)
 
 
 @pytest.mark.parametrize("shard", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
