@@ -14,6 +14,9 @@ Reported, from the bucket (learner side) and from timers / Prefect task runs (sy
 * learner tokens/s: sum over learners of (tokens between their first and last contribution after
   warm-up) / (time between them): the learners' own speed, which orchestration must not slow down
   (target: prefect >= 0.97x plain);
+* the effective H next to the configured H: the mean steps since a learner's last sync of a
+  fragment when that fragment's contribution is merged (the contributions table's ``steps``); a
+  synchronizer that keeps up makes it H, one that falls behind lets it grow (target: within 10%);
 * the round wall time (commit to commit) split into waiting for the quorum + grace window, merge +
   storage (load deltas, merge, outer step, write the new fragment and the commit record, evaluate),
   and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop).
@@ -55,6 +58,10 @@ class Result:
     round_s: float
     wait_s: float
     close_s: float
+    h: int = 0
+    """Configured H (inner steps between two syncs of a fragment)."""
+    eff_h: float = 0.0
+    """Effective H: mean steps since last sync of the merged contributions, after warm-up."""
 
     @property
     def orchestration_s(self) -> float:
@@ -84,6 +91,15 @@ def learner_tokens_per_s(store: RunStore) -> float:
             continue
         total += steps * tokens_per_step[lid] / (events[-1][0] - events[0][0])
     return total
+
+
+def effective_h(store: RunStore) -> tuple[int, float]:
+    """Configured H and the effective H: the mean over merged contributions after warm-up of the
+    steps since the learner's last sync of that fragment (``c_steps``; the contributions table's
+    ``steps``). A synchronizer that keeps up merges each fragment every H steps of a learner."""
+    records = store.history(1, store.latest_round())[WARMUP_ROUNDS:]
+    steps = [a.c_steps for r in records for a in r.accepted if a.c_steps > 0]
+    return store.config.inner_steps, (statistics.mean(steps) if steps else float("nan"))
 
 
 def round_intervals(store: RunStore) -> tuple[float, float, list[int]]:
@@ -119,7 +135,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     store = RunStore.open(url)
     round_s, wait_s, measured = round_intervals(store)
     return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes))
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
 def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
@@ -162,13 +178,13 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
     finally:
         stack.stop()
     return Result("prefect (flows)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes))
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
 def table(results: list[Result]) -> str:
     base = results[0].tokens_per_s
     lines = [f"{'runner':<22}{'rounds':>7}{'wall s':>8}{'learner tok/s':>15}{'vs plain':>10}{'round s':>9}"
-             f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}"]
+             f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}{'H':>4}{'eff. H':>8}{'eff/H':>7}"]
 
     def share(x: float, total: float) -> str:
         return f"{x:6.2f}s {100 * x / total:3.0f}%" if total else "-"
@@ -176,7 +192,8 @@ def table(results: list[Result]) -> str:
     for r in results:
         lines.append(f"{r.name:<22}{r.rounds:>7}{r.wall_s:>8.0f}{r.tokens_per_s:>15.0f}"
                      f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s, r.round_s):>14}"
-                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}")
+                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}"
+                     f"{r.h:>4}{r.eff_h:>8.1f}{r.eff_h / r.h if r.h else float('nan'):>6.2f}x")
     return "\n".join(lines)
 
 
@@ -186,7 +203,7 @@ def plot(results: list[Result], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     names = [r.name for r in results]
     a.bar(names, [r.tokens_per_s for r in results], color=["#888", "#2b6cb0"])
     a.set_ylabel("learner tokens/s (all learners)")
@@ -200,6 +217,13 @@ def plot(results: list[Result], out: Path) -> Path:
     b.set_ylabel("seconds per round (median)")
     b.set_title("where a round's wall time goes")
     b.legend()
+    c.bar(names, [r.eff_h for r in results], color=["#888", "#2b6cb0"])
+    if results and results[0].h:
+        c.axhline(results[0].h, color="k", linestyle="--", label=f"configured H = {results[0].h}")
+        c.axhline(1.1 * results[0].h, color="#c53030", linestyle=":", label="goal: within 10%")
+        c.legend()
+    c.set_ylabel("mean steps since last sync of a fragment")
+    c.set_title("effective H")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "overhead.png"
@@ -228,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     ratio = results[1].tokens_per_s / results[0].tokens_per_s
     print(f"learner throughput under Prefect: {ratio:.3f}x the plain runner (target >= 0.97x)")
+    for r in results:
+        print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
+              f"({r.eff_h / r.h:.2f}x; target within 1.10x)")
     print(f"plot: {plot(results, Path(args.out))}")
     return 0
 
