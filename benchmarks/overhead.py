@@ -27,6 +27,7 @@ Prints a table and writes ``overhead.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -237,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--out", default="out")
+    p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # like the plain runner's synchronizer process (and the training-run job)
-    with tempfile.TemporaryDirectory(prefix="atoll-overhead-") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="atoll-overhead-") if args.keep is None
+          else contextlib.nullcontext(str(Path(args.keep).absolute()))) as tmp:
         os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
         results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
         print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
