@@ -14,8 +14,10 @@ summary artifact at the end.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
+import threading
 from typing import Any, cast
 from uuid import UUID
 
@@ -31,6 +33,40 @@ from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]
+
+
+class _ProgressWriter:
+    """Moves the learner's progress artifact from a background thread, latest line wins: the
+    training loop only hands a line over (an API call under a loaded server can take a second)."""
+
+    def __init__(self, artifact_id: UUID, store: Any, max_rounds: int) -> None:
+        self.artifact_id, self.store, self.max_rounds = artifact_id, store, max_rounds
+        self._line: str | None = None
+        self._cv = threading.Condition()
+
+    def start(self) -> _ProgressWriter:
+        ctx = contextvars.copy_context()  # Prefect's settings (API URL) live in context variables
+        threading.Thread(target=ctx.run, args=(self._work,), name="atoll-learner-progress", daemon=True).start()
+        return self
+
+    def post(self, line: str) -> None:
+        with self._cv:
+            self._line = line
+            self._cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while self._line is None:
+                    self._cv.wait()
+                line, self._line = self._line, None
+            try:
+                latest = self.store.latest_round()
+                update_progress_artifact(artifact_id=self.artifact_id,
+                                         progress=100.0 * min(1.0, latest / self.max_rounds),
+                                         description=f"{line} | round {latest} of {self.max_rounds}")
+            except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
+                pass
 
 
 @flow(name="atoll-learner", persist_result=False, log_prints=False)
@@ -63,16 +99,12 @@ def learner_flow(
         description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
     ))
 
+    progress = _ProgressWriter(progress_id, store, recipe.max_rounds).start() if progress_id is not None else None
+
     def log(line: str) -> None:
         logger.info(line)
-        if progress_id is None:
-            return
-        try:
-            latest = store.latest_round()
-            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(1.0, latest / recipe.max_rounds),
-                                     description=f"{line} | round {latest} of {recipe.max_rounds}")
-        except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
-            pass
+        if progress is not None:
+            progress.post(line)  # written by a background thread: no API call inside the training step
 
     options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
                              max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,

@@ -11,6 +11,13 @@ Everything a round needs is in the bucket, so a training run that is restarted (
 given ``resume_from``) continues from the last committed round, with or without the Prefect
 database that ran it.
 
+**Segments.** One flow run runs at most ``options.segment_rounds`` rounds (so its graph stays far
+under the UI's limit), then launches the next segment: a flow run of the same deployment with the
+same options resuming the run, tagged with the run and ``atoll-segment-of:<this flow run>``; this
+one ends Completed, tagged ``atoll-handed-over``, with a link artifact to the next one and the
+event ``atoll.run.handed-over``. A run that commits its last round (or is stopped) emits
+``atoll.run.finished``.
+
 Lifecycle: the training run tags its own flow run with the run, takes the synchronizer's lease
 (a newer training run of the same run fences it: it stops with :class:`~atoll.train.lifecycle.Fenced`)
 and heartbeats in ``sync/`` while it polls; the supervisor (:mod:`atoll.flows.supervisor`) reads
