@@ -22,7 +22,7 @@ def read_events(client: Any, name: str, *, resource_id: str | None = None, at_le
         flt = EventFilter(occurred=EventOccurredFilter(since=since),
                           event=EventNameFilter(name=[name]),
                           resource=EventResourceFilter(id=[resource_id]) if resource_id else None)
-        page = client.read_events(filter=flt, limit=200)
+        page = client.read_events(filter=flt, limit=50)  # the API's most per page
         events = list(page.events)
         while page.next_page is not None and len(events) < 10_000:
             page = client.read_events_page(page.next_page)

@@ -112,7 +112,8 @@ def test_api_calls_per_round_are_bounded(prefect_harness: None, tmp_path: Path, 
         assert len(rounds) == 2 + extra
         for fr in rounds:
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-            assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == ["await-quorum", "merge-and-commit"]
+            names = [t.name.rsplit("-", 1)[0] for t in tasks]  # await-quorum again after each watch_every_s
+            assert set(names) == {"await-quorum", "merge-and-commit"} and names.count("merge-and-commit") == 1
             assert all(not t.tags for t in tasks)
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
             assert sorted(a.type for a in arts) == ["markdown", "table"]  # written by the recorder, on this flow run
