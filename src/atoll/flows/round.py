@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
 from prefect.context import TagsContext
 from prefect.runtime import flow_run as prefect_flow_run
 
@@ -34,7 +34,7 @@ from atoll.tasks.learners import watch_learners
 from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict
 from atoll.train.synchronizer import RoundSummary
 
-__all__ = ["outer_round"]
+__all__ = ["outer_round", "ROUND_FLOW"]
 
 
 @flow(name="atoll-round", flow_run_name="round-{round_number:06d}", persist_result=False, log_prints=False)
@@ -71,3 +71,8 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
                 watch_learners(ctx)
     ctx.round_recorder().submit(round_number, flow_run_id)
     return summary
+
+
+ROUND_FLOW = Flow(fn=outer_round.fn, name=outer_round.name, persist_result=False, log_prints=False)
+"""The same flow for round flow runs created beforehand with their name (no name template: the
+engine would rename the run, one more API call)."""

@@ -42,14 +42,21 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, 
 
 from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
-from atoll.flows.round import outer_round
+from atoll.flows.round import ROUND_FLOW, outer_round
 from atoll.runs.manage import RunInfo, prepare_run
 from atoll.runs.options import TrainingRunOptions
-from atoll.runs.report import last_val_loss
+from atoll.runs.report import last_val_loss, round_flow_name
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER, emit, run_resource
 from atoll.tasks.learners import run_tag, watch_learners
-from atoll.tasks.queries import DEFAULT_TRAINING_DEPLOYMENT, HANDED_OVER_TAG, SEGMENT_OF_TAG, SEGMENT_TAG
+from atoll.tasks.queries import (
+    DEFAULT_TRAINING_DEPLOYMENT,
+    HANDED_OVER_TAG,
+    ROUND_TAG,
+    SEGMENT_OF_TAG,
+    SEGMENT_RUN_TAG,
+    SEGMENT_TAG,
+)
 from atoll.tasks.recorder import artifact_keys
 from atoll.train.lifecycle import Fenced, RunStopped
 
@@ -119,6 +126,8 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
     if ctx.fleet is not None and not ctx.finished:
         watch_learners(ctx)
 
+    launcher = None if options.nest_rounds or not prefect_flow_run.id else RoundLauncher(
+        info.run_id, tags=[run_tag(info.run_id), ROUND_TAG, f"{SEGMENT_RUN_TAG}{prefect_flow_run.id}"])
     failures = 0
     stopped = False
     summaries: list[dict[str, Any]] = []
@@ -126,11 +135,14 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
     # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it). The
     # settings are entered once for the loop: building a Settings object costs ~0.1-0.6 s.
     no_heartbeat = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
-    with temporary_settings(no_heartbeat), tags(run_tag(info.run_id), "atoll-round"):
+    with temporary_settings(no_heartbeat), tags(run_tag(info.run_id), ROUND_TAG):
         while not ctx.finished and len(summaries) < limit:
             r = ctx.next_round
             try:
-                out = outer_round(ctx, r, run_id=info.run_id)
+                if launcher is None:
+                    out = outer_round(ctx, r, run_id=info.run_id)
+                else:
+                    out = launcher.run(ctx, r)
                 failures = 0
             except Fenced:  # a newer training run of this run holds the lease: this one is superseded
                 raise
@@ -151,6 +163,8 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
                 with TagsContext(current_tags=set()):  # the loop's tags are for round flow runs only
                     watch_learners(ctx)
 
+    if launcher is not None:
+        launcher.close()
     report = recorder.flush()
     store = ctx.store
     latest = store.latest_round()
@@ -182,6 +196,46 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
          flow_runs={"training-run": prefect_flow_run.id})
     log.info(f"run {info.run_id} {status} at round {latest}; validation loss {loss}; bucket {info.run_url}")
     return out_
+
+
+class RoundLauncher:
+    """Round flow runs of their own: each round's flow run is created with one API call (no parent
+    task run, no look-up of an existing subflow run, no rename) and run here, in this process, by
+    Prefect's engine. It is tagged with the run, ``atoll-round`` and ``atoll-segment-run:<training
+    flow run id>`` (the segment that ran it). Exceptions propagate as from a subflow."""
+
+    def __init__(self, run_id: str, *, tags: list[str]) -> None:
+        self.run_id = run_id
+        self.tags = tags
+        self._flow_id: Any = None
+        self._client: Any = None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.__exit__(None, None, None)
+            self._client = None
+
+    def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
+        from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+        from prefect.client.schemas.objects import FlowRun
+        from prefect.flow_engine import run_flow
+        from prefect.states import Pending, to_state_create
+
+        params = {"ctx": ctx, "round_number": round_, "run_id": self.run_id}
+        if self._client is None:  # one client (one connection) for every round of the segment
+            self._client = get_client(sync_client=True)
+            self._client.__enter__()
+        client = self._client
+        if self._flow_id is None:
+            resp = client.request("POST", "/flows/", json=FlowCreate(name=ROUND_FLOW.name).model_dump(mode="json"))
+            self._flow_id = resp.json()["id"]
+        create = FlowRunCreate(flow_id=self._flow_id, name=round_flow_name(round_),
+                               parameters=ROUND_FLOW.serialize_parameters(params), tags=list(self.tags),
+                               state=to_state_create(Pending()))
+        resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
+        flow_run = FlowRun.model_validate(resp.json())
+        out: dict[str, Any] = run_flow(ROUND_FLOW, flow_run=flow_run, parameters=params)  # type: ignore[assignment]
+        return out
 
 
 def _ui_url(flow_run_id: Any) -> str:

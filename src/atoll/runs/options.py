@@ -105,6 +105,11 @@ class TrainingRunOptions(BaseModel):
         default="cpu", description="Where the synchronizer merges and takes the outer step: cpu, auto, cuda, "
         "cuda:N or mps (the training run's worker must have that device).")
     fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
+    nest_rounds: bool = Field(
+        default=False,
+        description="Run each round flow run as a subflow of the training run (nested under it in the UI), "
+        "instead of a flow run of its own tagged with the run and the segment: about twice the API calls and "
+        "server writes per round, and a round waits for them (docs/prefect.md, 'What a round costs').")
     segment_rounds: int = Field(
         default=DEFAULT_SEGMENT_ROUNDS, ge=1,
         description="Rounds per training-run flow run: after this many, the run continues in a new flow run "
