@@ -1,13 +1,14 @@
 """Orchestration overhead: the same tiny-preset run through Prefect and through the plain local runner.
 
-    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/]
+    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/] [--prefect sqlite,postgres-nested]
 
-Side by side on this machine (plain first, then Prefect, same preset, same number of rounds):
+Side by side on this machine (plain first, then each Prefect variant, same preset, same rounds):
 
 * **plain**: ``atoll.train`` only: M learner processes and the synchronizer loop in this process;
-* **prefect**: a local Prefect server (SQLite), a process worker per pool, atoll's deployments,
-  the training-run flow (one round flow run per round, three tasks each, artifacts) and M learner
-  flow runs on the two pools.
+* **prefect**: a local Prefect server (SQLite, or a private PostgreSQL cluster), a process worker
+  per pool, atoll's deployments, the training-run flow (one round flow run per round with two
+  tasks; ``-nested``: as subflows; artifacts from the recorder) and M learner flow runs on the two
+  pools.
 
 Reported, from the bucket (learner side) and from timers / Prefect task runs (synchronizer side):
 
@@ -139,7 +140,8 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
-def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
+def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, database: str = "sqlite",
+                nest_rounds: bool = False) -> Result:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterName
 
@@ -149,15 +151,16 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
     from atoll.runs.options import TrainingRunOptions
     from atoll.tasks.learners import run_tag
 
-    url = to_url(str(bucket / "prefect"))
+    name = f"prefect-{database}" + ("-nested" if nest_rounds else "")
+    url = to_url(str(bucket / name))
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
-    stack = LocalStack(home=bucket / "prefect-home", log_dir=bucket / "prefect-logs")
+    stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
     try:
         stack.start()
         with stack.settings():
             deploy_all(stack.pools)
             t0 = time.monotonic()
-            fr = start_training(TrainingRunOptions(run_url=url))
+            fr = start_training(TrainingRunOptions(run_url=url, nest_rounds=nest_rounds))
             state, _ = follow(fr.id, url, every_s=30.0)
             wall = time.monotonic() - t0
             if state != "Completed":
@@ -178,7 +181,8 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
                       if t.flow_run_id in round_of}
     finally:
         stack.stop()
-    return Result("prefect (flows)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
+    label = f"prefect {database}" + (" nested" if nest_rounds else "")
+    return Result(label, store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
@@ -204,9 +208,10 @@ def plot(results: list[Result], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(6 + 3 * len(results), 4))
     names = [r.name for r in results]
-    a.bar(names, [r.tokens_per_s for r in results], color=["#888", "#2b6cb0"])
+    colors = ["#888", "#2b6cb0", "#2f855a", "#b7791f", "#6b46c1"][:len(results)]
+    a.bar(names, [r.tokens_per_s for r in results], color=colors)
     a.set_ylabel("learner tokens/s (all learners)")
     a.set_title("learner throughput")
     bottom = [0.0] * len(results)
@@ -218,7 +223,7 @@ def plot(results: list[Result], out: Path) -> Path:
     b.set_ylabel("seconds per round (median)")
     b.set_title("where a round's wall time goes")
     b.legend()
-    c.bar(names, [r.eff_h for r in results], color=["#888", "#2b6cb0"])
+    c.bar(names, [r.eff_h for r in results], color=colors)
     if results and results[0].h:
         c.axhline(results[0].h, color="k", linestyle="--", label=f"configured H = {results[0].h}")
         c.axhline(1.1 * results[0].h, color="#c53030", linestyle=":", label="goal: within 10%")
@@ -238,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--out", default="out")
+    p.add_argument("--prefect", default="sqlite",
+                   help="comma-separated Prefect variants to run after the plain runner: sqlite, postgres "
+                        "(the stack's database), each optionally with -nested (round flow runs as subflows)")
     p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
     args = p.parse_args(argv)
     import torch
@@ -248,13 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
         results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
         print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
-        results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds))
+        for variant in args.prefect.split(","):
+            database, _, nested = variant.strip().partition("-")
+            results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds, database=database,
+                                       nest_rounds=nested == "nested"))
+            print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
     print()
     print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
           f"medians after {WARMUP_ROUNDS} warm-up rounds")
     print(table(results))
-    ratio = results[1].tokens_per_s / results[0].tokens_per_s
-    print(f"learner throughput under Prefect: {ratio:.3f}x the plain runner (target >= 0.97x)")
+    for r in results[1:]:
+        print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
+              "(target >= 0.97x)")
     for r in results:
         print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
               f"({r.eff_h / r.h:.2f}x; target within 1.10x)")

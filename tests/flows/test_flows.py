@@ -13,6 +13,7 @@ from atoll.runs.options import FleetOptions, TrainingRunOptions
 from atoll.runs.report import GoodputTracker, round_flow_name, run_status
 from atoll.storage.paths import to_url
 from atoll.tasks.learners import run_tag
+from atoll.tasks.queries import SEGMENT_RUN_TAG
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,7 +43,10 @@ def test_one_completed_round_flow_run_per_round_named_and_tagged(smoke_run) -> N
         # The UI shows the run and the round; the run's context (tensors) is never serialized.
         assert all(r.parameters == {"ctx": "<RunContext>", "round_number": int(r.name.split("-")[1]),
                                     "run_id": smoke_run.info.run_id} for r in runs)
-        parent = client.read_flow_run(client.read_task_run(runs[0].parent_task_run_id).flow_run_id)
+        # A flow run of its own (no subflow bookkeeping), tagged with the training-run flow run that ran it.
+        assert all(r.parent_task_run_id is None for r in runs)
+        [segment_tag] = [t for t in runs[0].tags if t.startswith(SEGMENT_RUN_TAG)]
+        parent = client.read_flow_run(segment_tag.removeprefix(SEGMENT_RUN_TAG))
         assert parent.parameters["options"]["run_url"] == smoke_run.url
         assert parent.parameters["options"]["fleet"]["manage"] is False
         # Each round ran its two tasks (its artifacts come from the run's recorder, off the critical path).

@@ -22,7 +22,14 @@ from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
 from atoll.storage.paths import to_url
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER
 from atoll.tasks.learners import run_tag
-from atoll.tasks.queries import HANDED_OVER_TAG, SEGMENT_OF_TAG, SEGMENT_TAG, TRAINING_FLOW_NAME, read_flow_runs_paged
+from atoll.tasks.queries import (
+    HANDED_OVER_TAG,
+    SEGMENT_OF_TAG,
+    SEGMENT_RUN_TAG,
+    SEGMENT_TAG,
+    TRAINING_FLOW_NAME,
+    read_flow_runs_paged,
+)
 from atoll.train.local import LocalRun
 
 from .events_helpers import read_events
@@ -104,7 +111,8 @@ def test_segments_chain_link_and_resume_without_losing_a_round(deployed: dict[st
         rounds = _round_runs(client, rid)
         assert sorted(r.name for r in rounds) == [round_flow_name(r) for r in range(1, 6)]
         assert all(r.state.is_completed() for r in rounds)
-        parent = {r.name: client.read_task_run(r.parent_task_run_id).flow_run_id for r in rounds}
+        parent = {r.name: UUID(next(t for t in r.tags if t.startswith(SEGMENT_RUN_TAG)).removeprefix(SEGMENT_RUN_TAG))
+                  for r in rounds}
         assert {parent[round_flow_name(r)] for r in (1, 2)} == {seg1.id}
         assert {parent[round_flow_name(r)] for r in (3, 4)} == {relaunched.id}
         assert parent[round_flow_name(5)] == seg3.id
