@@ -95,6 +95,7 @@ class RoundRecorder:
         self._thread: threading.Thread | None = None
         self._last_progress = 0.0
         self._progress_round = 0
+        self._progress_written = 0
 
     # -- the training run's side ---------------------------------------------------------------
     def start(self) -> RoundRecorder:
@@ -194,7 +195,9 @@ class RoundRecorder:
             self.recorded.append(item.round)
             self._progress_round = max(self._progress_round, item.round)
         now = time.monotonic()
-        if self._progress_round and (final or now - self._last_progress >= self.progress_every_s):
+        due = final or now - self._last_progress >= self.progress_every_s
+        if self._progress_round and self._progress_round != self._progress_written and due:
+            self._progress_written = self._progress_round
             self._last_progress = now
             r = self._progress_round
             record = self.store.read_commit(r)
