@@ -1,0 +1,124 @@
+"""Bring your own training loop (atoll.join): a user's plain PyTorch loop as a learner, with real
+processes on a bucket folder, next to a learner running atoll's own loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from atoll.storage import RunStore
+from atoll.storage.paths import to_url
+from atoll.train.learner import LearnerExit, LearnerOptions
+from atoll.train.local import LocalRun
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def wait_for(cond, timeout_s: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in procs:
+            assert p.poll() in (None, 0), f"a process died with {p.returncode} while waiting for {what}"
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def env() -> dict[str, str]:
+    path = os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def user_loop(url: str, learner_id: str, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, str(EXAMPLES / "plain_loop.py")], stdout=out,
+                                stderr=subprocess.STDOUT, env={**env(), "ATOLL_RUN_URL": url,
+                                                               "ATOLL_LEARNER_ID": learner_id})
+
+
+def merged(store: RunStore, learner_id: str, after: int = 0) -> bool:
+    return any(a.learner_id == learner_id for r in store.history(after + 1) for a in r.accepted)
+
+
+def test_user_loop_and_atoll_loop_learners_are_both_merged_and_a_killed_user_loop_rejoins(tmp_path: Path) -> None:
+    url = to_url(str(tmp_path / "run"))
+    subprocess.run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--create", url, "--learners", "2",
+                    "--rounds", "100000"], check=True, env=env())
+    store = RunStore.open(url)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
+        run.start_learner("learner-0")  # atoll's own loop, on the model the recipe names
+        user = user_loop(url, "learner-1", logs / "user.log")
+        try:
+            sync = run.start_synchronizer()
+            wait_for(lambda: merged(store, "learner-0") and merged(store, "learner-1")
+                     and store.load_learner_state("learner-1") is not None, 150, "both learners merged", [sync, user])
+            saved = store.load_learner_state("learner-1")
+            assert saved is not None and saved.meta["user"]["step"] >= 10  # the loop's own position
+            assert any(k.endswith(".exp_avg") for k in saved.tensors)  # the user's AdamW state
+            # SIGKILL the user's loop: a lost spot instance. Its next process rejoins.
+            user.kill()
+            user.wait(timeout=30)
+            killed_at = store.latest_round()
+            user = user_loop(url, "learner-1", logs / "user.log")
+            wait_for(lambda: merged(store, "learner-1", killed_at + 1), 150, "learner-1 merged again", [sync, user])
+            log = (logs / "user.log").read_text()
+            assert "learner-1: rejoined at round" in log and "user loop" in log
+        finally:
+            if user.poll() is None:
+                user.terminate()  # SIGTERM: saves and exits cleanly
+                assert user.wait(timeout=60) == 0
+    log = (logs / "user.log").read_text()
+    assert "exit: sigterm" in log
+    history = store.history()
+    assert [r.round for r in history] == list(range(1, len(history) + 1))
+
+
+def test_join_in_process_publishes_adopts_and_stops_when_the_run_is_finished(tmp_path: Path) -> None:
+    """No processes: a user loop in this thread, the synchronizer stepped by hand between steps."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import plain_loop
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
+
+    import atoll
+
+    url = to_url(str(tmp_path / "run"))
+    plain_loop.create(url, 1, rounds=3)
+    store = RunStore.open(url)
+    sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(poll_interval_s=0.01))
+    model = plain_loop.char_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = plain_loop.corpus(1 << 16)
+    steps = 0
+    options = LearnerOptions(poll_interval_s=0.01, handle_sigterm=False, lockstep=False)  # the synchronizer runs in this thread
+    with atoll.join(url, "learner-0", model, opt, tokens_per_step=8 * 32, options=options, log=lambda _: None) as hook:
+        for steps in range(1, 10_000):
+            x = data[:8 * 32].view(8, 32)
+            y = data[1:8 * 32 + 1].view(8, 32)
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()  # raises LearnerExit (caught by the with block) once round 3 is committed
+            opt.zero_grad()
+            if steps % 4 == 0:
+                sync.tick()  # the synchronizer, between two steps
+    assert hook.exit_reason == "finished", hook.exit_reason
+    assert store.latest_round() == 3 and hook.summary.published >= 3 and hook.summary.aligned >= 2
+    # The model holds the newest global version of every fragment it adopted.
+    state = store.read_global_state()
+    for name, p in model.named_parameters():
+        assert p.shape == state.params[name].shape
+    assert not opt._optimizer_step_post_hooks  # the hook is removed with the block
+    with pytest.raises(LearnerExit):
+        raise LearnerExit("finished")
