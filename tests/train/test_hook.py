@@ -91,9 +91,8 @@ def test_join_in_process_publishes_adopts_and_stops_when_the_run_is_finished(tmp
         import plain_loop
     finally:
         sys.path.remove(str(EXAMPLES))
-    from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
-
     import atoll
+    from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
     url = to_url(str(tmp_path / "run"))
     plain_loop.create(url, 1, rounds=3)

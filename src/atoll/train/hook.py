@@ -297,3 +297,60 @@ def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
         for p in fragments:
             for name in learner.plan.fragments[p]:
                 dist.broadcast(learner.params[name].data, src=0)
+
+
+# -- a user's script as a learner process (what the learner flow runs for LearnerSpec.command) ----
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGKILL it when the launching process dies, so a
+    SIGKILLed learner flow never leaves its user script training as an unleased orphan."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_command(command: list[str] | tuple[str, ...], *, run_url: str, learner_id: str,
+                flow_run_id: str | None = None, extra_env: Mapping[str, str] | None = None,
+                cwd: str | None = None, log: Callable[[str], None] = print) -> int:
+    """Run a user's training script as learner ``learner_id`` and wait for it; returns its exit code.
+
+    The script gets ``$ATOLL_RUN_URL``, ``$ATOLL_LEARNER_ID`` and ``$ATOLL_FLOW_RUN_ID`` (what
+    :func:`join` reads when it is called without them) and the caller's environment (bucket
+    credentials included). Its output is passed to ``log`` line by line. SIGTERM to this process
+    is forwarded to the script, which saves and exits (``join`` handles it); if this process is
+    SIGKILLed, the script is SIGKILLed too (Linux), so no orphan keeps training.
+    """
+    import signal
+    import subprocess
+    import threading
+
+    if not command:
+        raise ValueError("run_command needs a command (argv)")
+    env = {**os.environ, **(extra_env or {}), ENV_RUN_URL: run_url, ENV_LEARNER_ID: learner_id,
+           "PYTHONUNBUFFERED": "1"}
+    if flow_run_id:
+        env[ENV_FLOW_RUN_ID] = flow_run_id
+    log(f"{learner_id}: running the user's command {list(command)!r}")
+    proc = subprocess.Popen(list(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent if os.name == "posix" else None)  # noqa: PLW1509
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        def forward(signum: int, frame: Any) -> None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            log(raw.decode(errors="replace").rstrip("\n"))
+        return proc.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
