@@ -68,13 +68,17 @@ def corpus(max_bytes: int = 1 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(out)[:max_bytes]), dtype=torch.uint8).long()
 
 
-def create(url: str, learners: int, rounds: int) -> None:
-    """A run whose weights and fragment plan come from this script's model."""
-    from atoll.core.config import DilocoConfig
+def create(url: str, learners: int, rounds: int, *, lockstep: bool = False) -> None:
+    """A run whose weights and fragment plan come from this script's model (``lockstep``:
+    synchronous DiLoCo, K = M, one fragment)."""
+    from atoll.core.config import DilocoConfig, synchronous_diloco
     from atoll.train.recipe import LearnerSpec, Recipe
 
-    config = DilocoConfig(num_learners=learners, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
-                          initial_grace_s=0.5)
+    if lockstep:
+        config = synchronous_diloco(learners, inner_steps=4)
+    else:
+        config = DilocoConfig(num_learners=learners, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
+                              initial_grace_s=0.5)
     recipe = Recipe(model="plain_loop:char_lm", context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0,
                     save_every_steps=10,
                     learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(learners)))
@@ -82,12 +86,24 @@ def create(url: str, learners: int, rounds: int) -> None:
     print(f"created {url}")
 
 
-def train(run: str | None, learner_id: str | None, *, seed: int, max_steps: int) -> None:
-    torch.set_num_threads(1)
-    model = char_lm()
+def make_optimizer(model: nn.Module, max_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with warmup and a cosine to 10% over ``max_steps``: this loop's own choice."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / max_steps)))))
+    return optimizer, schedule
+
+
+def next_batch(data: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``BATCH`` random windows of ``CONTEXT`` bytes and their next bytes."""
+    i = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=g)
+    return torch.stack([data[j:j + CONTEXT] for j in i]), torch.stack([data[j + 1:j + CONTEXT + 1] for j in i])
+
+
+def train(run: str | None, learner_id: str | None, *, seed: int, max_steps: int) -> None:
+    torch.set_num_threads(1)
+    model = char_lm()
+    optimizer, schedule = make_optimizer(model, max_steps)
     data = corpus()
     g = torch.Generator().manual_seed(seed)
 
@@ -98,9 +114,7 @@ def train(run: str | None, learner_id: str | None, *, seed: int, max_steps: int)
             schedule.step()
         for step in range(start, max_steps):
             # --- the user's loop, unchanged -------------------------------------------------
-            i = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=g)
-            x = torch.stack([data[j:j + CONTEXT] for j in i])
-            y = torch.stack([data[j + 1:j + CONTEXT + 1] for j in i])
+            x, y = next_batch(data, g)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             learner.loss = loss.detach()  # optional: shows in contributions and progress lines
@@ -117,13 +131,14 @@ def main() -> None:
     ap.add_argument("--create", metavar="URL", help="create a run for this model and exit")
     ap.add_argument("--learners", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--lockstep", action="store_true", help="with --create: synchronous DiLoCo (K = M)")
     ap.add_argument("--run", help="run URL (default $ATOLL_RUN_URL)")
     ap.add_argument("--learner-id", help="learner id (default $ATOLL_LEARNER_ID)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=100_000)
     args = ap.parse_args()
     if args.create:
-        create(args.create, args.learners, args.rounds)
+        create(args.create, args.learners, args.rounds, lockstep=args.lockstep)
         return
     train(args.run, args.learner_id, seed=args.seed, max_steps=args.max_steps)
 

@@ -121,3 +121,73 @@ def test_join_in_process_publishes_adopts_and_stops_when_the_run_is_finished(tmp
     assert not opt._optimizer_step_post_hooks  # the hook is removed with the block
     with pytest.raises(LearnerExit):
         raise LearnerExit("finished")
+
+
+def reference_lockstep(rounds: int, learners: int, h: int, outer_lr: float, outer_mu: float) -> dict[str, torch.Tensor]:
+    """Synchronous DiLoCo over the example's own loop, in one process: each learner takes ``h``
+    steps of plain_loop's AdamW on its own seeded windows, the mean delta takes one Nesterov step,
+    every learner continues from the result (its AdamW moments and lr schedule carry on)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import plain_loop
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    steps = rounds * h
+    models = [plain_loop.char_lm() for _ in range(learners)]
+    glob = {n: p.detach().clone() for n, p in plain_loop.char_lm().named_parameters()}
+    opts = [plain_loop.make_optimizer(m, steps) for m in models]
+    gens = [torch.Generator().manual_seed(i) for i in range(learners)]
+    data = plain_loop.corpus()
+    buf: dict[str, torch.Tensor] = {}
+    for _ in range(rounds):
+        for _ in range(h):
+            for m, (opt, schedule), g in zip(models, opts, gens, strict=True):
+                x, y = plain_loop.next_batch(data, g)
+                torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                schedule.step()
+        for n in glob:
+            delta = torch.zeros_like(glob[n])
+            for m in models:
+                delta.add_(glob[n] - dict(m.named_parameters())[n].detach(), alpha=1.0 / learners)
+            buf[n] = delta.clone() if n not in buf else buf[n].mul(outer_mu).add_(delta)
+            glob[n] = glob[n] - outer_lr * delta.add(buf[n], alpha=outer_mu)
+        with torch.no_grad():
+            for m in models:
+                for n, p in m.named_parameters():
+                    p.copy_(glob[n])
+    return glob
+
+
+def test_lockstep_user_loops_equal_synchronous_diloco_bit_for_bit(tmp_path: Path) -> None:
+    rounds, learners = 3, 2
+    url = to_url(str(tmp_path / "run"))
+    subprocess.run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--create", url, "--learners", str(learners),
+                    "--rounds", str(rounds), "--lockstep"], check=True, env=env())
+    store = RunStore.open(url)
+    h = store.config.inner_steps
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = []
+    with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
+        for i in range(learners):
+            with open(logs / f"user-{i}.log", "ab") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(EXAMPLES / "plain_loop.py"), "--seed", str(i), "--max-steps", str(rounds * h)],
+                    stdout=out, stderr=subprocess.STDOUT,
+                    env={**env(), "ATOLL_RUN_URL": url, "ATOLL_LEARNER_ID": f"learner-{i}"}))
+        sync = run.start_synchronizer()
+        assert sync.wait(timeout=180) == 0, (logs / "synchronizer.log").read_text()[-3000:]
+        for i, p in enumerate(procs):
+            assert p.wait(timeout=60) == 0, (logs / f"user-{i}.log").read_text()[-3000:]
+    assert [len(r.accepted) for r in store.history()] == [learners] * rounds
+    got = store.read_global_state().params
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the learner processes ran with one thread each
+    try:
+        want = reference_lockstep(rounds, learners, h, store.config.outer_lr, store.config.outer_momentum)
+    finally:
+        torch.set_num_threads(threads)
+    for n in want:
+        assert torch.equal(got[n], want[n]), (n, (got[n] - want[n]).abs().max())
