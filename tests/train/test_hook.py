@@ -191,3 +191,40 @@ def test_lockstep_user_loops_equal_synchronous_diloco_bit_for_bit(tmp_path: Path
         torch.set_num_threads(threads)
     for n in want:
         assert torch.equal(got[n], want[n]), (n, (got[n] - want[n]).abs().max())
+
+
+def test_a_torchrun_ddp_user_loop_is_one_island_rank_0_does_the_io(tmp_path: Path) -> None:
+    """examples/ddp_loop.py under torchrun (2 gloo ranks) next to a 1-rank user loop: both merged,
+    the island counted with both ranks' tokens, every rank ends with the same weights."""
+    url = to_url(str(tmp_path / "run"))
+    subprocess.run([sys.executable, str(EXAMPLES / "ddp_loop.py"), "--create", url, "--ranks", "2",
+                    "--rounds", "30"], check=True, env=env())
+    store = RunStore.open(url)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
+        with open(logs / "island.log", "ab") as out:
+            island = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(EXAMPLES / "ddp_loop.py")],
+                stdout=out, stderr=subprocess.STDOUT,
+                env={**env(), "ATOLL_RUN_URL": url, "ATOLL_LEARNER_ID": "learner-0"})
+        wait_for(lambda: "learner-0: joined" in (logs / "island.log").read_text(), 120, "the island to join", [island])
+        user = user_loop(url, "learner-1", logs / "user.log")
+        try:
+            sync = run.start_synchronizer()
+            assert sync.wait(timeout=240) == 0, (logs / "synchronizer.log").read_text()[-3000:]
+            assert island.wait(timeout=120) == 0, (logs / "island.log").read_text()[-3000:]
+            assert user.wait(timeout=120) == 0, (logs / "user.log").read_text()[-3000:]
+        finally:
+            for p in (island, user):
+                if p.poll() is None:
+                    p.kill()
+    out = (logs / "island.log").read_text()
+    assert "rank 0: exit finished" in out and "rank 1: exit finished" in out, out[-2000:]
+    assert out.count("ranks identical: True") == 2, out[-2000:]
+    island_merges = [a for r in store.history() for a in r.accepted if a.learner_id == "learner-0"]
+    assert len(island_merges) >= 2
+    assert "aligned 0" not in out  # both ranks took rank 0's adopted fragments
+    assert all(a.c_tokens == a.c_steps * 2 * 8 * 32 for a in island_merges)  # both ranks' tokens
+    assert any(a.learner_id == "learner-1" for r in store.history() for a in r.accepted)

@@ -180,6 +180,7 @@ class LearnerHook:
         reason, adopted, versions = msg[0]
         _broadcast_fragments(learner, adopted)
         learner.versions = list(versions)
+        learner.summary.aligned += len(adopted)
         return reason if isinstance(reason, str) else None
 
     # -- entering and leaving -------------------------------------------------------------------
@@ -209,12 +210,9 @@ class LearnerHook:
                 self.session.reason = self.exit_reason
             elif exc is None:  # the loop ended by itself (its data ran out)
                 self.session.reason = "should_stop"
-            if self.world > 1 and self.exit_reason is None:
-                # The other ranks may wait in a broadcast: tell them to stop (best effort).
-                try:
-                    _broadcast_step(self.session.learner, "should_stop", [])  # type: ignore[arg-type]
-                except Exception:  # noqa: BLE001 - a rank is gone already
-                    pass
+            # Under torch.distributed every rank leaves its loop at the same step (the same loop,
+            # or the stop rank 0 broadcast), so nothing more is sent here; a rank that fails is
+            # the launcher's to stop (torchrun stops the others), and the island is relaunched.
             return bool(self.session.__exit__(exc_type, exc, tb))
         return isinstance(exc, LearnerExit)
 
