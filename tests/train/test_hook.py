@@ -228,3 +228,37 @@ def test_a_torchrun_ddp_user_loop_is_one_island_rank_0_does_the_io(tmp_path: Pat
     assert "aligned 0" not in out  # both ranks took rank 0's adopted fragments
     assert all(a.c_tokens == a.c_steps * 2 * 8 * 32 for a in island_merges)  # both ranks' tokens
     assert any(a.learner_id == "learner-1" for r in store.history() for a in r.accepted)
+
+
+@pytest.mark.parametrize("example,package", [("hf_trainer.py", "transformers"), ("lightning_loop.py", "lightning")])
+def test_framework_callbacks_make_a_trainer_a_learner(tmp_path: Path, example: str, package: str) -> None:
+    """examples/hf_trainer.py (transformers.Trainer + AtollCallback) and examples/lightning_loop.py
+    (Lightning Trainer + AtollCallback): the trainer's steps are merged, and it stops when the run
+    is finished (the callback asks the trainer to stop, then saves)."""
+    pytest.importorskip(package)
+    url = to_url(str(tmp_path / "run"))
+    subprocess.run([sys.executable, str(EXAMPLES / example), "--create", url, "--learners", "2", "--rounds", "10"],
+                   check=True, env=env(), capture_output=True)
+    store = RunStore.open(url)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
+        with open(logs / "trainer.log", "ab") as out:
+            trainer = subprocess.Popen([sys.executable, str(EXAMPLES / example), "--out", str(tmp_path / "out")]
+                                       if example == "hf_trainer.py" else [sys.executable, str(EXAMPLES / example)],
+                                       stdout=out, stderr=subprocess.STDOUT,
+                                       env={**env(), "ATOLL_RUN_URL": url, "ATOLL_LEARNER_ID": "learner-0"})
+        try:
+            wait_for(lambda: "learner-0: joined" in (logs / "trainer.log").read_text(), 120, "the trainer to join",
+                     [trainer])
+            sync = run.start_synchronizer()
+            assert sync.wait(timeout=180) == 0, (logs / "synchronizer.log").read_text()[-3000:]
+            assert trainer.wait(timeout=120) == 0, (logs / "trainer.log").read_text()[-3000:]
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    log = (logs / "trainer.log").read_text()
+    assert "exit: finished" in log, log[-2000:]
+    assert sum(a.learner_id == "learner-0" for r in store.history() for a in r.accepted) == 10
+    saved = store.load_learner_state("learner-0")
+    assert saved is not None and any(k.endswith(".exp_avg") for k in saved.tensors)

@@ -67,8 +67,9 @@ def create_run_for(url: str, model: torch.nn.Module, config: DilocoConfig, recip
     never builds it unless the recipe asks for evaluation).
 
     ``recipe.learners`` must still list every learner (ids, batch sizes and ``context_tokens``
-    bound the tokens a step may claim); set ``recipe.eval_every_rounds=0`` unless the recipe's
-    model and data can be built by atoll.
+    bound the tokens a step may claim). The synchronizer evaluates the global model with the
+    recipe's model factory and data (next-token loss: the model maps token ids [B, T] to logits
+    [B, T, V]); if atoll cannot build or run your model, set ``recipe.eval_batches = 0``.
     """
     recipe.check(config)
     module = getattr(model, "module", None)

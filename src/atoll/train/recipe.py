@@ -242,7 +242,8 @@ class Recipe:
     """Validation loss of the global model every this many rounds (0: never)."""
 
     eval_batches: int = 4
-    """Validation batches (of 16 sequences) per evaluation."""
+    """Validation batches (of 16 sequences) per evaluation; 0: never evaluate (a user's model that
+    atoll's evaluator, next-token loss on the recipe's data, cannot run)."""
 
     checkpoint_every_rounds: int = 0
     """Consolidated checkpoint every this many rounds (0: only at the end)."""
