@@ -113,6 +113,7 @@ def test_join_in_process_publishes_adopts_and_stops_when_the_run_is_finished(tmp
             if steps % 4 == 0:
                 sync.tick()  # the synchronizer, between two steps
     assert hook.exit_reason == "finished", hook.exit_reason
+    assert hook.run_progress == 1.0
     assert store.latest_round() == 3 and hook.summary.published >= 3 and hook.summary.aligned >= 2
     # The model holds the newest global version of every fragment it adopted.
     state = store.read_global_state()

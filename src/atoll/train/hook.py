@@ -121,6 +121,14 @@ class LearnerHook:
         return self.learner.step_count
 
     @property
+    def run_progress(self) -> float:
+        """The run's progress in [0, 1]: the newest global version this learner holds / the
+        recipe's max_rounds. What atoll's own loop runs its lr cosine on (a schedule that follows
+        the run, not this learner's step counter, keeps slow and fast learners in step)."""
+        assert self.learner is not None, "use it inside the with block"
+        return min(1.0, max(self.learner.versions) / self.learner.recipe.max_rounds)
+
+    @property
     def summary(self) -> LearnerSummary:
         assert self.learner is not None
         return self.learner.summary
