@@ -127,3 +127,26 @@ def test_learner_flow_trains_and_reports(prefect_harness: None, tmp_path: Path) 
     out = learner_flow(url, "learner-1", max_steps=4, log_every_steps=2)
     assert out["steps"] == 4 and out["published"] == 4
     assert open_run(url).load_learner_state("learner-1") is not None
+
+
+def test_learner_flow_runs_a_users_own_loop_with_the_same_lease(prefect_harness: None, tmp_path: Path) -> None:
+    """LearnerSpec.command / the flow's ``command``: the user's script joins with atoll.join, under
+    the flow run's id; a failing script fails the flow run (so healing relaunches it)."""
+    import subprocess
+    import sys
+
+    from atoll.flows.learner import learner_flow
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    url = to_url(str(tmp_path / "run-byo"))
+    subprocess.run([sys.executable, str(examples / "plain_loop.py"), "--create", url, "--learners", "2"], check=True)
+    out = learner_flow(url, "learner-1", command=[sys.executable, str(examples / "plain_loop.py"), "--max-steps", "12"])
+    assert out["exit_code"] == 0 and out["exit_detail"].startswith("should_stop"), out
+    store = open_run(url)
+    live = store.learner_liveness("learner-1")
+    assert live.lease is not None and live.lease.flow_run_id  # the flow run's id, in the script's lease
+    saved = store.load_learner_state("learner-1")
+    assert saved is not None and saved.meta["step"] == 12 and saved.meta["user"]["step"] == 12
+    assert store.list_contributions(0, 0).records  # it published (fragment 0 against version 0)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        learner_flow(url, "learner-1", command=[sys.executable, "-c", "raise SystemExit(3)"])

@@ -28,6 +28,8 @@ from prefect.runtime import flow_run as prefect_flow_run
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
+from atoll.storage.bucket import RunStore
+from atoll.train.hook import run_command
 from atoll.train.island import run_island
 from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
@@ -82,11 +84,14 @@ def learner_flow(
     heartbeat_interval_s: float = 5.0,
     device: str | None = None,
     autocast: str | None = None,
+    command: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train as ``learner_id`` of the run at ``run_url`` until the run is finished.
 
     ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
-    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's)."""
+    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's).
+    ``command`` (argv) runs a user's own training script that joins with ``atoll.join`` instead of
+    atoll's loop (None: the recipe's ``LearnerSpec.command``; empty there too: atoll's loop)."""
     logger = get_run_logger()
     if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
@@ -111,6 +116,9 @@ def learner_flow(
                              heartbeat_interval_s=heartbeat_interval_s,
                              flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
                              device=device, autocast=autocast)
+    user_command = list(command) if command else list(spec.command)
+    if user_command:  # the user's own loop (atoll.join): same lease, heartbeats, stop and fencing
+        return _run_user_command(store, learner_id, user_command, options, log)
     if spec.ranks > 1:  # an island: spec.ranks processes doing DDP, rank 0 doing the bucket I/O
         summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
     else:
@@ -131,3 +139,16 @@ def learner_flow(
     return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
             "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss,
             "exit_reason": summary.exit_reason}
+
+
+def _run_user_command(store: RunStore, learner_id: str, command: list[str], options: LearnerOptions,
+                      log: Any) -> dict[str, Any]:
+    """Run the user's script; its exit reason comes from the bucket (its last heartbeat). A
+    non-zero exit fails the flow run, so the training run's healing relaunches it."""
+    code = run_command(command, run_url=store.url, learner_id=learner_id, flow_run_id=options.flow_run_id, log=log)
+    beat = store.learner_liveness(learner_id).heartbeat
+    reason = beat.reason if beat is not None and beat.status == "exited" else ""
+    if code != 0:
+        raise RuntimeError(f"{learner_id}: the user's command {command!r} exited with code {code}"
+                           + (f" ({reason})" if reason else ""))
+    return {"learner_id": learner_id, "command": command, "exit_code": code, "exit_detail": reason}
