@@ -20,7 +20,7 @@ venv: $(BIN)/.installed
 
 # Lint (pyflakes, bugbear, import order) and types: the whole package, and core + storage strictly.
 check: venv
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/mypy --strict src/atoll/core src/atoll/storage
 

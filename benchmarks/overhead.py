@@ -1,19 +1,23 @@
 """Orchestration overhead: the same tiny-preset run through Prefect and through the plain local runner.
 
-    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/]
+    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/] [--prefect sqlite,postgres-nested]
 
-Side by side on this machine (plain first, then Prefect, same preset, same number of rounds):
+Side by side on this machine (plain first, then each Prefect variant, same preset, same rounds):
 
 * **plain**: ``atoll.train`` only: M learner processes and the synchronizer loop in this process;
-* **prefect**: a local Prefect server (SQLite), a process worker per pool, atoll's deployments,
-  the training-run flow (one round flow run per round, three tasks each, artifacts) and M learner
-  flow runs on the two pools.
+* **prefect**: a local Prefect server (SQLite, or a private PostgreSQL cluster), a process worker
+  per pool, atoll's deployments, the training-run flow (one round flow run per round with two
+  tasks; ``-nested``: as subflows; artifacts from the recorder) and M learner flow runs on the two
+  pools.
 
 Reported, from the bucket (learner side) and from timers / Prefect task runs (synchronizer side):
 
 * learner tokens/s: sum over learners of (tokens between their first and last contribution after
   warm-up) / (time between them): the learners' own speed, which orchestration must not slow down
   (target: prefect >= 0.97x plain);
+* the effective H next to the configured H: the mean steps since a learner's last sync of a
+  fragment when that fragment's contribution is merged (the contributions table's ``steps``); a
+  synchronizer that keeps up makes it H, one that falls behind lets it grow (target: within 10%);
 * the round wall time (commit to commit) split into waiting for the quorum + grace window, merge +
   storage (load deltas, merge, outer step, write the new fragment and the commit record, evaluate),
   and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop).
@@ -24,6 +28,7 @@ Prints a table and writes ``overhead.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -55,6 +60,10 @@ class Result:
     round_s: float
     wait_s: float
     close_s: float
+    h: int = 0
+    """Configured H (inner steps between two syncs of a fragment)."""
+    eff_h: float = 0.0
+    """Effective H: mean steps since last sync of the merged contributions, after warm-up."""
 
     @property
     def orchestration_s(self) -> float:
@@ -84,6 +93,15 @@ def learner_tokens_per_s(store: RunStore) -> float:
             continue
         total += steps * tokens_per_step[lid] / (events[-1][0] - events[0][0])
     return total
+
+
+def effective_h(store: RunStore) -> tuple[int, float]:
+    """Configured H and the effective H: the mean over merged contributions after warm-up of the
+    steps since the learner's last sync of that fragment (``c_steps``; the contributions table's
+    ``steps``). A synchronizer that keeps up merges each fragment every H steps of a learner."""
+    records = store.history(1, store.latest_round())[WARMUP_ROUNDS:]
+    steps = [a.c_steps for r in records for a in r.accepted if a.c_steps > 0]
+    return store.config.inner_steps, (statistics.mean(steps) if steps else float("nan"))
 
 
 def round_intervals(store: RunStore) -> tuple[float, float, list[int]]:
@@ -119,10 +137,11 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     store = RunStore.open(url)
     round_s, wait_s, measured = round_intervals(store)
     return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes))
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
-def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
+def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, database: str = "sqlite",
+                nest_rounds: bool = False) -> Result:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterName
 
@@ -132,15 +151,16 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
     from atoll.runs.options import TrainingRunOptions
     from atoll.tasks.learners import run_tag
 
-    url = to_url(str(bucket / "prefect"))
+    name = f"prefect-{database}" + ("-nested" if nest_rounds else "")
+    url = to_url(str(bucket / name))
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
-    stack = LocalStack(home=bucket / "prefect-home", log_dir=bucket / "prefect-logs")
+    stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
     try:
         stack.start()
         with stack.settings():
             deploy_all(stack.pools)
             t0 = time.monotonic()
-            fr = start_training(TrainingRunOptions(run_url=url))
+            fr = start_training(TrainingRunOptions(run_url=url, nest_rounds=nest_rounds))
             state, _ = follow(fr.id, url, every_s=30.0)
             wall = time.monotonic() - t0
             if state != "Completed":
@@ -161,14 +181,15 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int) -> Result
                       if t.flow_run_id in round_of}
     finally:
         stack.stop()
-    return Result("prefect (flows)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes))
+    label = f"prefect {database}" + (" nested" if nest_rounds else "")
+    return Result(label, store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
 
 def table(results: list[Result]) -> str:
     base = results[0].tokens_per_s
     lines = [f"{'runner':<22}{'rounds':>7}{'wall s':>8}{'learner tok/s':>15}{'vs plain':>10}{'round s':>9}"
-             f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}"]
+             f"{'quorum+grace':>14}{'merge+storage':>15}{'orchestration':>15}{'H':>4}{'eff. H':>8}{'eff/H':>7}"]
 
     def share(x: float, total: float) -> str:
         return f"{x:6.2f}s {100 * x / total:3.0f}%" if total else "-"
@@ -176,7 +197,8 @@ def table(results: list[Result]) -> str:
     for r in results:
         lines.append(f"{r.name:<22}{r.rounds:>7}{r.wall_s:>8.0f}{r.tokens_per_s:>15.0f}"
                      f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s, r.round_s):>14}"
-                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}")
+                     f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}"
+                     f"{r.h:>4}{r.eff_h:>8.1f}{r.eff_h / r.h if r.h else float('nan'):>6.2f}x")
     return "\n".join(lines)
 
 
@@ -186,9 +208,10 @@ def plot(results: list[Result], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(6 + 3 * len(results), 4))
     names = [r.name for r in results]
-    a.bar(names, [r.tokens_per_s for r in results], color=["#888", "#2b6cb0"])
+    colors = ["#888", "#2b6cb0", "#2f855a", "#b7791f", "#6b46c1"][:len(results)]
+    a.bar(names, [r.tokens_per_s for r in results], color=colors)
     a.set_ylabel("learner tokens/s (all learners)")
     a.set_title("learner throughput")
     bottom = [0.0] * len(results)
@@ -200,6 +223,13 @@ def plot(results: list[Result], out: Path) -> Path:
     b.set_ylabel("seconds per round (median)")
     b.set_title("where a round's wall time goes")
     b.legend()
+    c.bar(names, [r.eff_h for r in results], color=colors)
+    if results and results[0].h:
+        c.axhline(results[0].h, color="k", linestyle="--", label=f"configured H = {results[0].h}")
+        c.axhline(1.1 * results[0].h, color="#c53030", linestyle=":", label="goal: within 10%")
+        c.legend()
+    c.set_ylabel("mean steps since last sync of a fragment")
+    c.set_title("effective H")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "overhead.png"
@@ -213,21 +243,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--out", default="out")
+    p.add_argument("--prefect", default="sqlite",
+                   help="comma-separated Prefect variants to run after the plain runner: sqlite, postgres "
+                        "(the stack's database), each optionally with -nested (round flow runs as subflows)")
+    p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # like the plain runner's synchronizer process (and the training-run job)
-    with tempfile.TemporaryDirectory(prefix="atoll-overhead-") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="atoll-overhead-") if args.keep is None
+          else contextlib.nullcontext(str(Path(args.keep).absolute()))) as tmp:
         os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
         results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
         print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
-        results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds))
+        for variant in args.prefect.split(","):
+            database, _, nested = variant.strip().partition("-")
+            results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds, database=database,
+                                       nest_rounds=nested == "nested"))
+            print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
     print()
     print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
           f"medians after {WARMUP_ROUNDS} warm-up rounds")
     print(table(results))
-    ratio = results[1].tokens_per_s / results[0].tokens_per_s
-    print(f"learner throughput under Prefect: {ratio:.3f}x the plain runner (target >= 0.97x)")
+    for r in results[1:]:
+        print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
+              "(target >= 0.97x)")
+    for r in results:
+        print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
+              f"({r.eff_h / r.h:.2f}x; target within 1.10x)")
     print(f"plot: {plot(results, Path(args.out))}")
     return 0
 

@@ -133,6 +133,16 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path
         state = client.read_flow_run(newest.id).state
         assert state.type.value in ("CANCELLING", "CANCELLED") and state.message.startswith("atoll:")
         assert len(fleet.flow_runs(client)["learner-0"]) == 3
+        # Each relaunch emitted atoll.learner.relaunched about the learner, naming both flow runs.
+        from atoll.tasks.events import LEARNER_RELAUNCHED
+
+        from .events_helpers import read_events
+
+        relaunched = read_events(client, LEARNER_RELAUNCHED, at_least=2,
+                                 resource_id=f"atoll.learner.{store.manifest.run_id}.learner-0")
+        assert [e.payload["action"] for e in relaunched] == ["relaunched", "zombie-relaunched"]
+        assert relaunched[0].payload["previous_state"] == "Crashed" and relaunched[0].payload["pool"] == "pool-a"
+        assert {r.role for r in relaunched[1].related} == {"flow-run", "previous-flow-run"}
         # More than one page of the run's flow runs (round flow runs carry the run tag too): the
         # learners are still found, and nothing is launched twice.
         from prefect import flow as prefect_flow

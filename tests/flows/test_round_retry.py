@@ -63,7 +63,9 @@ def retry(monkeypatch: pytest.MonkeyPatch) -> RecordingLogger:
 
 
 def _options(tmp_path: Path) -> TrainingRunOptions:
-    return TrainingRunOptions(run_url=to_url(str(tmp_path / "run")), preset="smoke", rounds=2,
+    # nest_rounds: the loop calls ``outer_round`` itself (replaced here); round flow runs of their own
+    # would run the real flow through Prefect's engine.
+    return TrainingRunOptions(run_url=to_url(str(tmp_path / "run")), preset="smoke", rounds=2, nest_rounds=True,
                               fleet=FleetOptions(manage=False))
 
 
@@ -90,3 +92,27 @@ def test_three_failed_rounds_in_a_row_fail_the_run(prefect_harness: None, tmp_pa
         training_mod.training_run(_options(tmp_path))
     assert flaky.calls == [1, 1, 1]
     assert [w.split(":")[0] for w in retry.warnings] == [f"round 1 failed ({k} in a row)" for k in (1, 2, 3)]
+
+
+def test_a_failed_round_flow_run_of_its_own_is_retried(prefect_harness: None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, retry: RecordingLogger) -> None:
+    """Round flow runs of their own (the default): the round's exception comes out of Prefect's
+    engine into the loop, the round is retried, and the failed attempt stays a Failed flow run."""
+    from prefect import Flow
+    from prefect.client.orchestration import get_client
+
+    from .test_flows import _round_runs
+
+    flaky = FlakyRound(fail={1})
+
+    def round_fn(ctx: Any, round_number: int, run_id: str | None = None) -> dict[str, Any]:
+        return flaky(ctx, round_number, run_id)
+
+    monkeypatch.setattr(training_mod, "ROUND_FLOW", Flow(fn=round_fn, name="atoll-round", persist_result=False))
+    options = _options(tmp_path).model_copy(update={"nest_rounds": False})
+    out = training_mod.training_run(options)
+    assert out["rounds"] == 2 and flaky.calls == [1, 1, 2]
+    assert "round 1 failed (1 in a row): RuntimeError('round 1 boom 1'); retrying" in retry.warnings[0]
+    with get_client(sync_client=True) as client:
+        states = sorted((r.name, r.state.type.value) for r in _round_runs(client, out["run_id"]))
+    assert states == [("round-000001", "COMPLETED"), ("round-000001", "FAILED"), ("round-000002", "COMPLETED")]

@@ -298,8 +298,15 @@ def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int
     for n in rounds:
         fr = completed[round_flow_name(n)]
         assert {run_tag(run_id), "atoll-round"} <= set(fr.tags)
-        assert fr.parent_task_run_id is not None  # a child of the training run
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+        # A flow run of its own, tagged with the training-run segment that ran it (nest_rounds=False).
+        assert any(t.startswith("atoll-segment-run:") for t in fr.tags)
+
+        def recorded(fr: Any = fr) -> list[Any] | None:  # the recorder writes them just after the round
+            arts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            return arts if any(a.type == "table" for a in arts) else None
+
+        arts = wait_for(recorded, 60, f"artifacts of {fr.name}")
         table = next(a for a in arts if a.type == "table")
         rows = json.loads(table.data) if isinstance(table.data, str) else table.data
         record = store.read_commit(n)

@@ -85,3 +85,12 @@ def test_fast_and_slow_learners_anneal_together_only_on_the_run_schedule(tmp_pat
     else:
         # Own-step schedules: the fast learners sit at the floor, the slow one stops far above it.
         assert got["learner-0"] == pytest.approx(floor) and got["learner-2"] > 3 * floor, got
+
+
+def test_eval_batches_zero_never_evaluates_not_even_the_last_round() -> None:
+    from atoll.train.run import RoundSchedule
+
+    on = RoundSchedule(max_rounds=8, eval_every_rounds=2)
+    off = RoundSchedule(max_rounds=8, eval_every_rounds=2, evaluate=False)
+    assert [r for r in range(1, 9) if on.evaluates(r)] == [2, 4, 6, 8]
+    assert not any(off.evaluates(r) for r in range(1, 9))

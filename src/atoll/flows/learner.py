@@ -14,8 +14,10 @@ summary artifact at the end.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
+import threading
 from typing import Any, cast
 from uuid import UUID
 
@@ -26,11 +28,47 @@ from prefect.runtime import flow_run as prefect_flow_run
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
+from atoll.storage.bucket import RunStore
+from atoll.train.hook import run_command
 from atoll.train.island import run_island
 from atoll.train.learner import LearnerOptions, run_learner
 from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]
+
+
+class _ProgressWriter:
+    """Moves the learner's progress artifact from a background thread, latest line wins: the
+    training loop only hands a line over (an API call under a loaded server can take a second)."""
+
+    def __init__(self, artifact_id: UUID, store: Any, max_rounds: int) -> None:
+        self.artifact_id, self.store, self.max_rounds = artifact_id, store, max_rounds
+        self._line: str | None = None
+        self._cv = threading.Condition()
+
+    def start(self) -> _ProgressWriter:
+        ctx = contextvars.copy_context()  # Prefect's settings (API URL) live in context variables
+        threading.Thread(target=ctx.run, args=(self._work,), name="atoll-learner-progress", daemon=True).start()
+        return self
+
+    def post(self, line: str) -> None:
+        with self._cv:
+            self._line = line
+            self._cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while self._line is None:
+                    self._cv.wait()
+                line, self._line = self._line, None
+            try:
+                latest = self.store.latest_round()
+                update_progress_artifact(artifact_id=self.artifact_id,
+                                         progress=100.0 * min(1.0, latest / self.max_rounds),
+                                         description=f"{line} | round {latest} of {self.max_rounds}")
+            except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
+                pass
 
 
 @flow(name="atoll-learner", persist_result=False, log_prints=False)
@@ -46,11 +84,14 @@ def learner_flow(
     heartbeat_interval_s: float = 5.0,
     device: str | None = None,
     autocast: str | None = None,
+    command: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train as ``learner_id`` of the run at ``run_url`` until the run is finished.
 
     ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
-    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's)."""
+    recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's).
+    ``command`` (argv) runs a user's own training script that joins with ``atoll.join`` instead of
+    atoll's loop (None: the recipe's ``LearnerSpec.command``; empty there too: atoll's loop)."""
     logger = get_run_logger()
     if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
@@ -63,22 +104,21 @@ def learner_flow(
         description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
     ))
 
+    progress = _ProgressWriter(progress_id, store, recipe.max_rounds).start() if progress_id is not None else None
+
     def log(line: str) -> None:
         logger.info(line)
-        if progress_id is None:
-            return
-        try:
-            latest = store.latest_round()
-            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(1.0, latest / recipe.max_rounds),
-                                     description=f"{line} | round {latest} of {recipe.max_rounds}")
-        except Exception:  # noqa: BLE001 - progress is cosmetic; training goes on
-            pass
+        if progress is not None:
+            progress.post(line)  # written by a background thread: no API call inside the training step
 
     options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
                              max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,
                              heartbeat_interval_s=heartbeat_interval_s,
                              flow_run_id=str(prefect_flow_run.id) if prefect_flow_run.id else None,
                              device=device, autocast=autocast)
+    user_command = list(command) if command else list(spec.command)
+    if user_command:  # the user's own loop (atoll.join): same lease, heartbeats, stop and fencing
+        return _run_user_command(store, learner_id, user_command, options, log)
     if spec.ranks > 1:  # an island: spec.ranks processes doing DDP, rank 0 doing the bucket I/O
         summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
     else:
@@ -99,3 +139,16 @@ def learner_flow(
     return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
             "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss,
             "exit_reason": summary.exit_reason}
+
+
+def _run_user_command(store: RunStore, learner_id: str, command: list[str], options: LearnerOptions,
+                      log: Any) -> dict[str, Any]:
+    """Run the user's script; its exit reason comes from the bucket (its last heartbeat). A
+    non-zero exit fails the flow run, so the training run's healing relaunches it."""
+    code = run_command(command, run_url=store.url, learner_id=learner_id, flow_run_id=options.flow_run_id, log=log)
+    beat = store.learner_liveness(learner_id).heartbeat
+    reason = beat.reason if beat is not None and beat.status == "exited" else ""
+    if code != 0:
+        raise RuntimeError(f"{learner_id}: the user's command {command!r} exited with code {code}"
+                           + (f" ({reason})" if reason else ""))
+    return {"learner_id": learner_id, "command": command, "exit_code": code, "exit_detail": reason}

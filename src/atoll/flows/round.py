@@ -1,14 +1,21 @@
 """The outer-round flow: one flow run per round of a training run, named ``round-000017``.
 
 Started by the training run (:mod:`atoll.flows.training`) as a subflow, with the run's
-:class:`~atoll.tasks.context.RunContext` and the round number; it composes three tasks:
+:class:`~atoll.tasks.context.RunContext` and the round number; it composes two tasks:
 
 1. ``await-quorum``: poll the bucket until quorum + grace (atoll's clock, not Prefect timeouts);
    while it waits it hands back every ``fleet.watch_every_s`` so ``watch-learners`` can relaunch
-   crashed learners (a round whose learners all died would otherwise never close);
+   crashed learners (a round whose learners all died would otherwise never close), and emits
+   ``atoll.round.stalled``;
 2. ``merge-and-commit``: token-weighted RDA merge, outer Nesterov step, create-once commit, which
-   publishes the fragment's next global version (and a checkpoint on the recipe's cadence);
-3. ``record-round``: markdown summary, contributions table, goodput, run progress artifacts.
+   publishes the fragment's next global version (and a checkpoint on the recipe's cadence).
+
+Then it hands the committed round to the run's recorder (:mod:`atoll.tasks.recorder`), which
+writes the round's summary and contributions table **on this flow run** from a background thread,
+while the next round already runs: artifacts are off the critical path.
+
+The tasks carry no tags (the flow run does): a tagged task run asks the API for a tag-concurrency
+slot before it starts, one more call per task that atoll never needs.
 
 If another synchronizer committed the round first, its commit is adopted and only recorded.
 """
@@ -17,19 +24,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
+from prefect.context import TagsContext
+from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.tasks.context import RunContext
+from atoll.tasks.events import ROUND_STALLED, emit, run_resource
 from atoll.tasks.learners import watch_learners
-from atoll.tasks.rounds import await_quorum, merge_and_commit, record_round, summary_dict
+from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict
 from atoll.train.synchronizer import RoundSummary
 
-__all__ = ["outer_round"]
+__all__ = ["outer_round", "ROUND_FLOW"]
 
 
 @flow(name="atoll-round", flow_run_name="round-{round_number:06d}", persist_result=False, log_prints=False)
 def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -> dict[str, Any]:
-    """One outer round: await quorum (healing learners while waiting), merge + commit, record.
+    """One outer round: await quorum (healing learners while waiting), merge + commit; its
+    artifacts follow from the run's recorder.
 
     ``ctx`` is the run's context in this process (shown as ``<RunContext>`` in the UI: it is never
     serialized); ``run_id`` only labels the flow run's parameters in the UI and must be the context's.
@@ -38,17 +49,30 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
         raise ValueError(f"run_id {run_id!r} is not the context's run {ctx.run_id!r}")
     log = get_run_logger()
     watch_every_s = ctx.options.fleet.watch_every_s
-    while True:
-        polled = await_quorum(ctx, round_number, budget_s=watch_every_s)
-        if isinstance(polled, RoundSummary):  # another synchronizer committed it: adopt
-            summary = summary_dict(polled)
-            log.info(f"round {round_number} was committed by {polled.record.committed_by}; adopted")
-            break
-        if polled.decision.close:
-            summary = merge_and_commit(ctx, polled)
-            break
-        log.info(f"round {round_number} still open after {watch_every_s:.0f}s more: {polled.decision.reason}")
-        if ctx.fleet is not None:
-            watch_learners(ctx)
-    recorded = record_round(ctx, round_number)
-    return {**summary, "goodput": recorded["goodput"]}
+    flow_run_id = prefect_flow_run.id
+    waited = 0.0
+    with TagsContext(current_tags=set()):  # the flow run is tagged; its task runs need not be
+        while True:
+            polled = await_quorum(ctx, round_number, budget_s=watch_every_s)
+            if isinstance(polled, RoundSummary):  # another synchronizer committed it: adopt
+                summary = summary_dict(polled)
+                log.info(f"round {round_number} was committed by {polled.record.committed_by}; adopted")
+                break
+            if polled.decision.close:
+                summary = merge_and_commit(ctx, polled)
+                break
+            waited = polled.polled_at_s - polled.opened_at_s
+            log.info(f"round {round_number} still open after {waited:.0f}s: {polled.decision.reason}")
+            emit(ROUND_STALLED, run_resource(ctx.run_id, ctx.run_url),
+                 {"round": round_number, "fragment": polled.fragment, "open_for_s": round(waited, 3),
+                  "reason": polled.decision.reason, "arrived": len(polled.accepted)},
+                 flow_runs={"flow-run": flow_run_id})
+            if ctx.fleet is not None:
+                watch_learners(ctx)
+    ctx.round_recorder().submit(round_number, flow_run_id)
+    return summary
+
+
+ROUND_FLOW = Flow(fn=outer_round.fn, name=outer_round.name, persist_result=False, log_prints=False)
+"""The same flow for round flow runs created beforehand with their name (no name template: the
+engine would rename the run, one more API call)."""

@@ -45,7 +45,13 @@ from atoll.runs.supervision import (
     decide_training_run,
 )
 from atoll.tasks.learners import liveness_age_s, run_tag
-from atoll.tasks.queries import TRAINING_FLOW_NAME, read_flow_runs_paged, run_id_of
+from atoll.tasks.queries import (
+    DEFAULT_TRAINING_DEPLOYMENT,
+    HANDED_OVER_TAG,
+    TRAINING_FLOW_NAME,
+    read_flow_runs_paged,
+    run_id_of,
+)
 from atoll.tasks.stop import cancel_flow_runs_of_run, mark_stopped_and_wait
 from atoll.train.run import load_recipe
 
@@ -54,8 +60,6 @@ __all__ = ["supervisor", "supervise_once", "RELAUNCH_TAG", "DEFAULT_TRAINING_DEP
 RELAUNCH_TAG = "atoll-relaunch"
 """Tag of training-run flow runs the supervisor launched (counted against ``max_relaunches``)."""
 
-DEFAULT_TRAINING_DEPLOYMENT = "atoll-training-run/default"
-"""Where a training run that was not started from a deployment is relaunched."""
 
 
 @dataclass
@@ -128,8 +132,12 @@ def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 
     verdicts = []
     for rid, group in groups.items():
         newest = group[0]
-        if newest.state is not None and newest.state.type.value == "COMPLETED":
+        if (newest.state is not None and newest.state.type.value == "COMPLETED"
+                and HANDED_OVER_TAG not in newest.tags):
             continue  # finished or stopped by itself
+        # A segment that handed over is Completed, but its run is not finished: its successor is
+        # normally the newest flow run; if none is, the policy sees "completed short of the last
+        # round" and relaunches from the bucket.
         options = _options(newest)
         if options is None or not options.target_url:
             continue

@@ -11,6 +11,13 @@ Everything a round needs is in the bucket, so a training run that is restarted (
 given ``resume_from``) continues from the last committed round, with or without the Prefect
 database that ran it.
 
+**Segments.** One flow run runs at most ``options.segment_rounds`` rounds (so its graph stays far
+under the UI's limit), then launches the next segment: a flow run of the same deployment with the
+same options resuming the run, tagged with the run and ``atoll-segment-of:<this flow run>``; this
+one ends Completed, tagged ``atoll-handed-over``, with a link artifact to the next one and the
+event ``atoll.run.handed-over``. A run that commits its last round (or is stopped) emits
+``atoll.run.finished``.
+
 Lifecycle: the training run tags its own flow run with the run, takes the synchronizer's lease
 (a newer training run of the same run fences it: it stops with :class:`~atoll.train.lifecycle.Fenced`)
 and heartbeats in ``sync/`` while it polls; the supervisor (:mod:`atoll.flows.supervisor`) reads
@@ -22,22 +29,35 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from uuid import UUID
 
 from prefect import flow, get_run_logger, tags
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext, TagsContext
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run as prefect_flow_run
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 
 from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
-from atoll.flows.round import outer_round
+from atoll.flows.round import ROUND_FLOW, outer_round
 from atoll.runs.manage import RunInfo, prepare_run
 from atoll.runs.options import TrainingRunOptions
-from atoll.runs.report import last_val_loss
+from atoll.runs.report import last_val_loss, round_flow_name
 from atoll.tasks.context import RunContext
+from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER, emit, run_resource
 from atoll.tasks.learners import run_tag, watch_learners
-from atoll.tasks.rounds import artifact_keys
+from atoll.tasks.queries import (
+    DEFAULT_TRAINING_DEPLOYMENT,
+    HANDED_OVER_TAG,
+    ROUND_TAG,
+    SEGMENT_OF_TAG,
+    SEGMENT_RUN_TAG,
+    SEGMENT_TAG,
+)
+from atoll.tasks.recorder import artifact_keys
 from atoll.train.lifecycle import Fenced, RunStopped
 
 __all__ = ["training_run", "WATCH_EVERY_ROUNDS"]
@@ -82,64 +102,199 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
 
 
 def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> dict[str, Any]:
-    log.info(f"run {info.run_id} at {info.run_url}: {info.action}; round {info.latest_round} of {info.max_rounds}; "
-             "learners " + ", ".join(f"{s['learner_id']}@{s['pool']}" for s in info.learners))
+    options = ctx.options
+    start_round = info.latest_round
+    deployment = _own_deployment()
+    limit = options.segment_rounds if deployment is not None else info.max_rounds
+    log.info(f"run {info.run_id} at {info.run_url}: {info.action}; round {start_round} of {info.max_rounds}; "
+             "learners " + ", ".join(f"{s['learner_id']}@{s['pool']}" for s in info.learners)
+             + (f"; this segment runs up to {limit} rounds" if deployment is not None else
+                f"; no training-run deployment ({DEFAULT_TRAINING_DEPLOYMENT}) to continue on, so this flow run "
+                "runs every round (no segments)"))
+    previous = _previous_segment(info.run_id)
+    if previous is not None:
+        create_markdown_artifact(
+            key=keys["segment"], description=f"run {info.run_id}: this segment continues {previous.name}",
+            markdown=(f"# Run `{info.run_id}`: segment from round {start_round + 1}\n\n"
+                      f"Continues segment [{previous.name}]({_ui_url(previous.id)}) (flow run `{previous.id}`).\n"))
     progress_id = create_progress_artifact(
-        progress=100.0 * info.latest_round / info.max_rounds, key=f"{keys['run']}-progress",
-        description=f"run {info.run_id}: round {info.latest_round} of {info.max_rounds}",
+        progress=100.0 * start_round / info.max_rounds, key=keys["progress"],
+        description=f"run {info.run_id}: round {start_round} of {info.max_rounds}",
     )
-    ctx.progress_artifact_id = str(progress_id) if progress_id else None
+    recorder = ctx.round_recorder(progress_artifact_id=str(progress_id) if progress_id else None,
+                                  run_flow_run_id=prefect_flow_run.id)
     if ctx.fleet is not None and not ctx.finished:
         watch_learners(ctx)
 
+    launcher = None if options.nest_rounds or not prefect_flow_run.id else RoundLauncher(
+        info.run_id, tags=[run_tag(info.run_id), ROUND_TAG, f"{SEGMENT_RUN_TAG}{prefect_flow_run.id}"])
     failures = 0
     stopped = False
     summaries: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it).
+    # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it). The
+    # settings are entered once for the loop: building a Settings object costs ~0.1-0.6 s.
     no_heartbeat = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
-    while not ctx.finished:
-        r = ctx.next_round
-        try:
-            with tags(run_tag(info.run_id), "atoll-round"), temporary_settings(no_heartbeat):
-                out = outer_round(ctx, r, run_id=info.run_id)
-            failures = 0
-        except Fenced:  # a newer training run of this run holds the lease: this one is superseded
-            raise
-        except RunStopped as e:  # atoll stop: end now, Completed; learners exit by themselves
-            log.warning(f"run {info.run_id} stopped at round {r - 1}: {e}")
-            stopped = True
-            break
-        except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state
-            failures += 1
-            log.warning(f"round {r} failed ({failures} in a row): {e!r}; retrying from the bucket")
-            if ROUND_RETRY.exhausted(failures):
+    with temporary_settings(no_heartbeat), tags(run_tag(info.run_id), ROUND_TAG):
+        while not ctx.finished and len(summaries) < limit:
+            r = ctx.next_round
+            try:
+                if launcher is None:
+                    out = outer_round(ctx, r, run_id=info.run_id)
+                else:
+                    out = launcher.run(ctx, r)
+                failures = 0
+            except Fenced:  # a newer training run of this run holds the lease: this one is superseded
                 raise
-            time.sleep(ROUND_RETRY.delay_s(failures - 1))
-            ctx.reload()
-            continue
-        summaries.append(out)
-        if ctx.fleet is not None and not ctx.finished and r % WATCH_EVERY_ROUNDS == 0:
-            watch_learners(ctx)
+            except RunStopped as e:  # atoll stop: end now, Completed; learners exit by themselves
+                log.warning(f"run {info.run_id} stopped at round {r - 1}: {e}")
+                stopped = True
+                break
+            except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state
+                failures += 1
+                log.warning(f"round {r} failed ({failures} in a row): {e!r}; retrying from the bucket")
+                if ROUND_RETRY.exhausted(failures):
+                    raise
+                time.sleep(ROUND_RETRY.delay_s(failures - 1))
+                ctx.reload()
+                continue
+            summaries.append(out)
+            if ctx.fleet is not None and not ctx.finished and r % WATCH_EVERY_ROUNDS == 0:
+                with TagsContext(current_tags=set()):  # the loop's tags are for round flow runs only
+                    watch_learners(ctx)
 
+    if launcher is not None:
+        launcher.close()
+    report = recorder.flush()
     store = ctx.store
     latest = store.latest_round()
+    finished = latest >= info.max_rounds
     records = store.history(max(1, latest - 64), latest) if latest else []
     loss = last_val_loss(records)
-    goodput = summaries[-1]["goodput"] if summaries else None
+    goodput = report.goodput if report is not None and recorder.recorded else (
+        summaries[-1].get("goodput") if summaries else None)
+    handing_over = not stopped and not finished
+    status = "stopped" if stopped else "finished" if finished else f"continues from round {latest + 1}"
     create_markdown_artifact(
         key=keys["run"], description=f"run {info.run_id}",
-        markdown=(f"# Run `{info.run_id}` {'stopped' if stopped else 'finished'}\n\n| | |\n|---|---|\n| bucket | `{info.run_url}` |\n"
+        markdown=(f"# Run `{info.run_id}` {status}\n\n| | |\n|---|---|\n| bucket | `{info.run_url}` |\n"
                   f"| rounds committed | {latest} of {info.max_rounds} |\n"
                   f"| rounds in this flow run | {len(summaries)} in {time.monotonic() - t0:.0f} s |\n"
                   f"| final validation loss | {f'{loss:.4f}' if loss is not None else '-'} |\n"
                   f"| goodput | {f'{100 * goodput:.1f}%' if goodput is not None else '-'} |\n"
                   f"| checkpoints | {', '.join(map(str, store.list_checkpoints())) or '-'} |\n"),
     )
-    log.info(f"run {info.run_id} {'stopped' if stopped else 'finished'} at round {latest}; validation loss {loss}; "
-             f"bucket {info.run_url}")
-    return {"run_url": info.run_url, "run_id": info.run_id, "rounds": latest, "val_loss": loss, "goodput": goodput,
-            "action": info.action, "stopped": stopped}
+    out_: dict[str, Any] = {"run_url": info.run_url, "run_id": info.run_id, "rounds": latest, "val_loss": loss,
+                            "goodput": goodput, "action": info.action, "stopped": stopped}
+    if handing_over:
+        ctx.release()  # stop heartbeating and drain the recorder before the next segment takes the lease
+        nxt = _hand_over(ctx, info, keys, latest, deployment, log)
+        out_["next_segment"] = str(nxt.id) if nxt is not None else None
+        return out_
+    emit(RUN_FINISHED, run_resource(info.run_id, info.run_url),
+         {"rounds": latest, "max_rounds": info.max_rounds, "stopped": stopped, "val_loss": loss, "goodput": goodput},
+         flow_runs={"training-run": prefect_flow_run.id})
+    log.info(f"run {info.run_id} {status} at round {latest}; validation loss {loss}; bucket {info.run_url}")
+    return out_
+
+
+class RoundLauncher:
+    """Round flow runs of their own: each round's flow run is created with one API call (no parent
+    task run, no look-up of an existing subflow run, no rename) and run here, in this process, by
+    Prefect's engine. It is tagged with the run, ``atoll-round`` and ``atoll-segment-run:<training
+    flow run id>`` (the segment that ran it). Exceptions propagate as from a subflow."""
+
+    def __init__(self, run_id: str, *, tags: list[str]) -> None:
+        self.run_id = run_id
+        self.tags = tags
+        self._flow_id: Any = None
+        self._client: Any = None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.__exit__(None, None, None)
+            self._client = None
+
+    def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
+        from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+        from prefect.client.schemas.objects import FlowRun
+        from prefect.flow_engine import run_flow
+        from prefect.states import Pending, to_state_create
+
+        params = {"ctx": ctx, "round_number": round_, "run_id": self.run_id}
+        if self._client is None:  # one client (one connection) for every round of the segment
+            self._client = get_client(sync_client=True)
+            self._client.__enter__()
+        client = self._client
+        if self._flow_id is None:
+            resp = client.request("POST", "/flows/", json=FlowCreate(name=ROUND_FLOW.name).model_dump(mode="json"))
+            self._flow_id = resp.json()["id"]
+        create = FlowRunCreate(flow_id=self._flow_id, name=round_flow_name(round_),
+                               parameters=ROUND_FLOW.serialize_parameters(params), tags=list(self.tags),
+                               state=to_state_create(Pending()))
+        resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
+        flow_run = FlowRun.model_validate(resp.json())
+        out: dict[str, Any] = run_flow(ROUND_FLOW, flow_run=flow_run, parameters=params)  # type: ignore[assignment]
+        return out
+
+
+def _ui_url(flow_run_id: Any) -> str:
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}" if base else f"/runs/flow-run/{flow_run_id}"
+
+
+def _own_deployment() -> Any:
+    """This flow run's deployment id, or the default training-run deployment's, or None (not in a
+    flow run, or a flow called from Python on a server without atoll's deployments)."""
+    run_ctx = FlowRunContext.get()
+    if run_ctx is None or run_ctx.flow_run is None:
+        return None
+    if run_ctx.flow_run.deployment_id:
+        return run_ctx.flow_run.deployment_id
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_deployment_by_name(DEFAULT_TRAINING_DEPLOYMENT).id
+        except ObjectNotFound:
+            return None
+
+
+def _previous_segment(run_id: str) -> Any:
+    """The segment this flow run continues (it handed the run over to this one), if any."""
+    flow_run_id = prefect_flow_run.id
+    if not flow_run_id:
+        return None
+    with get_client(sync_client=True) as client:
+        me = client.read_flow_run(flow_run_id)
+        prev = next((t.removeprefix(SEGMENT_OF_TAG) for t in me.tags if t.startswith(SEGMENT_OF_TAG)), None)
+        if prev is None:
+            return None
+        try:
+            return client.read_flow_run(UUID(prev))
+        except (ObjectNotFound, ValueError):
+            return None
+
+
+def _hand_over(ctx: RunContext, info: RunInfo, keys: dict[str, str], latest: int, deployment: Any, log: Any) -> Any:
+    """Continue the run in a new training-run flow run (the next segment) on this flow run's
+    deployment: same options, resuming the run; same run tag; linked both ways. Raises if it cannot
+    be launched (the flow run fails and the supervisor relaunches the run from the bucket)."""
+    me = prefect_flow_run.id
+    resumed = ctx.options.model_copy(update={"resume_from": info.run_url, "fork_round": None, "run_url": None})
+    nxt = run_deployment(deployment, parameters={"options": resumed.model_dump(mode="json")}, timeout=0,
+                         as_subflow=False, flow_run_name=f"{info.run_id}-from-{latest + 1:06d}",
+                         tags=[run_tag(info.run_id), SEGMENT_TAG, f"{SEGMENT_OF_TAG}{me}"],
+                         idempotency_key=f"atoll:segment:{info.run_id}:{latest}")
+    nxt_id = getattr(nxt, "id", None)
+    create_link_artifact(link=_ui_url(nxt_id), link_text=f"next segment: {getattr(nxt, 'name', nxt_id)}",
+                         key=keys["segment"], description=f"run {info.run_id} continues from round {latest + 1} "
+                                                         f"in flow run {nxt_id}")
+    _tag_self(HANDED_OVER_TAG)
+    emit(RUN_HANDED_OVER, run_resource(info.run_id, info.run_url),
+         {"round": latest, "max_rounds": info.max_rounds, "next_flow_run": str(nxt_id)},
+         flow_runs={"training-run": me, "next-segment": nxt_id})
+    log.info(f"run {info.run_id}: segment done at round {latest}; continues in flow run "
+             f"{getattr(nxt, 'name', nxt_id)} ({_ui_url(nxt_id)})")
+    return nxt
 
 
 def _tag_self(tag: str) -> None:

@@ -66,6 +66,11 @@ class FleetOptions(BaseModel):
                 "orphan_timeout_s": self.orphan_timeout_s}
 
 
+DEFAULT_SEGMENT_ROUNDS = 500
+"""A segment of 500 rounds is about 2,000 nodes in the UI's graph (round flow run, its parent task
+run, two task runs): far under the 10,000 at which the graph stops rendering."""
+
+
 class TrainingRunOptions(BaseModel):
     """Everything one training-run flow run is given: which run, and how to orchestrate it."""
 
@@ -100,6 +105,16 @@ class TrainingRunOptions(BaseModel):
         default="cpu", description="Where the synchronizer merges and takes the outer step: cpu, auto, cuda, "
         "cuda:N or mps (the training run's worker must have that device).")
     fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
+    nest_rounds: bool = Field(
+        default=False,
+        description="Run each round flow run as a subflow of the training run (nested under it in the UI), "
+        "instead of a flow run of its own tagged with the run and the segment: about twice the API calls and "
+        "server writes per round, and a round waits for them (docs/prefect.md, 'What a round costs').")
+    segment_rounds: int = Field(
+        default=DEFAULT_SEGMENT_ROUNDS, ge=1,
+        description="Rounds per training-run flow run: after this many, the run continues in a new flow run "
+        "(a segment: same run tag, linked from this one), so no flow run's graph grows past the UI's limit. "
+        "Needs the training run to come from a deployment (else it runs on in one flow run).")
 
     @property
     def target_url(self) -> str | None:

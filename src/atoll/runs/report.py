@@ -41,6 +41,7 @@ __all__ = [
     "GoodputTracker",
     "contribution_rows",
     "round_markdown",
+    "steps_since_sync",
     "history_table",
     "run_status",
     "check_run",
@@ -233,11 +234,21 @@ def _fmt_s(x: Any) -> str:
     return f"{v:.2f} s" if v is not None else "-"
 
 
+def steps_since_sync(rows: Iterable[ContributionRow]) -> float | None:
+    """Mean steps since the last sync of this fragment over a round's merged contributions (their
+    ``c_steps``): the *effective H*. A synchronizer that keeps up merges each learner's fragment
+    every H of its steps; one that falls behind lets learners run more steps between syncs."""
+    steps = [r.steps for r in rows if r.status == "accepted" and r.steps > 0]
+    return sum(steps) / len(steps) if steps else None
+
+
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
-                   max_rounds: int | None, goodput: GoodputReport | None = None) -> str:
-    """The round's summary as markdown (the round flow run's artifact)."""
+                   max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None) -> str:
+    """The round's summary as markdown (the round flow run's artifact); with ``goodput``, the goodput
+    so far overall and per learner; with ``inner_steps`` (H), the effective H next to it."""
     s = record.stats
     accepted = [r for r in rows if r.status == "accepted"]
+    eff_h = steps_since_sync(rows)
     contributors = ", ".join(f"`{r.learner}` ({r.pool or '?'})" for r in accepted) or "none"
     lines = [
         f"# Round {record.round}" + (f" of {max_rounds}" if max_rounds else "") + f" — fragment {record.fragment}",
@@ -257,9 +268,14 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         f"| bytes out per learner (new fragment) | {_fmt_int(s.get('bytes_out_per_learner', 0), ',')} |",
         f"| validation loss | {_fmt_num(s.get('val_loss'), '.4f', 'not measured this round')} |",
         f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
+        f"| steps since last sync (mean of merged) | {_fmt_num(eff_h, '.1f')}"
+        + (f" (H = {inner_steps})" if inner_steps else "") + " |",
     ]
     if goodput is not None:
         lines.append(f"| goodput so far | {goodput.line().removeprefix('goodput ')} |")
+        if goodput.per_learner:
+            lines += ["", "| learner | goodput so far |", "|---|---|"]
+            lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,9 @@ flow and task; nothing is cached at module level. It holds:
 * ``tracker``: the goodput so far (each contribution record read once);
 * ``fleet``: the learner flow runs it launched, with their launch counts and back-off
   (None when the options say learners are managed by hand);
-* ``progress_artifact_id``: the run's progress artifact, moved by every round.
+* ``recorder``: the run's :class:`~atoll.tasks.recorder.RoundRecorder`, which writes each
+  committed round's artifacts and events from a background thread (off the critical path);
+  :meth:`RunContext.round_recorder` makes one on first use.
 
 It holds tensors, so it must never be JSON-encoded or hashed: it has ``__slots__`` and is not a
 dataclass, so Prefect stores a flow parameter of this type as the placeholder ``<RunContext>``
@@ -33,6 +35,7 @@ from atoll.runs.report import GoodputTracker
 from atoll.storage.bucket import RunStore
 from atoll.storage.lifecycle import SYNCHRONIZER_HOLDER, Lease
 from atoll.tasks.learners import LearnerFleet
+from atoll.tasks.recorder import RoundRecorder
 from atoll.train.lifecycle import LeaseKeeper
 from atoll.train.run import make_evaluator
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
@@ -48,7 +51,7 @@ STALL_TIMEOUT_S = 300.0
 class RunContext:
     """One run's live state in the training-run process (see the module docstring)."""
 
-    __slots__ = ("info", "options", "store", "tracker", "fleet", "progress_artifact_id", "_evaluate", "_sync", "_lease",
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "recorder", "_evaluate", "_sync", "_lease",
                  "_keeper")
 
     def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
@@ -64,7 +67,7 @@ class RunContext:
                 deployments=dict(options.fleet.deployments), storage_options=options.storage_options,
                 learner_parameters=options.fleet.learner_parameters(), policy=options.fleet.policy(),
             )
-        self.progress_artifact_id: str | None = None
+        self.recorder: RoundRecorder | None = None
         self._evaluate: Evaluate | None = make_evaluator(self.store) if evaluate else None
         self._sync: Synchronizer | None = None
         self._lease: Lease | None = None
@@ -115,8 +118,20 @@ class RunContext:
         self._keeper.start()
         return self._lease
 
+    def round_recorder(self, *, progress_artifact_id: str | None = None, run_flow_run_id: object = None) -> RoundRecorder:
+        """The run's round recorder, started on first use (its writer thread runs in a copy of the
+        caller's context: call this first from the training run's flow)."""
+        if self.recorder is None:
+            self.recorder = RoundRecorder(self.store, run_id=self.run_id, max_rounds=self.info.max_rounds,
+                                          inner_steps=self.store.config.inner_steps,
+                                          progress_artifact_id=progress_artifact_id, tracker=self.tracker,
+                                          run_flow_run_id=run_flow_run_id).start()
+        return self.recorder
+
     def release(self) -> None:
-        """Stop the background heartbeat (the training run is ending)."""
+        """Stop the background heartbeat and drain the round recorder (the training run is ending)."""
+        if self.recorder is not None:
+            self.recorder.close()
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None

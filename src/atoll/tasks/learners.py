@@ -34,6 +34,7 @@ from atoll.runs.healing import (
     LearnerObservation,
     decide_learner,
 )
+from atoll.tasks.events import LEARNER_RELAUNCHED, emit, learner_resource
 from atoll.tasks.logs import task_logger
 from atoll.tasks.queries import LEARNER_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
 
@@ -199,6 +200,11 @@ class LearnerFleet:
                 if decision.launch:
                     fr = self.launch(lid, pool, after=latest, incarnations=len(mine))
                     log.info(f"{lid}: launched flow run {fr.name} on pool {pool}: {decision.reason}")
+                    if decision.action in (HealingAction.RELAUNCHED, HealingAction.ZOMBIE_RELAUNCHED):
+                        emit(LEARNER_RELAUNCHED, learner_resource(self.run_id, lid, pool),
+                             {"action": str(decision.action), "reason": decision.reason, "pool": pool,
+                              "previous_state": sname, "flow_run": fr.name, "launches": self.launches.get(lid, 0)},
+                             flow_runs={"flow-run": fr.id, "previous-flow-run": latest.id if latest else None})
                     run_id, state = str(fr.id), "Scheduled"
                 elif decision.action == HealingAction.WAITING:
                     log.info(f"{lid}: {decision.reason}")

@@ -25,7 +25,8 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 
 __all__ = ["PAGE_SIZE", "read_flow_runs_paged", "newest_first", "ACTIVE_STATE_TYPES", "TRAINING_FLOW_NAME",
-           "ROUND_FLOW_NAME", "LEARNER_FLOW_NAME", "SUPERVISOR_FLOW_NAME", "RUN_TAG_PREFIX", "run_id_of"]
+           "ROUND_FLOW_NAME", "LEARNER_FLOW_NAME", "SUPERVISOR_FLOW_NAME", "RUN_TAG_PREFIX", "run_id_of",
+           "DEFAULT_TRAINING_DEPLOYMENT", "ROUND_TAG", "SEGMENT_RUN_TAG", "SEGMENT_TAG", "SEGMENT_OF_TAG", "HANDED_OVER_TAG"]
 
 PAGE_SIZE = 200
 """Rows per API call when paging."""
@@ -71,6 +72,19 @@ ROUND_FLOW_NAME = "atoll-round"
 LEARNER_FLOW_NAME = "atoll-learner"
 SUPERVISOR_FLOW_NAME = "atoll-supervisor"
 RUN_TAG_PREFIX = "atoll-run:"
+DEFAULT_TRAINING_DEPLOYMENT = "atoll-training-run/default"
+"""Where a training run that was not started from a deployment is relaunched or continued."""
+
+ROUND_TAG = "atoll-round"
+SEGMENT_RUN_TAG = "atoll-segment-run:"
+"""``atoll-segment-run:<training flow run id>``: on a round flow run, the training-run flow run (segment) that ran it."""
+SEGMENT_TAG = "atoll-segment"
+"""Tag of a training-run flow run that continues its run after another one's segment."""
+SEGMENT_OF_TAG = "atoll-segment-of:"
+"""``atoll-segment-of:<flow run id>``: the segment a continuing flow run follows."""
+HANDED_OVER_TAG = "atoll-handed-over"
+"""Tag of a training-run flow run that completed its segment and launched the next one: Completed,
+but the run is not finished (the supervisor looks at the run's newest flow run instead)."""
 
 
 def run_id_of(flow_run: FlowRun) -> str | None:

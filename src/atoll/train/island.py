@@ -97,6 +97,7 @@ class _RankZeroLink:
     def attach(self, learner: Learner) -> None:
         # The other ranks build their learner only now, after rank 0 took the lease (an older copy
         # is fenced and saves nothing more), so they load the inner state rank 0 loaded; they check.
+        assert learner.stream is not None  # an island runs atoll's own loop
         dist.broadcast_object_list([(learner.step_count, learner.stream.state_dict(), list(learner.versions),
                                      learner.start_round)], src=0)
         if self.shard == "fsdp2":
@@ -214,6 +215,7 @@ def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: 
     step, cursor, versions, start_round = ready[0]
     learner = Learner(store, learner_id, log=lambda _: None, lockstep=False, device=device,
                       autocast=options.autocast, rank=rank, world=world, start_round=start_round)
+    assert learner.stream is not None
     if learner.step_count != step or learner.stream.state_dict() != cursor:
         raise RuntimeError(f"island rank {rank} loaded step {learner.step_count} but rank 0 is at step {step}: "
                            "the learner's saved state changed while the island started; it is relaunched")

@@ -31,6 +31,7 @@ forward pass; bases and deltas stay fp32, and each publish moves its delta to th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -60,7 +61,8 @@ from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
 
-__all__ = ["FetchError", "Learner", "LearnerOptions", "LearnerSummary", "STALLED_PUBLISHES", "publish_due", "run_learner"]
+__all__ = ["FetchError", "Learner", "LearnerExit", "LearnerOptions", "LearnerSession", "LearnerSummary",
+           "STALLED_PUBLISHES", "publish_due", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,16 +272,20 @@ class _Fetcher(threading.Thread):
 
 
 def inner_state_tensors(states: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """AdamW state by parameter name -> the saved layout (``adamw.<name>.exp_avg`` …, fp32, host).
+    """Optimizer state by parameter name -> the saved layout: ``adamw.<name>.<key>`` tensors, fp32,
+    on the host (any optimizer: the prefix is historical; tensors and numbers, nothing pickled).
 
     The layout does not depend on how the island was sharded: a DDP island can rejoin as FSDP2
     and back."""
     tensors: dict[str, torch.Tensor] = {}
     for name, st in states.items():
-        if st:
-            tensors[f"adamw.{name}.exp_avg"] = st["exp_avg"].detach().float().contiguous().cpu()
-            tensors[f"adamw.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous().cpu()
-            tensors[f"adamw.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        for key, value in (st or {}).items():
+            if key == "step" or not isinstance(value, torch.Tensor):
+                if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+                    continue  # not a number (e.g. a flag): the optimizer rebuilds it
+                tensors[f"adamw.{name}.{key}"] = torch.as_tensor(value, dtype=torch.float32).reshape(1).cpu()
+            else:
+                tensors[f"adamw.{name}.{key}"] = value.detach().float().contiguous().cpu()
     return tensors
 
 
@@ -289,13 +295,21 @@ def _local_inner_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
 
 def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     for name, p in model.named_parameters():
-        if f"adamw.{name}.exp_avg" not in tensors:
+        prefix = f"adamw.{name}."
+        keys = [k for k in tensors if k.startswith(prefix) and "." not in k[len(prefix):]]
+        if not keys:
             continue
-        opt.state[p] = {
-            "step": tensors[f"adamw.{name}.step"].reshape(()).clone(),
-            "exp_avg": tensors[f"adamw.{name}.exp_avg"].to(p.device, p.dtype).reshape(p.shape).clone(),
-            "exp_avg_sq": tensors[f"adamw.{name}.exp_avg_sq"].to(p.device, p.dtype).reshape(p.shape).clone(),
-        }
+        state: dict[str, Any] = {}
+        for k in keys:
+            key, value = k[len(prefix):], tensors[k]
+            if key == "step":  # AdamW keeps it as a 0-dim float tensor (on the host unless fused/capturable)
+                device = p.device if opt.defaults.get("fused") or opt.defaults.get("capturable") else "cpu"
+                state[key] = value.reshape(()).to(device).clone()
+            elif value.numel() == p.numel():
+                state[key] = value.to(p.device, p.dtype).reshape(p.shape).clone()
+            else:  # a per-parameter scalar or other shape: as saved
+                state[key] = value.to(p.device).clone()
+        opt.state[p] = state
 
 
 STALLED_PUBLISHES = 4
@@ -326,7 +340,8 @@ class Learner:
     def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
                  lockstep: bool | None = None, incarnation: int = 0, device: str | None = None,
                  autocast: str | None = None, publish_in_background: bool = False, rank: int = 0,
-                 world: int = 1, start_round: int | None = None) -> None:
+                 world: int = 1, start_round: int | None = None, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.incarnation = incarnation
         """The lease incarnation every contribution carries (0: no lease)."""
@@ -343,12 +358,21 @@ class Learner:
         self.autocast = check_autocast(autocast if autocast is not None else self.spec.autocast)
 
         # 1. Model, data shard, global state, own inner state (all on self.device).
-        self.model = self.recipe.model_factory()().to(self.device)
+        # A user's training loop (atoll.train.hook.join) brings its own model and optimizer, and
+        # its own data: then there is no batch stream, and the user's lr schedule is left alone.
+        self.user_loop = model is not None
+        if model is not None:
+            # A DDP/compiled wrapper trains; the module underneath holds the named parameters.
+            inner = getattr(model, "module", None)
+            self.model = inner if isinstance(inner, torch.nn.Module) else model
+            self.device = next(self.model.parameters()).device
+        else:
+            self.model = self.recipe.model_factory()().to(self.device)
         # An island of ``world`` ranks (atoll.train.island): this is rank ``rank``; the island
         # wraps ``forward_model`` in DDP, every rank trains on its slice of the island's batch and
         # only rank 0 publishes.
         self.rank, self.world = rank, world
-        self.forward_model: torch.nn.Module = self.model
+        self.forward_model: torch.nn.Module = model if model is not None else self.model
         self.sharded = False
         """An FSDP2 island: parameters, bases and AdamW state are DTensor shards; publishing gathers
         the due fragment's delta on every rank, and adopted fragments wait in ``unwritten`` until
@@ -360,11 +384,18 @@ class Learner:
         self.params = dict(self.model.named_parameters())
         if set(self.params) != set(self.plan.sizes):
             diff = sorted(set(self.params) ^ set(self.plan.sizes))[:5]
-            raise ValueError(f"model parameters do not match the run's fragment plan: {diff}")
-        context = self.recipe.context_for(self.model)
-        self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
-                                  learner_index=self.index, num_learners=self.config.num_learners,
-                                  seed=self.recipe.data.seed, interleave=self.recipe.data.shard == "interleaved")
+            raise ValueError(f"model parameters do not match the run's fragment plan: {diff} (the run was "
+                             "created from a different model definition)")
+        for name, param in self.params.items():
+            if param.numel() != self.plan.sizes[name]:
+                raise ValueError(f"parameter {name} has {param.numel()} elements but the run's fragment plan has "
+                                 f"{self.plan.sizes[name]} (the run was created from a different model)")
+        self.stream: BatchStream | None = None
+        if not self.user_loop:
+            context = self.recipe.context_for(self.model)
+            self.stream = BatchStream(self.recipe.data.corpus().train, context_tokens=context,
+                                      learner_index=self.index, num_learners=self.config.num_learners,
+                                      seed=self.recipe.data.seed, interleave=self.recipe.data.shard == "interleaved")
         self.start_round = store.latest_round() if start_round is None else start_round
         state = store.read_global_state(self.start_round)
         with torch.no_grad():
@@ -374,18 +405,23 @@ class Learner:
         self.bases = [fragment_to_device(self.plan.select(state.params, p), self.device)
                       for p in range(self.plan.num_fragments)]
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
-        for p, v in enumerate(self.versions):
-            self.counters.fragments[p].base_version = v
-        self.opt = self.recipe.inner.make(self.model.parameters())
+        for frag, v in enumerate(self.versions):
+            self.counters.fragments[frag].base_version = v
+        self.opt = optimizer if optimizer is not None else self.recipe.inner.make(self.model.parameters())
         self.step_count, self.tokens_total = 0, 0
         saved = store.load_learner_state(learner_id)
         if saved is not None:
             _load_inner_state(saved.tensors, self.model, self.opt)
             self.step_count = int(saved.meta.get("step", 0))
             self.tokens_total = int(saved.meta.get("tokens", 0))
-            if isinstance(saved.meta.get("cursor"), dict):
+            if self.stream is not None and isinstance(saved.meta.get("cursor"), dict):
                 self.stream.load_state_dict(saved.meta["cursor"])
+            self.user_state: dict[str, Any] = dict(saved.meta.get("user") or {})
+            """What a user loop saved with the inner state (``LearnerHook.user_state``: its data
+            position, scheduler step, ...), JSON only."""
             self.summary.resumed_inner_state = True
+        else:
+            self.user_state = {}
         self.summary.started_from_round = self.start_round
         self.step_ema: float | None = None
         self.publisher = _Publisher(store) if publish_in_background else None
@@ -395,9 +431,10 @@ class Learner:
         self.exit_reason = ""
         self.exit_detail = ""
         self.model.train()
+        loop = "user loop" if self.user_loop else f"batch {self.spec.batch_size}, slowdown {self.spec.slowdown:g}x"
         log(f"{learner_id}: {'rejoined' if saved else 'joined'} at round {self.start_round}, "
-            f"step {self.step_count}, pool {self.spec.pool}, batch {self.spec.batch_size}, "
-            f"slowdown {self.spec.slowdown:g}x, device {self.device}{' bf16 autocast' if self.autocast else ''}")
+            f"step {self.step_count}, pool {self.spec.pool}, {loop}, "
+            f"device {self.device}{' bf16 autocast' if self.autocast else ''}")
 
     def step(self, *, step_time_s: float | None = None) -> None:
         """One inner step, then publish the fragment that is due (if any).
@@ -407,9 +444,10 @@ class Learner:
         """
         if self.publisher is not None:
             self.publisher.check()  # a background write failed: stop here, loudly
+        if self.stream is None:
+            raise RuntimeError("a user-loop learner trains in the user's loop (LearnerHook), not in Learner.step")
         t0 = time.perf_counter()
-        self.step_count += 1
-        step = self.step_count
+        step = self.step_count + 1
         # 2. One inner step: warmup on this learner's steps, cosine over the run's progress.
         for group in self.opt.param_groups:
             group["lr"] = lr_at_step(self.recipe.inner, step, self.run_progress())
@@ -425,18 +463,32 @@ class Learner:
         if self.recipe.inner.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.inner.grad_clip)
         self.opt.step()
-        n_tokens = int(x.numel()) * self.world  # the island's tokens
-        self.counters.record_step(n_tokens)
-        self.tokens_total += n_tokens
-        self.summary.steps += 1
-        self.summary.tokens += n_tokens
-        self.summary.last_loss = loss.item()
-        self.summary.losses.append(self.summary.last_loss)
+        loss_value = loss.item()
         if step_time_s is None:
             if self.spec.slowdown > 1:  # stand-in for an older chip: stretch the step
                 time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t0))
             step_time_s = time.perf_counter() - t0
-        self.step_ema = step_time_s if self.step_ema is None else 0.9 * self.step_ema + 0.1 * step_time_s
+        self.record_step(int(x.numel()) * self.world, loss=loss_value, step_time_s=step_time_s)  # the island's tokens
+
+    def record_step(self, n_tokens: int, *, loss: float | None = None, step_time_s: float | None = None) -> None:
+        """After one inner step (atoll's own, or a user loop's optimizer step): count it, then
+        publish the fragment that is due (if any). This is the one place that does so.
+
+        ``n_tokens`` are the tokens the whole island trained on in this step; ``loss`` is for the
+        contribution's info and progress lines only.
+        """
+        if self.publisher is not None:
+            self.publisher.check()  # a background write failed: stop here, loudly
+        self.step_count += 1
+        step = self.step_count
+        self.counters.record_step(n_tokens)
+        self.tokens_total += n_tokens
+        self.summary.steps += 1
+        self.summary.tokens += n_tokens
+        self.summary.last_loss = float("nan") if loss is None else float(loss)
+        self.summary.losses.append(self.summary.last_loss)
+        if step_time_s is not None:
+            self.step_ema = step_time_s if self.step_ema is None else 0.9 * self.step_ema + 0.1 * step_time_s
 
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
@@ -454,7 +506,7 @@ class Learner:
                 delta = fragment_to_host(gathered)
             else:
                 delta = fragment_delta_to_host(self.bases[p], self.plan.select(self.params, p))
-            info = {"step": step, "step_time_s": round(self.step_ema, 6), "pool": self.spec.pool,
+            info = {"step": step, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
             if self.publisher is not None:  # written in the background (the guard is asked right before)
                 self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info,
@@ -516,14 +568,224 @@ class Learner:
         self.flush()
         tensors = self.gather_inner_state() if self.gather_inner_state is not None else \
             _local_inner_state(self.model, self.opt)
-        self.store.save_learner_state(self.learner_id, tensors, {"step": self.step_count,
-                                                                 "cursor": self.stream.state_dict(),
-                                                                 "tokens": self.tokens_total})
+        meta: dict[str, Any] = {"step": self.step_count, "tokens": self.tokens_total,
+                                "cursor": self.stream.state_dict() if self.stream is not None else None}
+        if self.user_state:
+            meta["user"] = self.user_state
+        self.store.save_learner_state(self.learner_id, tensors, meta)
 
     def progress_line(self) -> str:
         ms = (self.step_ema or 0.0) * 1000
         return (f"{self.learner_id}: step {self.step_count} loss {self.summary.last_loss:.4f} "
                 f"published {self.summary.published} aligned {self.summary.aligned} ({ms:.0f} ms/step)")
+
+
+class LearnerSession:
+    """The life of one learner process around its training loop, whoever drives the steps.
+
+    atoll's own loop (:func:`run_learner`) and a user's loop (:func:`atoll.train.hook.join`) both
+    run inside one of these, so there is one implementation of everything but the inner step:
+
+    * ``__enter__``: SIGTERM becomes a flag; take the learner's next lease (fencing older copies)
+      and heartbeat from a background keeper; build the :class:`Learner` from the bucket (latest
+      global state, the learner's own saved inner state); start the background fetcher of new
+      global versions;
+    * :meth:`exit_reason_now` before each step: why to stop now, if at all (run finished or
+      stopped, orphaned, SIGTERM, fenced, ``max_steps``, the caller's ``should_stop``);
+    * after each step (:meth:`Learner.step` or, for a user loop, :meth:`Learner.record_step`,
+      which publish the due fragment): :meth:`after_step` adopts new global versions, waits for
+      the merged version in lock-step mode, saves on schedule and logs progress;
+    * ``__exit__``: stop the fetcher, save the inner state (unless fenced), write the last
+      ``exited`` heartbeat with the reason; on an error, the heartbeat names it and it propagates.
+    """
+
+    def __init__(self, store: RunStore, learner_id: str, *, options: LearnerOptions | None = None,
+                 should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = print,
+                 link: IslandLink | None = None, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, world: int | None = None) -> None:
+        self.store, self.learner_id, self.log = store, learner_id, log
+        self.options = options or LearnerOptions()
+        self.should_stop, self.link = should_stop, link
+        self._model, self._optimizer = model, optimizer
+        self._world = world if world is not None else (link.world if link is not None else 1)
+        self._stack = contextlib.ExitStack()
+        self._sigterm = threading.Event()
+        self.keeper: LeaseKeeper | None = None
+        self.fetcher: _Fetcher | None = None
+        self.learner: Learner | None = None
+        self.reason: str | None = None
+        """Why the loop stopped (set by exit_reason_now, or by the caller before leaving)."""
+
+    # -- entering -------------------------------------------------------------------------------
+    def __enter__(self) -> LearnerSession:
+        options = self.options
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        # The handler goes in first: a SIGTERM while the lease is being taken is not lost either.
+        self._stack.enter_context(sigterm_flag(self._on_sigterm, enabled=options.handle_sigterm))
+        try:
+            self._start()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        return self
+
+    def _on_sigterm(self) -> None:  # a signal handler: set flags, nothing else
+        self._sigterm.set()
+        if self.keeper is not None:
+            self.keeper.request_exit("sigterm", "SIGTERM received")
+
+    def _start(self) -> None:
+        store, learner_id, options, log = self.store, self.learner_id, self.options, self.log
+        lease = store.take_learner_lease(learner_id, flow_run_id=options.flow_run_id) if options.take_lease else None
+        if lease is not None:
+            store.write_heartbeat(lease, reason="starting")
+            log(f"{learner_id}: took lease incarnation {lease.incarnation} (pid {lease.pid} on {lease.host})")
+        keeper = LeaseKeeper(store.sibling(), learner_id, lease, interval_s=options.heartbeat_interval_s,
+                             stall_timeout_s=options.stall_timeout_s, orphan_timeout_s=options.orphan_timeout_s,
+                             log=log)
+        self.keeper = keeper
+        if self._sigterm.is_set():
+            keeper.request_exit("sigterm", "SIGTERM received")
+        keeper.start()
+        learner = Learner(store, learner_id, log=log, lockstep=options.lockstep,
+                          incarnation=lease.incarnation if lease is not None else 0,
+                          device=options.device, autocast=options.autocast,
+                          publish_in_background=options.publish_in_background, world=self._world,
+                          model=self._model, optimizer=self._optimizer)
+        self.learner = learner
+        if self.link is not None:
+            self.link.attach(learner)
+        if keeper.lease is not None:
+            learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
+        fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
+        self.fetcher = fetcher
+        keeper.latest_round = lambda: fetcher.latest_round
+        fetcher.start()
+
+    # -- around each step -----------------------------------------------------------------------
+    @property
+    def run_finished(self) -> bool:
+        assert self.fetcher is not None and self.learner is not None
+        return self.fetcher.latest_round >= self.learner.recipe.max_rounds
+
+    def _exit_now(self) -> str | None:
+        assert self.keeper is not None
+        if self.keeper.exit_reason is not None:
+            return self.keeper.exit_reason
+        if self.should_stop():
+            return "should_stop"
+        if self.run_finished:
+            return "finished"
+        return None
+
+    def exit_reason_now(self) -> str | None:
+        """Before a step: why this learner stops now (and remember it), or None to train on.
+
+        Heartbeats the loop's progress; raises FetchError if the fetcher gave up."""
+        assert self.keeper is not None and self.fetcher is not None and self.learner is not None
+        learner = self.learner
+        self.keeper.tick(learner.step_count)
+        if (reason := self._exit_now()) is not None:
+            self.reason = reason
+            return reason
+        self.fetcher.check()
+        if self.options.max_steps is not None and learner.summary.steps >= self.options.max_steps:
+            self.reason = "max_steps"
+            return self.reason
+        return None
+
+    def adopt_ready(self) -> None:
+        """Overwrite every fragment the fetcher has a newer global version of."""
+        assert self.fetcher is not None and self.learner is not None
+        while True:
+            try:
+                self.learner.adopt(*self.fetcher.ready.get_nowait())
+            except queue.Empty:
+                return
+
+    def after_step(self) -> None:
+        """After a step was recorded: adopt new versions; in lock-step mode wait for the merged
+        version; save on schedule; log progress."""
+        assert self.keeper is not None and self.fetcher is not None and self.learner is not None
+        learner, keeper, fetcher = self.learner, self.keeper, self.fetcher
+        self.adopt_ready()
+        # Lock-step mode only: wait (tau steps after publishing) for the merged version.
+        while learner.waiting_for() is not None and self._exit_now() is None:
+            keeper.tick()
+            fetcher.check()
+            time.sleep(0.005)
+            self.adopt_ready()
+        save_every = learner.recipe.save_every_steps
+        if (save_every and learner.step_count % save_every == 0
+                and keeper.exit_reason != "fenced" and keeper.still_current()):
+            learner.save()
+        if self.options.log_every_steps and learner.step_count % self.options.log_every_steps == 0:
+            self.log(learner.progress_line())
+
+    # -- leaving --------------------------------------------------------------------------------
+    def _stop_threads(self, *, clean: bool) -> None:
+        if self.link is not None and self.learner is not None:  # the other ranks stop with rank 0
+            self.link.finish(self.learner, clean=clean)
+        if self.fetcher is not None:
+            self.fetcher.stop.set()
+            self.fetcher.join(timeout=5)
+
+    def _fail(self, e: BaseException) -> None:
+        try:
+            self._stop_threads(clean=False)
+        finally:
+            if self.keeper is not None:
+                self.keeper.close()
+                self.keeper.final_heartbeat(f"error: {type(e).__name__}: {e}")
+            self._stack.close()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and not isinstance(exc, LearnerExit):
+            self._fail(exc)
+            return False
+        assert self.keeper is not None and self.learner is not None and self.fetcher is not None
+        learner, keeper = self.learner, self.keeper
+        self._stop_threads(clean=True)
+        reason = self.reason or (exc.reason if isinstance(exc, LearnerExit) else "should_stop")
+        details = {"finished": f"finished: round {self.fetcher.latest_round} of {learner.recipe.max_rounds} committed",
+                   "max_steps": f"max_steps: {self.options.max_steps} steps done",
+                   "should_stop": "should_stop: asked to stop by the caller"}
+        learner.exit_reason = reason
+        learner.exit_detail = (keeper.exit_detail if reason == keeper.exit_reason
+                               else details.get(reason, reason)) or reason
+        keeper.close()
+        s = learner.summary
+        s.exit_reason, s.exit_detail = learner.exit_reason, learner.exit_detail
+        try:
+            if s.exit_reason != "fenced" and keeper.still_current():
+                learner.save()
+        except BaseException as e:
+            keeper.final_heartbeat(f"error: {type(e).__name__}: {e}")
+            self._stack.close()
+            raise
+        if keeper.fenced:  # seen at any point, even while saving: report it as the reason
+            s.exit_reason, s.exit_detail = "fenced", f"fenced by incarnation {keeper.fenced_by}"
+        keeper.final_heartbeat(s.exit_detail)
+        self._stack.close()
+        self.log(f"{self.learner_id}: exited ({s.exit_detail}) at step {learner.step_count} "
+                 f"({s.published} published, {s.aligned} aligned)")
+        return isinstance(exc, LearnerExit)
+
+    @property
+    def summary(self) -> LearnerSummary:
+        assert self.learner is not None
+        return self.learner.summary
+
+
+class LearnerExit(Exception):
+    """Raised out of a user's training loop (from the optimizer step) when the learner must stop:
+    the run is finished or stopped, SIGTERM, orphaned or fenced. The ``with`` block of
+    :func:`atoll.train.hook.join` catches it after saving (unless fenced)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def run_learner(
@@ -543,122 +805,16 @@ def run_learner(
     final heartbeat ``exited``) or "fenced" (a newer copy holds the lease: nothing saved, nothing
     published after the fence was seen). Raises FetchError (and any other error) after a final
     ``exited`` heartbeat naming it.
+
+    The loop is atoll's own inner step inside a :class:`LearnerSession`, the same session a
+    user's training loop runs in (:func:`atoll.train.hook.join`).
     """
-    options = options or LearnerOptions()
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    keepers: list[LeaseKeeper] = []
-    sigterm = threading.Event()
-
-    def on_sigterm() -> None:  # a signal handler: set flags, nothing else
-        sigterm.set()
-        for k in keepers:
-            k.request_exit("sigterm", "SIGTERM received")
-
-    # The handler goes in first: a SIGTERM while the lease is being taken is not lost either.
-    with sigterm_flag(on_sigterm, enabled=options.handle_sigterm):
-        lease = store.take_learner_lease(learner_id, flow_run_id=options.flow_run_id) if options.take_lease else None
-        if lease is not None:
-            store.write_heartbeat(lease, reason="starting")
-            log(f"{learner_id}: took lease incarnation {lease.incarnation} (pid {lease.pid} on {lease.host})")
-        keeper = LeaseKeeper(store.sibling(), learner_id, lease, interval_s=options.heartbeat_interval_s,
-                             stall_timeout_s=options.stall_timeout_s, orphan_timeout_s=options.orphan_timeout_s,
-                             log=log)
-        keepers.append(keeper)
-        if sigterm.is_set():
-            keeper.request_exit("sigterm", "SIGTERM received")
-        keeper.start()
-        try:
-            learner = _train(store, learner_id, options, keeper, should_stop, log,
-                             incarnation=lease.incarnation if lease is not None else 0, link=link)
-        except BaseException as e:
-            keeper.close()
-            keeper.final_heartbeat(f"error: {type(e).__name__}: {e}")
-            raise
-        keeper.close()
-        s = learner.summary
-        s.exit_reason, s.exit_detail = learner.exit_reason, learner.exit_detail
-        if s.exit_reason != "fenced" and keeper.still_current():
-            learner.save()
-        if keeper.fenced:  # seen at any point, even while saving: report it as the reason
-            s.exit_reason, s.exit_detail = "fenced", f"fenced by incarnation {keeper.fenced_by}"
-        keeper.final_heartbeat(s.exit_detail)
-    log(f"{learner_id}: exited ({s.exit_detail}) at step {learner.step_count} "
-        f"({s.published} published, {s.aligned} aligned)")
-    return s
-
-
-def _train(store: RunStore, learner_id: str, options: LearnerOptions, keeper: LeaseKeeper,
-           should_stop: Callable[[], bool], log: Callable[[str], None], *, incarnation: int,
-           link: IslandLink | None = None) -> Learner:
-    """The training loop of :func:`run_learner`; sets ``learner.exit_reason``/``exit_detail``."""
-    learner = Learner(store, learner_id, log=log, lockstep=options.lockstep, incarnation=incarnation,
-                      device=options.device, autocast=options.autocast,
-                      publish_in_background=options.publish_in_background,
-                      world=link.world if link is not None else 1)
-    if link is not None:
-        link.attach(learner)
-    if keeper.lease is not None:
-        learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
-    recipe = learner.recipe
-    fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
-    keeper.latest_round = lambda: fetcher.latest_round
-    fetcher.start()
-
-    def run_finished() -> bool:
-        return fetcher.latest_round >= recipe.max_rounds
-
-    def adopt_ready() -> None:
-        while True:
-            try:
-                learner.adopt(*fetcher.ready.get_nowait())
-            except queue.Empty:
-                return
-
-    def exit_now() -> str | None:
-        if keeper.exit_reason is not None:
-            return keeper.exit_reason
-        if should_stop():
-            return "should_stop"
-        if run_finished():
-            return "finished"
-        return None
-
-    reason: str | None = None
-    clean = False
-    try:
-        while True:
-            keeper.tick(learner.step_count)
-            if (reason := exit_now()) is not None:
-                break
-            fetcher.check()
-            if options.max_steps is not None and learner.summary.steps >= options.max_steps:
-                reason = "max_steps"
-                break
+    with LearnerSession(store, learner_id, options=options, should_stop=should_stop, log=log, link=link) as session:
+        learner = session.learner
+        assert learner is not None
+        while session.exit_reason_now() is None:
             if link is not None:  # an island's rank 0: the other ranks take this step too
                 link.before_step(learner)
             learner.step()
-            adopt_ready()
-            # Lock-step mode only: wait (tau steps after publishing) for the merged version.
-            while learner.waiting_for() is not None and exit_now() is None:
-                keeper.tick()
-                fetcher.check()
-                time.sleep(0.005)
-                adopt_ready()
-            if (recipe.save_every_steps and learner.step_count % recipe.save_every_steps == 0
-                    and keeper.exit_reason != "fenced" and keeper.still_current()):
-                learner.save()
-            if options.log_every_steps and learner.step_count % options.log_every_steps == 0:
-                log(learner.progress_line())
-        clean = True
-    finally:
-        if link is not None:  # the other ranks stop with rank 0 (however this loop ends)
-            link.finish(learner, clean=clean)
-        fetcher.stop.set()
-        fetcher.join(timeout=5)
-    details = {"finished": f"finished: round {fetcher.latest_round} of {recipe.max_rounds} committed",
-               "max_steps": f"max_steps: {options.max_steps} steps done",
-               "should_stop": "should_stop: asked to stop by the caller"}
-    learner.exit_reason = reason
-    learner.exit_detail = keeper.exit_detail if reason == keeper.exit_reason else details[reason]
-    return learner
+            session.after_step()
+    return session.summary

@@ -145,6 +145,14 @@ class LearnerSpec:
     """'' (fp32 everywhere) or 'bf16': autocast the inner forward pass to bf16. Parameters, AdamW
     state, deltas and the outer step stay fp32. The learner flow's ``autocast`` parameter overrides it."""
 
+    command: tuple[str, ...] = ()
+    """A user's own training script to run as this learner instead of atoll's loop (argv, e.g.
+    ``("python", "train.py", "--config", "a.yaml")``): the learner flow runs it with
+    ``$ATOLL_RUN_URL``, ``$ATOLL_LEARNER_ID`` and ``$ATOLL_FLOW_RUN_ID`` set, and the script joins
+    with ``atoll.join(...)`` (docs/byo-loop.md). Leases, fencing, stop and relaunch work as for
+    atoll's loop. ``batch_size`` x ``ranks`` x ``Recipe.context_tokens`` must still bound the tokens
+    one of its steps claims. The learner flow's ``command`` parameter overrides it for one launch."""
+
     @property
     def island_batch(self) -> int:
         """Sequences per inner step of the whole island (all ranks)."""
@@ -152,6 +160,9 @@ class LearnerSpec:
 
     def __post_init__(self) -> None:
         validate_id(self.learner_id, "learner id")
+        object.__setattr__(self, "command", tuple(self.command))  # a JSON list when read back
+        if not all(isinstance(a, str) for a in self.command):
+            raise ConfigError(f"learner {self.learner_id}: command must be a list of strings (argv)")
         try:  # the form only: whether this machine has that device is checked where the learner runs
             if self.device.strip().lower() != "auto":
                 torch.device(self.device.strip().lower())
@@ -245,7 +256,8 @@ class Recipe:
     """Validation loss of the global model every this many rounds (0: never)."""
 
     eval_batches: int = 4
-    """Validation batches (of 16 sequences) per evaluation."""
+    """Validation batches (of 16 sequences) per evaluation; 0: never evaluate (a user's model that
+    atoll's evaluator, next-token loss on the recipe's data, cannot run)."""
 
     checkpoint_every_rounds: int = 0
     """Consolidated checkpoint every this many rounds (0: only at the end)."""

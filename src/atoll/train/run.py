@@ -113,13 +113,17 @@ class RoundSchedule:
     checkpoint_every_rounds: int = 0
     """Consolidated checkpoint every this many rounds (0: only at the last round)."""
 
+    evaluate: bool = True
+    """False: never evaluate, not even the last round (``Recipe.eval_batches = 0``: a user's model
+    that atoll's evaluator cannot run)."""
+
     def is_last(self, round_: int) -> bool:
         return self.max_rounds is not None and round_ >= self.max_rounds
 
     def evaluates(self, round_: int) -> bool:
         """The one place that decides whether round ``round_`` is evaluated."""
         every = self.eval_every_rounds
-        return bool(every and round_ % every == 0) or self.is_last(round_)
+        return self.evaluate and (bool(every and round_ % every == 0) or self.is_last(round_))
 
     def checkpoints(self, round_: int) -> bool:
         """The one place that decides whether round ``round_`` writes a consolidated checkpoint."""
@@ -133,4 +137,4 @@ class RoundSchedule:
             return cls()
         recipe = load_recipe(store)
         return cls(max_rounds=recipe.max_rounds, eval_every_rounds=recipe.eval_every_rounds,
-                   checkpoint_every_rounds=recipe.checkpoint_every_rounds)
+                   checkpoint_every_rounds=recipe.checkpoint_every_rounds, evaluate=recipe.eval_batches > 0)

@@ -1,0 +1,216 @@
+"""Writing each round's artifacts and events off the synchronizer's critical path.
+
+A round's commit is what makes the learners' work count; its artifacts are for people. So the
+round flow (:mod:`atoll.flows.round`) only hands the committed round and its flow run id to the
+run's :class:`RoundRecorder`, and goes on with the next round. A background thread of the
+training-run process then, for every round, reads the commit record (and the contribution
+records of what got weight 0) from the bucket and writes, **attached to that round's flow run**
+(so the UI shows them on it, whenever they land):
+
+* ``<run>-round-summary`` (markdown): the round's summary with the goodput so far, overall and
+  per learner, and the mean *steps since last sync* of the merged contributions (the effective H);
+* ``<run>-contributions`` (table): learner, pool, tokens, steps, weight, accepted or why not;
+
+and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`). When it falls behind
+(rounds queue up), it reads the bucket once for the whole batch. The run's progress artifact and
+the ``<run>-goodput`` markdown (the whole run's goodput, per learner) are updated at most every
+``progress_every_s`` and after the last round, not every round: two API calls per round in all.
+
+Nothing here is the truth (the bucket is), so a write that fails is logged and skipped; the
+training run waits for the queue to drain (``flush``) before it reports its end.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from atoll.runs.report import (
+    ContributionRow,
+    GoodputReport,
+    GoodputTracker,
+    contribution_rows,
+    round_markdown,
+    slug,
+)
+from atoll.storage.bucket import RunStore
+from atoll.tasks.events import emit_round_committed
+
+__all__ = ["RoundRecorder", "artifact_keys", "goodput_markdown"]
+
+log = logging.getLogger("atoll.recorder")
+
+
+def artifact_keys(run_id: str) -> dict[str, str]:
+    """Artifact keys of a run (lowercase and dashes, as Prefect requires); each round adds a version."""
+    s = slug(run_id)
+    return {"summary": f"{s}-round-summary", "contributions": f"{s}-contributions", "goodput": f"{s}-goodput",
+            "run": f"{s}-run-summary", "progress": f"{s}-run-summary-progress", "segment": f"{s}-segment"}
+
+
+def goodput_markdown(run_id: str, round_: int, goodput: GoodputReport) -> str:
+    return (f"# Goodput of run `{run_id}` after round {round_}\n\n{goodput.line()}\n\n"
+            "| learner | goodput |\n|---|---|\n"
+            + "".join(f"| {lid} | {100 * g:.1f}% |\n" for lid, g in sorted(goodput.per_learner.items()))
+            + "\nLearner time that ended up in committed rounds ÷ learner time spent, from the bucket "
+              "(docs/prefect.md).")
+
+
+@dataclass(frozen=True)
+class _Item:
+    round: int
+    flow_run_id: str | None
+
+
+_STOP = object()
+
+
+class RoundRecorder:
+    """A background writer of round artifacts and events for one run (see the module docstring)."""
+
+    def __init__(self, store: RunStore, *, run_id: str, max_rounds: int, inner_steps: int,
+                 progress_artifact_id: str | None = None, progress_every_s: float = 10.0,
+                 tracker: GoodputTracker | None = None, run_flow_run_id: Any = None) -> None:
+        """``run_flow_run_id``: the training-run flow run, which the run-level goodput artifact is attached to."""
+        self.store = store
+        self.run_id = run_id
+        self.max_rounds = max_rounds
+        self.inner_steps = inner_steps
+        self.progress_artifact_id = progress_artifact_id
+        self.progress_every_s = progress_every_s
+        self.run_flow_run_id = UUID(str(run_flow_run_id)) if run_flow_run_id else None
+        self.tracker = tracker if tracker is not None else GoodputTracker(store)
+        self.keys = artifact_keys(run_id)
+        self.last_goodput: GoodputReport | None = None
+        self.recorded: list[int] = []
+        """Rounds written, in order (tests)."""
+        self.errors = 0
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._last_progress = 0.0
+        self._progress_round = 0
+        self._progress_written = 0
+
+    # -- the training run's side ---------------------------------------------------------------
+    def start(self) -> RoundRecorder:
+        """Start the writer thread; it runs in a copy of the caller's context (Prefect's settings,
+        e.g. the API URL of a test harness, live in context variables)."""
+        if self._thread is None:
+            ctx = contextvars.copy_context()
+            self._thread = threading.Thread(target=ctx.run, args=(self._work,), name=f"atoll-recorder-{self.run_id}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, round_: int, flow_run_id: Any = None) -> None:
+        """Record committed round ``round_`` on flow run ``flow_run_id``, later (never blocks)."""
+        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None))
+
+    def flush(self, timeout_s: float = 60.0) -> GoodputReport | None:
+        """Wait until every submitted round is written (at most ``timeout_s``); the goodput so far."""
+        if self._thread is None:
+            self._drain_inline()
+        else:
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait(timeout_s)
+        return self.last_goodput
+
+    def close(self, timeout_s: float = 60.0) -> GoodputReport | None:
+        out = self.flush(timeout_s)
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout_s)
+            self._thread = None
+        return out
+
+    # -- the writer ---------------------------------------------------------------------------
+    def _drain_inline(self) -> None:
+        batch = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, _Item):
+                batch.append(item)
+        if batch:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                self._write(client, batch, final=True)
+
+    def _work(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:  # one client (one connection) for the thread's life
+            while True:
+                item = self._queue.get()
+                pending: list[Any] = [item]
+                while True:  # everything queued meanwhile goes in one batch
+                    try:
+                        pending.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                batch = [i for i in pending if isinstance(i, _Item)]
+                waiters = [i for i in pending if isinstance(i, threading.Event)]
+                if batch or waiters:
+                    self._write(client, batch, final=bool(waiters))
+                for w in waiters:
+                    w.set()
+                if any(i is _STOP for i in pending):
+                    return
+
+    def _write(self, client: Any, batch: list[_Item], *, final: bool) -> None:
+        try:
+            self._write_with(client, batch, final=final)
+        except Exception as e:  # noqa: BLE001 - artifacts are for people; the bucket holds the truth
+            self.errors += 1
+            log.warning(f"run {self.run_id}: could not record rounds {[i.round for i in batch]}: {e!r}")
+
+    def _write_with(self, client: Any, batch: list[_Item], *, final: bool) -> None:
+        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+        goodput = self.tracker.update() if batch or self.last_goodput is None else self.last_goodput
+        self.last_goodput = goodput
+        for item in batch:
+            record = self.store.read_commit(item.round)
+            if record is None:
+                continue
+            rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
+            fr = UUID(item.flow_run_id) if item.flow_run_id else None
+            md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
+                                goodput=goodput, inner_steps=self.inner_steps)
+            client.create_artifact(ArtifactCreate(
+                key=self.keys["summary"], type="markdown", data=md, flow_run_id=fr,
+                description=f"round {item.round} of run {self.run_id}"))
+            client.create_artifact(ArtifactCreate(
+                key=self.keys["contributions"], type="table", data=[r.as_dict() for r in rows], flow_run_id=fr,
+                description=f"contributions to round {item.round} (fragment {record.fragment}) of run {self.run_id}"))
+            emit_round_committed(self.run_id, self.store.url, record, rows, goodput=goodput,
+                                 flow_run_id=item.flow_run_id)
+            self.recorded.append(item.round)
+            self._progress_round = max(self._progress_round, item.round)
+        now = time.monotonic()
+        due = final or now - self._last_progress >= self.progress_every_s
+        if self._progress_round and self._progress_round != self._progress_written and due:
+            self._progress_written = self._progress_round
+            self._last_progress = now
+            r = self._progress_round
+            record = self.store.read_commit(r)
+            loss = record.stats.get("val_loss") if record is not None else None
+            gp = goodput.goodput
+            if self.progress_artifact_id:
+                client.update_artifact(UUID(str(self.progress_artifact_id)), ArtifactUpdate(
+                    data=min(100.0, 100.0 * r / self.max_rounds),
+                    description=f"round {r} of {self.max_rounds}"
+                    + (f"; validation loss {loss:.4f}" if isinstance(loss, int | float) else "")
+                    + (f"; goodput {100 * gp:.1f}%" if gp is not None else "")))
+            client.create_artifact(ArtifactCreate(key=self.keys["goodput"], type="markdown",
+                                                  data=goodput_markdown(self.run_id, r, goodput),
+                                                  flow_run_id=self.run_flow_run_id,
+                                                  description=f"goodput so far of run {self.run_id}"))
+

@@ -1,0 +1,184 @@
+"""What a round costs Prefect, counted rather than timed (issue 12): HTTP calls to the Prefect API
+per round, the task runs and artifacts of each round flow run, and the events a run emits, read
+back from the API.
+
+Calls are counted by wrapping httpx's ``Client.send`` / ``AsyncClient.send`` in this process (every
+Prefect client goes through them; events travel on a websocket and are counted separately). Per
+round = (calls of a run of 2 + N rounds - calls of a run of 2 rounds) / N, so the run's fixed costs
+(start, lease, learners' flow runs, final summary) cancel out.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atoll.runs.manage import prepare_run
+from atoll.runs.options import FleetOptions, TrainingRunOptions
+from atoll.storage.paths import to_url
+from atoll.tasks.events import ROUND_COMMITTED, ROUND_STALLED, RUN_FINISHED
+from atoll.train.local import LocalRun
+
+from .events_helpers import read_events
+
+pytestmark = pytest.mark.timeout(400)
+
+MAX_CALLS_PER_ROUND = 9.0
+"""Measured 7.3 on 2 cores (12.1-12.3 with nest_rounds; before issue 12: 14.5, plus ~0.4 s per tagged task run waiting
+for its tag-concurrency call and ~0.6 s per round building a Settings object)."""
+
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class CallCounter:
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    def note(self, request: Any) -> None:
+        with self.lock:
+            self.calls[f"{request.method} {UUID_RE.sub('{id}', request.url.path)}"] += 1
+
+    def snapshot(self) -> collections.Counter[str]:
+        with self.lock:
+            return collections.Counter(self.calls)
+
+
+@pytest.fixture
+def counter(monkeypatch: pytest.MonkeyPatch) -> CallCounter:
+    import httpx
+
+    c = CallCounter()
+    send, asend = httpx.Client.send, httpx.AsyncClient.send
+
+    def counted(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+        c.note(request)
+        return send(self, request, *a, **k)
+
+    async def acounted(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+        c.note(request)
+        return await asend(self, request, *a, **k)
+
+    monkeypatch.setattr(httpx.Client, "send", counted)
+    monkeypatch.setattr(httpx.AsyncClient, "send", acounted)
+    return c
+
+
+def _train(root: Path, name: str, rounds: int, counter: CallCounter) -> tuple[dict[str, Any], collections.Counter[str]]:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    from atoll.flows.training import training_run
+
+    url = to_url(str(root / name))
+    info = prepare_run(url, preset="smoke", rounds=rounds)
+    with LocalRun(url, log_dir=root / f"{name}-logs") as run:
+        for spec in info.learners:
+            run.start_learner(spec["learner_id"])
+        before = counter.snapshot()
+        out = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False, watch_every_s=5.0)))
+        APILogWorker.drain_all()
+        EventsWorker.drain_all()
+        return out, counter.snapshot() - before
+
+
+def test_api_calls_per_round_are_bounded(prefect_harness: None, tmp_path: Path, counter: CallCounter) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+    from .test_flows import _round_runs
+
+    extra = 4
+    _, short = _train(tmp_path, "run-short", 2, counter)
+    out, long = _train(tmp_path, "run-long", 2 + extra, counter)
+    assert out["rounds"] == 2 + extra
+    per_round = {k: (long[k] - short[k]) / extra for k in set(long) | set(short)}
+    total = sum(per_round.values())
+    table = "\n".join(f"{v:6.2f} {k}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1]))
+    assert total <= MAX_CALLS_PER_ROUND, f"{total:.2f} API calls per round:\n{table}"
+    # No task run asks for tag-concurrency slots (task runs of a round carry no tags).
+    assert not any("increment-with-lease" in k for k in long), table
+    # Two artifacts per round, plus the run's progress and goodput on their own cadence.
+    assert per_round.get("POST /api/artifacts/", 0.0) <= 2.5, table
+
+    run_id = out["run_id"]
+    with get_client(sync_client=True) as client:
+        rounds = _round_runs(client, run_id)
+        assert len(rounds) == 2 + extra
+        for fr in rounds:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            names = [t.name.rsplit("-", 1)[0] for t in tasks]  # await-quorum again after each watch_every_s
+            assert set(names) == {"await-quorum", "merge-and-commit"} and names.count("merge-and-commit") == 1
+            assert all(not t.tags for t in tasks)
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            assert sorted(a.type for a in arts) == ["markdown", "table"]  # written by the recorder, on this flow run
+
+        # Events, read back from the API: one round-committed per round, about the run, naming the
+        # round's flow run; one run-finished.
+        committed = read_events(client, ROUND_COMMITTED, resource_id=f"atoll.run.{run_id}", at_least=2 + extra)
+        assert sorted(e.payload["round"] for e in committed) == list(range(1, 3 + extra))
+        by_round = {int(fr.name.split("-")[1]): str(fr.id) for fr in rounds}
+        for e in committed:
+            assert e.resource["atoll.run-id"] == run_id and e.resource["atoll.run-url"] == out["run_url"]
+            related = {r.id: r.role for r in e.related}
+            assert related.get(f"prefect.flow-run.{by_round[e.payload['round']]}") == "flow-run"
+            assert {"fragment", "contributors", "quorum_s", "grace_s", "steps_since_sync", "goodput"} <= set(e.payload)
+            assert e.payload["contributors"]
+        [finished] = read_events(client, RUN_FINISHED, resource_id=f"atoll.run.{run_id}")
+        assert finished.payload["rounds"] == 2 + extra and finished.payload["stopped"] is False
+
+
+def test_a_round_that_waits_emits_round_stalled(prefect_harness: None, tmp_path: Path) -> None:
+    """No learner at first: round 1 stays open past ``watch_every_s``, which emits atoll.round.stalled;
+    the learners start a few seconds later and the run finishes."""
+    from prefect.client.orchestration import get_client
+
+    from atoll.flows.training import training_run
+
+    url = to_url(str(tmp_path / "run-stall"))
+    info = prepare_run(url, preset="smoke", rounds=1)
+    with LocalRun(url, log_dir=tmp_path / "logs") as run:
+        timer = threading.Timer(3.0, lambda: [run.start_learner(s["learner_id"]) for s in info.learners])
+        timer.start()
+        try:
+            out = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False, watch_every_s=1.0)))
+        finally:
+            timer.cancel()
+    assert out["rounds"] == 1
+    with get_client(sync_client=True) as client:
+        stalled = read_events(client, ROUND_STALLED, resource_id=f"atoll.run.{info.run_id}")
+        assert stalled and all(e.payload["round"] == 1 and e.payload["open_for_s"] >= 1.0 for e in stalled)
+        assert "reason" in stalled[0].payload
+
+
+def test_nest_rounds_runs_rounds_as_subflows(prefect_harness: None, tmp_path: Path) -> None:
+    """``nest_rounds``: each round flow run is a subflow of the training run (nested in the UI),
+    with the same tasks and artifacts."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from atoll.flows.training import training_run
+
+    from .test_flows import _round_runs
+
+    url = to_url(str(tmp_path / "run-nested"))
+    info = prepare_run(url, preset="smoke", rounds=2)
+    with LocalRun(url, log_dir=tmp_path / "logs") as run:
+        for spec in info.learners:
+            run.start_learner(spec["learner_id"])
+        out = training_run(TrainingRunOptions(run_url=url, nest_rounds=True,
+                                              fleet=FleetOptions(manage=False, watch_every_s=5.0)))
+    assert out["rounds"] == 2
+    with get_client(sync_client=True) as client:
+        rounds = _round_runs(client, info.run_id)
+        assert len(rounds) == 2 and all(r.parent_task_run_id is not None for r in rounds)
+        parents = {client.read_task_run(r.parent_task_run_id).flow_run_id for r in rounds}
+        assert len(parents) == 1 and client.read_flow_run(parents.pop()).parameters["options"]["nest_rounds"]
+        for fr in rounds:
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            assert sorted(a.type for a in arts) == ["markdown", "table"]
