@@ -329,3 +329,24 @@ def test_publishes_back_off_while_a_fragment_stalls() -> None:
     assert due[:STALLED_PUBLISHES] == [1, 2, 3, 4]
     assert due[STALLED_PUBLISHES:] == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert publish_due(3, h)  # aligned mid-interval: the first publish is never held
+
+
+def test_a_thawed_synchronizer_that_finds_its_round_committed_by_its_replacement_is_fenced(tmp_path: Path) -> None:
+    """A frozen synchronizer's replacement commits the round the frozen one was waiting on; when
+    the old one wakes up it must not adopt that round as its own (its round flow run would report
+    Completed for a round it did not commit): it is fenced."""
+    store = new_run(tmp_path)
+    old = Synchronizer(store, options=SynchronizerOptions(heartbeat_interval_s=3600.0))
+    old.hold_lease("old")
+    assert isinstance(old.poll(), RoundPoll)  # waiting on round 1; its last lease check is recent
+    new = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(heartbeat_interval_s=0.0))
+    new.hold_lease("new")
+    publish(store, "learner-0", 0, 0, steps=2, incarnation=0)
+    publish(store, "learner-1", 0, 0, steps=2, incarnation=0)
+    deadline = time.monotonic() + 30
+    while store.latest_round() < 1 and time.monotonic() < deadline:
+        new.tick()
+        time.sleep(0.05)
+    assert store.latest_round() == 1 and store.read_commit(1) is not None
+    with pytest.raises(Fenced, match="incarnation 1 fenced by incarnation 2"):
+        old.poll()

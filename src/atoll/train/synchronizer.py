@@ -493,7 +493,12 @@ class Synchronizer:
         self._consume(record)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
-        """Another synchronizer committed this round first: take its state, not ours."""
+        """Another synchronizer committed this round first: take its state, not ours.
+
+        With a lease, first make sure that other synchronizer is not a newer incarnation: a
+        synchronizer that wakes up (a frozen process thawed) to find its round committed by its
+        replacement is fenced (raises Fenced), and does not report the round as its own."""
+        self.check_lifecycle(force=True)
         self._load(record.round)
         self._consume(record)
         self._saw(record.round)
