@@ -27,6 +27,10 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
   rank with the same per-rank batch, timed inside the ranks after warm-up; scaling efficiency =
   tokens/s(2 ranks) / (2 x tokens/s(1 rank)). On CUDA it needs 2 GPUs; on a CPU box each rank has
   ``--threads`` threads, so it needs 2 free cores to mean anything.
+* **(d) the hook's overhead**: the bare loop itself, unchanged, inside ``atoll.join`` (the user's
+  own loop as a learner: an optimizer post-step hook that counts, publishes the due fragment in
+  the background, adopts, saves, with lease, heartbeats and fetcher threads running), against the
+  bare loop; reported as step time added. Goal: < 3%.
 
 On CUDA it also reports MFU (model FLOPs utilisation: 6 N + 12 L d T FLOPs per token against the
 chip's dense bf16 peak; ``--peak-tflops`` for chips not in the table). Prints a table and writes
@@ -135,6 +139,7 @@ class BareLoop:
         self.stream = BatchStream(corpus.train, context_tokens=recipe.context_for(self.model), learner_index=0,
                                   num_learners=1, seed=recipe.data.seed)
         self.steps = 0
+        self.tokens_per_step = self.batch * recipe.context_for(self.model)
 
     def step(self) -> int:
         self.steps += 1
@@ -199,19 +204,35 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
             return learner.tokens_total - before
         return step
 
+    # (d) the same bare loop, unchanged, inside atoll.join: the hook after every optimizer step
+    # (a user's own loop as a learner, docs/byo-loop.md) with its lease, heartbeats and fetcher.
+    import atoll
+    from atoll.train.learner import LearnerOptions
+
+    url, recipe = make_run(root / "hook", args)
+    user = BareLoop(recipe, device, args.autocast)
+    hook = atoll.join(url, "learner-0", user.model, user.opt, tokens_per_step=user.tokens_per_step,
+                      options=LearnerOptions(handle_sigterm=False, orphan_timeout_s=None, lockstep=False),
+                      log=lambda _: None)  # no synchronizer here: never wait for a merge
+    hook.__enter__()
+    assert hook.learner is not None
     loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
-             ("atoll learner, writes in the step", stepper(learners[False]))]
-    for _ in range(args.warmup):  # compile kernels, fill caches, allocate
-        for _, step in loops:
-            step()
-    learners[True].flush()
-    results = [LoopResult(name) for name, _ in loops]
-    for _ in range(args.blocks):
-        for res, (name, step) in zip(results, loops, strict=True):
-            flush = learners[True].flush if name == "atoll learner" else None
-            wall, cpu = timed_block(step, args.block_steps, device, flush=flush)
-            res.blocks.append(wall)
-            res.cpu_blocks.append(cpu)
+             ("atoll learner, writes in the step", stepper(learners[False])),
+             ("bare loop + atoll.join", user.step)]
+    flushes = {"atoll learner": learners[True].flush, "bare loop + atoll.join": hook.learner.flush}
+    try:
+        for _ in range(args.warmup):  # compile kernels, fill caches, allocate
+            for _, step in loops:
+                step()
+        learners[True].flush()
+        results = [LoopResult(name) for name, _ in loops]
+        for _ in range(args.blocks):
+            for res, (name, step) in zip(results, loops, strict=True):
+                wall, cpu = timed_block(step, args.block_steps, device, flush=flushes.get(name))
+                res.blocks.append(wall)
+                res.cpu_blocks.append(cpu)
+    finally:
+        hook.__exit__(None, None, None)
     return results, count_parameters(bare.model)
 
 
@@ -364,7 +385,7 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
           island: list[tuple[int, float]]) -> str:
     lines = [f"{'measure':<44} {'value':>14} {'baseline':>14} {'ratio':>7} {'goal':>7}"]
     lines.append("-" * len(lines[0]))
-    bare, learner, inline = loops
+    bare, learner, inline, hooked = loops
     ratio = learner.tokens_per_s / bare.tokens_per_s
     lines.append(f"{'(a) learner tokens/s vs bare PyTorch loop':<44} {learner.tokens_per_s:>14,.0f} "
                  f"{bare.tokens_per_s:>14,.0f} {ratio:>7.3f} {'>=0.97':>7}")
@@ -374,6 +395,10 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
                  f"{bare.tokens_per_cpu_s:>14,.0f} {learner.tokens_per_cpu_s / bare.tokens_per_cpu_s:>7.3f}")
     if mfu is not None:
         lines.append(f"{'    MFU (learner / bare)':<44} {mfu[1]:>13.1%} {mfu[0]:>13.1%}")
+    added = bare.tokens_per_s / hooked.tokens_per_s - 1.0
+    lines.append(f"{'(d) bare loop + atoll.join vs bare loop':<44} {hooked.tokens_per_s:>14,.0f} "
+                 f"{bare.tokens_per_s:>14,.0f} {hooked.tokens_per_s / bare.tokens_per_s:>7.3f} {'':>7}")
+    lines.append(f"{'    step time added by the hook':<44} {added:>14.1%} {'':>14} {'':>7} {'<3%':>7}")
     for m in merges:
         lines.append(f"{'(b) ' + m.name + ' GB/s':<44} {m.gb_per_s:>14.2f} {m.memcpy_gb_per_s:>14.2f} "
                      f"{m.ratio:>7.3f} {'>=0.5':>7}")
@@ -395,7 +420,7 @@ def plot(loops: list[LoopResult], merges: list[MergeResult], out: Path) -> Path:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     bare, learner = loops[0], loops[1]
-    a.boxplot([x.blocks for x in loops], tick_labels=["bare loop", "learner", "learner,\nwrites in step"])
+    a.boxplot([x.blocks for x in loops], tick_labels=["bare loop", "learner", "learner,\nwrites in step", "bare loop +\natoll.join"])
     a.set_ylabel("tokens/s per block")
     a.set_title(f"(a) learner / bare = {learner.tokens_per_s / bare.tokens_per_s:.3f} (goal >= 0.97)")
     names = ["memcpy"] + [m.name.split("(")[1].split(",")[0] for m in merges]
