@@ -29,7 +29,8 @@ from .events_helpers import read_events
 pytestmark = pytest.mark.timeout(400)
 
 MAX_CALLS_PER_ROUND = 9.0
-"""Measured 7.3 on 2 cores (12.1-12.3 with nest_rounds; before issue 12: 14.5, plus ~0.4 s per tagged task run waiting
+"""Calls per round other than log shipping and CSRF tokens. Measured 7.3 in all on 2 cores (8.25 besides logs in a
+loaded CI run; 12.1-12.3 with nest_rounds; before issue 12: 14.5, plus ~0.4 s per tagged task run waiting
 for its tag-concurrency call and ~0.6 s per round building a Settings object)."""
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -98,7 +99,9 @@ def test_api_calls_per_round_are_bounded(prefect_harness: None, tmp_path: Path, 
     out, long = _train(tmp_path, "run-long", 2 + extra, counter)
     assert out["rounds"] == 2 + extra
     per_round = {k: (long[k] - short[k]) / extra for k in set(long) | set(short)}
-    total = sum(per_round.values())
+    # Log shipping and CSRF tokens follow the clock (a background worker flushes logs every few
+    # seconds; a token is fetched per new client), not the round's structure: reported, not counted.
+    total = sum(v for k, v in per_round.items() if k not in ("POST /api/logs/", "GET /api/csrf-token"))
     table = "\n".join(f"{v:6.2f} {k}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1]))
     assert total <= MAX_CALLS_PER_ROUND, f"{total:.2f} API calls per round:\n{table}"
     # No task run asks for tag-concurrency slots (task runs of a round carry no tags).

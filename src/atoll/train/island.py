@@ -252,16 +252,22 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    clean = False
     try:
         if rank:
             _follow(store, learner_id, options, rank=rank, world=world, device=device, shard=spec.shard)
-            return
-        summary = run_learner(store, learner_id, options=dataclasses.replace(options, device=device),
-                              should_stop=lambda: os.getppid() != parent_pid, link=_RankZeroLink(world, spec.shard),
-                              log=lambda line: print(line, flush=True))
-        with open(os.path.join(result_dir, "summary.json"), "w") as f:
-            json.dump(dataclasses.asdict(summary), f)
+        else:
+            summary = run_learner(store, learner_id, options=dataclasses.replace(options, device=device),
+                                  should_stop=lambda: os.getppid() != parent_pid,
+                                  link=_RankZeroLink(world, spec.shard), log=lambda line: print(line, flush=True))
+            with open(os.path.join(result_dir, "summary.json"), "w") as f:
+                json.dump(dataclasses.asdict(summary), f)
+        clean = True
     finally:
+        if clean:
+            # Tear gloo down together: a rank that destroyed its group while the other was still
+            # in its last collective made that one abort ("terminate called ..." -> SIGABRT).
+            dist.barrier()
         dist.destroy_process_group()
 
 
