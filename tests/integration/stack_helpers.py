@@ -75,3 +75,36 @@ def logs(tmp_path: Path) -> str:
     for f in sorted((tmp_path / "logs").glob("*.log")):
         out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}")
     return "\n".join(out)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def tear_down(stack: Any, marker: str) -> dict[int, str]:
+    """Cancel every flow run that is not final, stop the stack, then SIGKILL whatever still carries
+    ``marker``. Returns what was left after ``stack.stop()`` (pid -> command line): a test asserts
+    it is empty."""
+    import signal
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    try:
+        with stack.settings(), get_client(sync_client=True) as client:
+            for fr in client.read_flow_runs():
+                if fr.state is not None and not fr.state.is_final():
+                    client.set_flow_run_state(fr.id, Cancelling(), force=True)
+    except Exception:  # noqa: BLE001 - the server may be gone; the sweep below still runs
+        pass
+    stack.stop()
+    left = {pid: cmdline(pid) for pid in processes_with(marker)}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left

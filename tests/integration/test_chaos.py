@@ -41,7 +41,7 @@ from atoll.tasks.learners import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 
-from .stack_helpers import POOLS, flow_runs, logs, processes_with, wait_for
+from .stack_helpers import POOLS, flow_runs, logs, processes_with, tear_down, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -105,7 +105,6 @@ class CopySampler(threading.Thread):
 
 def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
 
     marker = uuid.uuid4().hex
     run_id = f"chaos-{marker[:8]}"
@@ -255,21 +254,8 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        try:
-            with stack.settings(), get_client(sync_client=True) as client:
-                for fr in client.read_flow_runs():
-                    if fr.state is not None and not fr.state.is_final():
-                        client.set_flow_run_state(fr.id, Cancelling(), force=True)
-        except Exception:  # noqa: BLE001 - the server may be gone; the sweep below still runs
-            pass
-        stack.stop()
-        left = processes_with(marker)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert left == [], "processes left behind"
+        left = tear_down(stack, marker)
+    assert left == {}, f"processes left behind: {left}"
 
 
 def learners_running(client: Any, run_id: str) -> dict[str, Any] | None:

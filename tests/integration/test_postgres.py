@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -35,7 +34,7 @@ from atoll.tasks.learners import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 
-from .stack_helpers import POOLS, flow_runs, logs, processes_with, wait_for
+from .stack_helpers import POOLS, flow_runs, logs, processes_with, tear_down, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -64,13 +63,6 @@ def _query(url: str, sql: str) -> Any:
             await conn.close()
 
     return asyncio.run(run())
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
-    except OSError:
-        return "?"
 
 
 def _alive(pid: int) -> bool:
@@ -103,7 +95,6 @@ def test_private_cluster_restarts_on_its_data_and_recovers_from_a_dead_stack(tmp
 
 def test_eight_learners_on_two_pools_on_postgres(s3: Any, tmp_path: Path) -> None:
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
 
     started = time.monotonic()
     marker = uuid.uuid4().hex
@@ -175,23 +166,9 @@ def test_eight_learners_on_two_pools_on_postgres(s3: Any, tmp_path: Path) -> Non
         assert tagged >= 1 + ROUNDS + LEARNERS
         assert not (home / "prefect.db").exists()
     finally:
-        try:
-            with stack.settings(), get_client(sync_client=True) as client:
-                for fr in client.read_flow_runs():
-                    if fr.state is not None and not fr.state.is_final():
-                        client.set_flow_run_state(fr.id, Cancelling(), force=True)
-        except Exception:  # noqa: BLE001 - the server may be gone; the sweep below still runs
-            pass
-        stack.stop()
-        left = processes_with(marker)
-        described = {pid: _cmdline(pid) for pid in left}
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = tear_down(stack, marker)
         if stack.postgres is not None:
             stack.postgres.destroy()
     assert pg_pid is not None and not _alive(pg_pid), "PostgreSQL still running after stack.stop()"
-    assert left == [], f"processes left behind: {described}"
+    assert left == {}, f"processes left behind: {left}"
     print(f"PostgreSQL stack test: {time.monotonic() - started:.1f}s", flush=True)
