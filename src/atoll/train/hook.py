@@ -38,6 +38,7 @@ the same arguments and take the same steps. Counters count ``tokens_per_step x w
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -48,6 +49,7 @@ import torch
 from atoll.core.config import DilocoConfig
 from atoll.core.fragments import plan_fragments
 from atoll.storage.bucket import RunStore
+from atoll.train.island import broadcast_fragments, die_with_parent
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSession, LearnerSummary
 from atoll.train.recipe import Recipe
 
@@ -187,7 +189,7 @@ class LearnerHook:
         msg: list[Any] = [None]
         dist.broadcast_object_list(msg, src=0)
         reason, adopted, versions = msg[0]
-        _broadcast_fragments(learner, adopted)
+        broadcast_fragments(learner, adopted)
         learner.versions = list(versions)
         learner.summary.aligned += len(adopted)
         return reason if isinstance(reason, str) else None
@@ -296,31 +298,10 @@ def _broadcast_step(learner: Learner, reason: str | None, adopted: list[int]) ->
     import torch.distributed as dist
 
     dist.broadcast_object_list([(reason, adopted, list(learner.versions))], src=0)
-    _broadcast_fragments(learner, adopted)
-
-
-def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        for p in fragments:
-            for name in learner.plan.fragments[p]:
-                dist.broadcast(learner.params[name].data, src=0)
+    broadcast_fragments(learner, adopted)
 
 
 # -- a user's script as a learner process (what the learner flow runs for LearnerSpec.command) ----
-def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGKILL it when the launching process dies, so a
-    SIGKILLed learner flow never leaves its user script training as an unleased orphan."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_command(command: list[str] | tuple[str, ...], *, run_url: str, learner_id: str,
                 flow_run_id: str | None = None, extra_env: Mapping[str, str] | None = None,
                 cwd: str | None = None, log: Callable[[str], None] = print) -> int:
@@ -344,7 +325,7 @@ def run_command(command: list[str] | tuple[str, ...], *, run_url: str, learner_i
         env[ENV_FLOW_RUN_ID] = flow_run_id
     log(f"{learner_id}: running the user's command {list(command)!r}")
     proc = subprocess.Popen(list(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent if os.name == "posix" else None)  # noqa: PLW1509
+                            preexec_fn=functools.partial(die_with_parent, os.getpid()) if os.name == "posix" else None)
     previous: Any = None
     if threading.current_thread() is threading.main_thread():
         def forward(signum: int, frame: Any) -> None:

@@ -54,7 +54,7 @@ from atoll.train.device import resolve_device
 from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, inner_state_tensors, run_learner
 from atoll.train.run import load_recipe
 
-__all__ = ["island_device", "run_island", "free_port"]
+__all__ = ["broadcast_fragments", "die_with_parent", "island_device", "run_island", "free_port"]
 
 
 def free_port() -> int:
@@ -71,8 +71,9 @@ def island_device(setting: str, rank: int) -> str:
     return str(dev)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this rank when the launching process dies (the island fails as a unit)."""
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when the launching process ``parent_pid`` dies (an island's
+    ranks fail as a unit; a user's script dies with its learner flow)."""
     try:
         import ctypes
 
@@ -181,10 +182,10 @@ def _send(learner: Learner, adopted: list[int], *, command: str) -> None:
     lr schedule follows, and the fragments rank 0 adopted since the last step (their tensors follow,
     in plan order)."""
     dist.broadcast_object_list([(command, adopted, list(learner.versions))], src=0)
-    _broadcast_fragments(learner, adopted)
+    broadcast_fragments(learner, adopted)
 
 
-def _broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
+def broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
     """Every rank: take rank 0's value of each fragment in ``fragments`` (AdamW moments stay)."""
     with torch.no_grad():
         for p in fragments:
@@ -229,7 +230,7 @@ def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: 
         dist.broadcast_object_list(msg, src=0)
         command, adopted, versions = msg[0]
         learner.versions = list(versions)  # the lr schedule follows the run's progress
-        _broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
+        broadcast_fragments(learner, adopted)  # every rank takes rank 0's version (AdamW moments stay)
         if command == "stop":
             return
         if command == "save":  # FSDP2: rank 0 saves; every rank joins the gather
@@ -242,7 +243,7 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
                options: LearnerOptions, port: int, result_dir: str, parent_pid: int) -> None:
     """One rank of the island (a spawned process). Rank 0 handles SIGTERM (forwarded by the
     launcher) like any learner: it finishes the step, saves, and the island stops with it."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     if options.threads:
         torch.set_num_threads(options.threads)
     store = RunStore.open(url, storage_options)
