@@ -25,24 +25,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import plain_loop  # noqa: E402
 from plain_loop import BATCH, CONTEXT, char_lm, corpus, make_optimizer, next_batch  # noqa: E402
 
 import atoll  # noqa: E402
 
 
 def create(url: str, ranks: int, rounds: int) -> None:
-    """A run with one learner of ``ranks`` ranks and one plain learner."""
-    from atoll.core.config import DilocoConfig
-    from atoll.train.recipe import LearnerSpec, Recipe
-
-    config = DilocoConfig(num_learners=2, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
-                          initial_grace_s=0.5)
-    recipe = Recipe(model="plain_loop:char_lm", context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0,
-                    save_every_steps=10,
-                    learners=(LearnerSpec(learner_id="learner-0", batch_size=BATCH, ranks=ranks),
-                              LearnerSpec(learner_id="learner-1", batch_size=BATCH)))
-    atoll.create_run_for(url, char_lm(), config, recipe)
-    print(f"created {url}")
+    """A run with two learners: learner-0 an island of ``ranks`` ranks, learner-1 a plain loop."""
+    plain_loop.create(url, 2, rounds, ranks=ranks)
 
 
 def main() -> None:

@@ -24,12 +24,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from plain_loop import corpus  # noqa: E402
+import plain_loop  # noqa: E402
+from plain_loop import BATCH, CONTEXT, corpus  # noqa: E402
 
 import atoll  # noqa: E402
-
-CONTEXT = 32
-BATCH = 8
 
 
 class AtollCallback(TrainerCallback):
@@ -63,30 +61,14 @@ def tiny_gpt2() -> GPT2LMHeadModel:
                                       bos_token_id=0, eos_token_id=0))
 
 
-class Windows(torch.utils.data.Dataset):
-    def __init__(self, data: torch.Tensor, seed: int, size: int = 100_000) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.data, self.starts = data, torch.randint(0, len(data) - CONTEXT - 1, (size,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        x = self.data[int(self.starts[i]):int(self.starts[i]) + CONTEXT]
+class Windows(plain_loop.Windows):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        x, _ = super().__getitem__(i)
         return {"input_ids": x, "labels": x}  # GPT-2 shifts the labels itself
 
 
 def create(url: str, learners: int, rounds: int) -> None:
-    from atoll.core.config import DilocoConfig
-    from atoll.train.recipe import LearnerSpec, Recipe
-
-    config = DilocoConfig(num_learners=learners, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
-                          initial_grace_s=0.5)
-    recipe = Recipe(model="hf_trainer:tiny_gpt2", context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0,
-                    save_every_steps=10,
-                    learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(learners)))
-    atoll.create_run_for(url, tiny_gpt2(), config, recipe)
-    print(f"created {url}")
+    plain_loop.create(url, learners, rounds, model=tiny_gpt2(), factory="hf_trainer:tiny_gpt2")
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from plain_loop import BATCH, CONTEXT, char_lm, corpus  # noqa: E402
+import plain_loop  # noqa: E402
+from plain_loop import BATCH, CONTEXT, Windows, char_lm, corpus  # noqa: E402
 
 import atoll  # noqa: E402
 
@@ -70,35 +71,13 @@ class CharLMModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-class Windows(torch.utils.data.Dataset):
-    def __init__(self, data: torch.Tensor, seed: int, size: int = 100_000) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.data, self.starts = data, torch.randint(0, len(data) - CONTEXT - 1, (size,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = int(self.starts[i])
-        return self.data[j:j + CONTEXT], self.data[j + 1:j + CONTEXT + 1]
-
-
 def char_lm_module() -> torch.nn.Module:
     """The recipe's model factory: parameter names as the LightningModule has them (``model.*``)."""
     return CharLMModule(1)
 
 
 def create(url: str, learners: int, rounds: int) -> None:
-    from atoll.core.config import DilocoConfig
-    from atoll.train.recipe import LearnerSpec, Recipe
-
-    config = DilocoConfig(num_learners=learners, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
-                          initial_grace_s=0.5)
-    recipe = Recipe(model="lightning_loop:char_lm_module", context_tokens=CONTEXT, max_rounds=rounds,
-                    eval_every_rounds=0, save_every_steps=10,
-                    learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(learners)))
-    atoll.create_run_for(url, char_lm_module(), config, recipe)
-    print(f"created {url}")
+    plain_loop.create(url, learners, rounds, model=char_lm_module(), factory="lightning_loop:char_lm_module")
 
 
 def main() -> None:

@@ -68,9 +68,27 @@ def corpus(max_bytes: int = 1 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(out)[:max_bytes]), dtype=torch.uint8).long()
 
 
-def create(url: str, learners: int, rounds: int, *, lockstep: bool = False) -> None:
-    """A run whose weights and fragment plan come from this script's model (``lockstep``:
-    synchronous DiLoCo, K = M, one fragment)."""
+class Windows(torch.utils.data.Dataset):
+    """``size`` seeded random windows of ``data``: (input bytes, next bytes), for framework loaders."""
+
+    def __init__(self, data: torch.Tensor, seed: int, size: int = 100_000) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data, self.starts = data, torch.randint(0, len(data) - CONTEXT - 1, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = int(self.starts[i])
+        return self.data[j:j + CONTEXT], self.data[j + 1:j + CONTEXT + 1]
+
+
+def create(url: str, learners: int, rounds: int, *, lockstep: bool = False, model: nn.Module | None = None,
+           factory: str = "plain_loop:char_lm", ranks: int = 1) -> None:
+    """A run whose weights and fragment plan come from a user's model (default: this script's):
+    ``learners`` learners, learner-0 an island of ``ranks`` ranks; ``lockstep``: synchronous
+    DiLoCo (K = M, one fragment). ``factory`` is the import string atoll-loop learners would build
+    the same model from (the other examples pass theirs)."""
     from atoll.core.config import DilocoConfig, synchronous_diloco
     from atoll.train.recipe import LearnerSpec, Recipe
 
@@ -79,10 +97,10 @@ def create(url: str, learners: int, rounds: int, *, lockstep: bool = False) -> N
     else:
         config = DilocoConfig(num_learners=learners, num_fragments=2, inner_steps=4, overlap_steps=1, min_quorum=1,
                               initial_grace_s=0.5)
-    recipe = Recipe(model="plain_loop:char_lm", context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0,
-                    save_every_steps=10,
-                    learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(learners)))
-    atoll.create_run_for(url, char_lm(), config, recipe)
+    recipe = Recipe(model=factory, context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0, save_every_steps=10,
+                    learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH, ranks=ranks if i == 0 else 1)
+                                   for i in range(learners)))
+    atoll.create_run_for(url, model if model is not None else char_lm(), config, recipe)
     print(f"created {url}")
 
 
