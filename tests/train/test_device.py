@@ -267,3 +267,78 @@ def test_a_failed_background_write_stops_the_learner(tmp_path: Path, monkeypatch
         learner.flush()
     with pytest.raises(OSError, match="bucket unreachable"):
         learner.step()
+
+
+# -- the publish's delta: flat bases, reused host buffers -----------------------------------------
+
+def test_flat_bases_give_the_same_delta_in_one_subtraction_and_reuse_the_buffer() -> None:
+    from atoll.core.pseudograd import learner_delta
+    from atoll.train.device import FlatFragment, flat_fragment_to_device, fragment_delta_to_host
+
+    g = torch.Generator().manual_seed(2)
+    plain = {"w": torch.randn(4, 3, generator=g), "norm": torch.randn(3, generator=g), "b": torch.randn(2, generator=g)}
+    base = flat_fragment_to_device(plain, torch.device("cpu"))
+    assert isinstance(base, FlatFragment) and list(base) == ["w", "norm", "b"]
+    assert base.flat.numel() == 17 and all(torch.equal(base[n], plain[n]) for n in plain)
+    assert base["w"].untyped_storage().data_ptr() == base.flat.untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="read-only"):
+        base["w"] = torch.zeros(4, 3)
+    local = {n: t + torch.randn(t.shape, generator=g) for n, t in plain.items()}
+    want = learner_delta(plain, local)
+    out = torch.full((17,), float("nan"))
+    for _ in range(2):  # the same buffer again: overwritten, never accumulated
+        host = fragment_delta_to_host(base, local, out=out)
+        for n in want:
+            assert torch.equal(host[n], want[n])
+            assert host[n].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    # Local tensors of another dtype take the per-tensor path: the same values.
+    mixed = dict(local, w=local["w"].bfloat16())
+    host = fragment_delta_to_host(base, mixed, out=out)
+    for n, t in learner_delta(plain, mixed).items():
+        assert torch.equal(host[n], t)
+    with pytest.raises(ValueError, match="out must be"):
+        fragment_delta_to_host(base, local, out=torch.empty(16))
+    with pytest.raises(ValueError, match="shape of 'b'"):
+        fragment_delta_to_host(base, dict(local, b=torch.zeros(3)))
+
+
+def test_background_publishes_reuse_their_host_buffers(tmp_path: Path) -> None:
+    learner = Learner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    seen: set[int] = set()
+    real = learner._delta_buffers.take
+
+    def take(numel: int) -> torch.Tensor | None:
+        buffer = real(numel)
+        if buffer is not None:
+            seen.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    learner._delta_buffers.take = take  # type: ignore[method-assign]
+    for _ in range(8):
+        learner.step()
+        learner.flush()  # each write done: its buffer is back before the next publish of that size
+    assert learner.summary.published == 8 and 1 <= len(seen) <= 2  # one buffer per fragment size
+
+
+def test_a_background_save_writes_the_state_of_its_step(tmp_path: Path) -> None:
+    """The periodic save snapshots the optimizer state and writes it after the contributions
+    submitted before it; the steps taken while it is written do not leak into it."""
+    store = _run(tmp_path)
+    learner = Learner(store, "learner-0", log=lambda _: None, publish_in_background=True)
+    for _ in range(3):
+        learner.step()
+    learner.user_state["epoch"] = 1
+    want = {n: t.clone() for n, t in learner.opt.state[learner.params[next(iter(learner.params))]].items()}
+    learner.save(background=True)
+    learner.user_state["epoch"] = 2  # changed before the write: the save keeps 1
+    for _ in range(3):
+        learner.step()
+    learner.flush()
+    saved = store.load_learner_state("learner-0")
+    assert saved is not None and saved.meta["step"] == 3 and saved.meta["user"] == {"epoch": 1}
+    name = next(iter(learner.params))
+    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg"], want["exp_avg"])
+    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg_sq"], want["exp_avg_sq"])
+    # The contributions submitted before the save are in the bucket too.
+    published = [r for p in (0, 1) for r in store.list_contributions(p, {0}).records]
+    assert {r.info["step"] for r in published} >= {1, 2, 3}

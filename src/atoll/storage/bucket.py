@@ -111,8 +111,10 @@ CACHE_ENTRIES = 65536
 
 
 class _HasCounters(Protocol):
-    c_steps: int
-    c_tokens: int
+    @property
+    def c_steps(self) -> int: ...
+    @property
+    def c_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)

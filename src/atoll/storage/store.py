@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
@@ -214,6 +215,7 @@ class ObjectStore:
         self.retry = retry or STORAGE_RETRY
         self._sleep = sleep
         self._rng = random.Random(seed)
+        self._made_dirs: set[str] = set()
         self.op_counts: Counter[str] = Counter()
         """Operations issued (after retries count separately as 'retry')."""
 
@@ -286,7 +288,7 @@ class ObjectStore:
             def local_put() -> None:
                 tmp = self._local_tmp(path)
                 try:
-                    self.fs.pipe_file(tmp, data)
+                    self._write_local(tmp, data)
                     os.replace(tmp, path)
                 finally:
                     _unlink_quietly(tmp)
@@ -309,7 +311,7 @@ class ObjectStore:
             if self.is_local:
                 tmp = self._local_tmp(path)
                 try:
-                    self.fs.pipe_file(tmp, data)
+                    self._write_local(tmp, data)
                     os.link(tmp, path)
                 finally:
                     _unlink_quietly(tmp)
@@ -400,8 +402,33 @@ class ObjectStore:
 
     def _local_tmp(self, path: str) -> str:
         parent, _, name = path.rpartition("/")
-        os.makedirs(parent or "/", exist_ok=True)
+        parent = parent or "/"
+        if parent not in self._made_dirs:  # one makedirs per folder and process, not per write
+            os.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
         return f"{parent}/.tmp-{uuid.uuid4().hex[:12]}-{name}"
+
+    def _write_local(self, tmp: str, data: bytes) -> None:
+        """Write a new temporary file. With fsspec's own LocalFileSystem, straight through the OS
+        (a learner writes two files per publish, and fsspec's Python layers around them cost
+        more than the write itself while holding the GIL the training thread needs); any other
+        local filesystem object (a wrapper, e.g. the fault-injecting one of the tests) gets
+        ``pipe_file``."""
+        if type(self.fs) is not LocalFileSystem:
+            self.fs.pipe_file(tmp, data)
+            return
+        parent = tmp.rpartition("/")[0] or "/"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the folder was removed since it was made: make it again
+            os.makedirs(parent, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -127,14 +127,16 @@ def fragment_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def fragment_delta_to_host(base: Mapping[str, torch.Tensor],
-                           local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fragment_delta_to_host(base: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor], *,
+                           out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``base - local`` in fp32 (``core.pseudograd.learner_delta``, the same values) on the host,
     with one device-to-host copy, and no buffer but the flat one that is copied.
 
     Each tensor's difference is written straight into its slice of one flat buffer on the device
     (no per-tensor delta, no concatenation), which is copied once (:func:`copy_to_host`; nothing
-    on the CPU) and split into views with the original shapes. Names and shapes must match."""
+    on the CPU) and split into views with the original shapes. Names and shapes must match.
+    ``out``: a flat fp32 host buffer of the fragment's size to write into (reused across
+    publishes; on the CPU the differences go straight into it)."""
     names = list(base)
     if set(names) != set(local):
         raise ValueError(f"fragment_delta_to_host: tensor names differ: {sorted(set(names) ^ set(local))[:5]}")
@@ -142,24 +144,71 @@ def fragment_delta_to_host(base: Mapping[str, torch.Tensor],
         return {}
     device = base[names[0]].device
     numel = sum(base[n].numel() for n in names)
-    flat = torch.empty(numel, dtype=torch.float32, device=device)
-    offset = 0
-    for n in names:
-        b, x = base[n].detach(), local[n].detach()
-        if b.shape != x.shape:
-            raise ValueError(f"fragment_delta_to_host: shape of {n!r} is {tuple(x.shape)}, expected {tuple(b.shape)}")
-        torch.sub(b.float(), x.float(), out=flat[offset:offset + b.numel()].view(b.shape))
-        offset += b.numel()
-    host = copy_to_host(flat)
-    out: dict[str, torch.Tensor] = {}
+    if out is not None and (out.numel() != numel or out.dtype != torch.float32 or out.device.type != "cpu"):
+        raise ValueError(f"fragment_delta_to_host: out must be a flat fp32 host tensor of {numel} elements")
+    flat = out if out is not None and device.type == "cpu" else torch.empty(numel, dtype=torch.float32, device=device)
+    locals_ = [local[n].detach() for n in names]
+    if isinstance(base, FlatFragment) and all(x.dtype == torch.float32 and x.device == device for x in locals_):
+        # One copy of the local tensors into the buffer and one subtraction: the same values.
+        for n, x in zip(names, locals_, strict=True):
+            if base[n].shape != x.shape:
+                raise ValueError(f"fragment_delta_to_host: shape of {n!r} is {tuple(x.shape)}, "
+                                 f"expected {tuple(base[n].shape)}")
+        torch.cat([x.reshape(-1) for x in locals_], out=flat)
+        torch.sub(base.flat, flat, out=flat)
+    else:
+        offset = 0
+        for n, x in zip(names, locals_, strict=True):
+            b = base[n].detach()
+            if b.shape != x.shape:
+                raise ValueError(f"fragment_delta_to_host: shape of {n!r} is {tuple(x.shape)}, expected {tuple(b.shape)}")
+            torch.sub(b.float(), x.float(), out=flat[offset:offset + b.numel()].view(b.shape))
+            offset += b.numel()
+    if flat is out:
+        host = out
+    elif out is not None:
+        host = out.copy_(flat)  # the one device-to-host copy, into the reused buffer
+    else:
+        host = copy_to_host(flat)
+    views: dict[str, torch.Tensor] = {}
     offset = 0
     for n in names:
         k = base[n].numel()
-        out[n] = host[offset:offset + k].view(base[n].shape)
+        views[n] = host[offset:offset + k].view(base[n].shape)
         offset += k
-    return out
+    return views
 
 
 def fragment_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """``tensors`` on ``device`` (the same tensors when they are already there: no copy on the CPU)."""
     return {n: t.to(device, non_blocking=device.type == "cuda") for n, t in tensors.items()}
+
+
+class FlatFragment(dict[str, torch.Tensor]):
+    """A fragment's fp32 tensors as views of one flat buffer (``flat``), in the dict's order.
+
+    A learner keeps its bases like this, so a publish subtracts the whole fragment in one
+    operation instead of one per tensor (a fragment of norms and biases has dozens of small
+    tensors, and Python's per-operation cost dominated). Read-only: replacing a tensor would
+    leave ``flat`` stale."""
+
+    flat: torch.Tensor
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        raise TypeError("a FlatFragment is read-only (its tensors are views of .flat)")
+
+
+def flat_fragment_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device) -> FlatFragment:
+    """``tensors`` as fp32 views of one new flat buffer on ``device`` (values unchanged)."""
+    numel = sum(t.numel() for t in tensors.values())
+    flat = torch.empty(numel, dtype=torch.float32, device=device)
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
+    for n, t in tensors.items():
+        view = flat[offset:offset + t.numel()].view(t.shape)
+        view.copy_(t.detach())
+        views[n] = view
+        offset += t.numel()
+    out = FlatFragment(views)
+    out.flat = flat
+    return out

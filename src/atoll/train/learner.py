@@ -31,7 +31,10 @@ forward pass; bases and deltas stay fp32, and each publish moves its delta to th
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
+import json
 import math
 import queue
 import threading
@@ -51,8 +54,8 @@ from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import (
     check_autocast,
+    flat_fragment_to_device,
     fragment_delta_to_host,
-    fragment_to_device,
     fragment_to_host,
     resolve_device,
 )
@@ -142,9 +145,10 @@ class LearnerSummary:
 
 
 class _Publisher(threading.Thread):
-    """Background writer of a learner's contributions: one at a time, in the order submitted.
+    """Background writer of a learner's contributions and saves: one at a time, in the order
+    submitted (so a save never lands before the contributions submitted ahead of it).
 
-    The training loop hands over host tensors and counter snapshots (nothing it mutates later);
+    The training loop hands over jobs on host tensors and snapshots (nothing it mutates later);
     this thread encodes, hashes and writes them. The queue is bounded (backpressure when the
     bucket is slower than training); the first failure is kept and re-raised in the training
     thread by :meth:`check` (from the next submit or flush), and nothing after it is written.
@@ -153,7 +157,7 @@ class _Publisher(threading.Thread):
     def __init__(self, store: RunStore, *, depth: int = 2) -> None:
         super().__init__(daemon=True, name="atoll-publisher")
         self.store = store.sibling()  # own caches; the object store itself is shared
-        self.jobs: queue.Queue[tuple[tuple[Any, ...], dict[str, Any]] | None] = queue.Queue(maxsize=depth)
+        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=depth)
         self.failed: BaseException | None = None
 
     def run(self) -> None:
@@ -162,19 +166,21 @@ class _Publisher(threading.Thread):
             try:
                 if job is None:
                     return
-                args, kwargs = job
-                guard = kwargs.pop("guard", None)
                 # The guard (the lease is still ours) is asked right before the write, as in the step.
-                if self.failed is None and (guard is None or guard()):
-                    self.store.publish_contribution(*args, **kwargs)
+                if self.failed is None and (job.guard is None or job.guard()):
+                    job.write(self.store)
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by check()
                 self.failed = e
             finally:
+                if job is not None and job.done is not None:
+                    job.done()
                 self.jobs.task_done()
 
-    def submit(self, *args: Any, **kwargs: Any) -> None:
+    def submit(self, write: Callable[[RunStore], Any], *, guard: Callable[[], bool] | None = None,
+               done: Callable[[], None] | None = None) -> None:
+        """Queue ``write(store)``; ``done()`` runs after it, written or not (returns buffers)."""
         self.check()
-        self.jobs.put((args, kwargs))
+        self.jobs.put(_Job(write, guard, done))
 
     def flush(self) -> None:
         """Wait until everything submitted is written (or failed); raise the failure."""
@@ -184,6 +190,13 @@ class _Publisher(threading.Thread):
     def check(self) -> None:
         if self.failed is not None:
             raise self.failed
+
+
+@dataclass(frozen=True)
+class _Job:
+    write: Callable[[RunStore], Any]
+    guard: Callable[[], bool] | None
+    done: Callable[[], None] | None
 
 
 class IslandLink(Protocol):
@@ -289,8 +302,34 @@ def inner_state_tensors(states: Mapping[str, Mapping[str, Any]]) -> dict[str, to
     return tensors
 
 
-def _local_inner_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return inner_state_tensors({name: opt.state.get(p, {}) for name, p in model.named_parameters()})
+def _local_inner_state(model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+                       snapshot: bool = False) -> dict[str, torch.Tensor]:
+    """The optimizer's state in the saved layout; ``snapshot``: copies that the next optimizer
+    step will not change (on the CPU the saved layout otherwise shares the state's memory)."""
+    states = {name: opt.state.get(p, {}) for name, p in model.named_parameters()}
+    tensors = inner_state_tensors(states)
+    if snapshot:
+        live = {v.data_ptr() for st in states.values() for v in (st or {}).values() if isinstance(v, torch.Tensor)}
+        tensors = {k: t.clone() if t.data_ptr() in live else t for k, t in tensors.items()}
+    return tensors
+
+
+class _BufferPool:
+    """Host buffers for deltas being written in the background, by size: taken in the training
+    thread, given back by the publisher once the delta is written (thread-safe: deque ops)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, collections.deque[torch.Tensor]] = collections.defaultdict(collections.deque)
+
+    def take(self, numel: int) -> torch.Tensor | None:
+        try:
+            return self._free[numel].popleft()
+        except IndexError:
+            return None  # the caller allocates a new one, which comes back here after its write
+
+    def give(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._free[buffer.numel()].append(buffer)
 
 
 def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -402,8 +441,9 @@ class Learner:
             for name, p in self.params.items():
                 p.copy_(state.params[name])
         self.versions = list(state.versions)
-        self.bases = [fragment_to_device(self.plan.select(state.params, p), self.device)
-                      for p in range(self.plan.num_fragments)]
+        self.bases: list[dict[str, torch.Tensor]] = [
+            flat_fragment_to_device(self.plan.select(state.params, p), self.device)
+            for p in range(self.plan.num_fragments)]
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
         for frag, v in enumerate(self.versions):
             self.counters.fragments[frag].base_version = v
@@ -425,6 +465,7 @@ class Learner:
         self.summary.started_from_round = self.start_round
         self.step_ema: float | None = None
         self.publisher = _Publisher(store) if publish_in_background else None
+        self._delta_buffers = _BufferPool()
         if self.publisher is not None:
             self.publisher.start()
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
@@ -498,6 +539,7 @@ class Learner:
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives, into one flat buffer that reaches the
             # host in one copy.
+            buffer: torch.Tensor | None = None
             if self.sharded:  # each rank holds a shard of the delta: every rank gathers (collective)
                 shards = learner_delta(self.bases[p], self.plan.select(self.params, p))
                 gathered = {n: d.full_tensor() for n, d in shards.items()}  # type: ignore[attr-defined]
@@ -505,12 +547,22 @@ class Learner:
                     return
                 delta = fragment_to_host(gathered)
             else:
-                delta = fragment_delta_to_host(self.bases[p], self.plan.select(self.params, p))
+                # Into a reused host buffer when writing in the background: a fresh one each
+                # publish costs page faults in the training thread (a third of the publish there).
+                if self.publisher is not None:
+                    numel = self.plan.fragment_numel(p)
+                    buffer = self._delta_buffers.take(numel)
+                    if buffer is None:
+                        buffer = torch.empty(numel, dtype=torch.float32)
+                delta = fragment_delta_to_host(self.bases[p], self.plan.select(self.params, p), out=buffer)
             info = {"step": step, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
             if self.publisher is not None:  # written in the background (the guard is asked right before)
-                self.publisher.submit(self.learner_id, p, fc.base_version, fc.frozen(), delta, info=info,
-                                      incarnation=self.incarnation, guard=self.publish_guard)
+                args = (self.learner_id, p, fc.base_version, fc.frozen(), delta)
+                incarnation = self.incarnation
+                done = functools.partial(self._delta_buffers.give, buffer) if buffer is not None else None
+                self.publisher.submit(lambda store: store.publish_contribution(*args, info=info, incarnation=incarnation),
+                                      guard=self.publish_guard, done=done)
             elif self.publish_guard is None or self.publish_guard():
                 self.store.publish_contribution(self.learner_id, p, fc.base_version, fc, delta, info=info,
                                                 incarnation=self.incarnation)
@@ -540,7 +592,7 @@ class Learner:
             self.summary.aligned += 1
             return True
         base = align_fragment(self.params, tensors, counters=self.counters, fragment=fragment, version=round_)
-        self.bases[fragment] = fragment_to_device(base, self.device)
+        self.bases[fragment] = flat_fragment_to_device(base, self.device)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
@@ -560,18 +612,30 @@ class Learner:
         if self.publisher is not None:
             self.publisher.flush()
 
-    def save(self) -> None:
+    def save(self, *, background: bool = False) -> None:
         """5. Save the inner state (AdamW moments, step counter, data cursor) for rejoin.
 
         Contributions still being written go first: a saved step never runs ahead of what the
-        bucket holds from this learner."""
-        self.flush()
+        bucket holds from this learner. ``background=True`` (with a background publisher; the
+        periodic saves): snapshot the state here and write it after those contributions on the
+        publisher's thread, guarded by the lease like them, so the step does not wait for the
+        write; otherwise (the last save, on exit) write it now."""
+        background = background and self.publisher is not None
+        if not background:
+            self.flush()
         tensors = self.gather_inner_state() if self.gather_inner_state is not None else \
-            _local_inner_state(self.model, self.opt)
+            _local_inner_state(self.model, self.opt, snapshot=background)
         meta: dict[str, Any] = {"step": self.step_count, "tokens": self.tokens_total,
                                 "cursor": self.stream.state_dict() if self.stream is not None else None}
         if self.user_state:
             meta["user"] = self.user_state
+        if background:
+            assert self.publisher is not None
+            meta = json.loads(json.dumps(meta))  # a snapshot: the loop goes on changing user_state
+            learner_id = self.learner_id
+            self.publisher.submit(lambda store: store.save_learner_state(learner_id, tensors, meta),
+                                  guard=self.publish_guard)
+            return
         self.store.save_learner_state(self.learner_id, tensors, meta)
 
     def progress_line(self) -> str:
@@ -717,9 +781,11 @@ class LearnerSession:
             time.sleep(0.005)
             self.adopt_ready()
         save_every = learner.recipe.save_every_steps
-        if (save_every and learner.step_count % save_every == 0
-                and keeper.exit_reason != "fenced" and keeper.still_current()):
-            learner.save()
+        if save_every and learner.step_count % save_every == 0 and keeper.exit_reason != "fenced":
+            if learner.publisher is not None:
+                learner.save(background=True)  # the lease is asked right before the write, there
+            elif keeper.still_current():
+                learner.save()
         if self.options.log_every_steps and learner.step_count % self.options.log_every_steps == 0:
             self.log(learner.progress_line())
 
