@@ -63,6 +63,8 @@ __all__ = [
 
 FAULT_HOLD_ENV = "ATOLL_FAULT_HOLD_BEFORE_COMMIT_S"
 FAULT_SIGNAL_DIR_ENV = "ATOLL_FAULT_SIGNAL_DIR"
+FAULT_ARMED_ENV = "ATOLL_FAULT_HOLD_WHEN_ARMED"
+"""Chaos only: with it set to 1, a commit holds only when ``<signal dir>/arm`` exists (and takes it)."""
 
 KIND_LEASE = "atoll/lease"
 KIND_HEARTBEAT = "atoll/heartbeat"
@@ -371,7 +373,9 @@ def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = ti
     calls this after the round's payload blobs are written and before its commit record is
     created: it creates ``<dir>/payloads-written-<round:08d>`` (holding the pid) and sleeps that
     long, so a test can SIGKILL the synchronizer between a round's payload writes and its commit.
-    Returns whether it held.
+    With ``$ATOLL_FAULT_HOLD_WHEN_ARMED=1`` it holds only the next commit after a file
+    ``<dir>/arm`` appears (removing it: one hold per arming), so a soak can pick its moments
+    without slowing every round (``benchmarks/chaos.py``). Returns whether it held.
     """
     hold, folder = os.environ.get(FAULT_HOLD_ENV), os.environ.get(FAULT_SIGNAL_DIR_ENV)
     if not hold or not folder:
@@ -382,6 +386,11 @@ def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = ti
         return False
     if not math.isfinite(seconds) or seconds < 0:
         return False
+    if os.environ.get(FAULT_ARMED_ENV) == "1":
+        try:
+            os.unlink(os.path.join(folder, "arm"))  # taken: this commit holds, the next ones do not
+        except FileNotFoundError:
+            return False
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"payloads-written-{round_:08d}"), "w") as f:
         f.write(str(os.getpid()))
