@@ -207,3 +207,32 @@ def test_is_transient_classification():
         code = 503
 
     assert not is_transient(LookAlike())
+
+
+# -- injected faults for the chaos soak (benchmarks/chaos.py): $ATOLL_FAULT_STORAGE ------------------
+
+def test_injected_storage_faults_are_absorbed_by_the_retry_policy(tmp_path, monkeypatch) -> None:
+    import atoll.storage.store as store_mod
+
+    monkeypatch.setenv(store_mod.StorageFaults.ENV, "error=0.3,lost=0.3,latency_s=0.001,seed=5")
+    faults = store_mod.StorageFaults.from_env()
+    assert faults is not None and (faults.error, faults.lost, faults.latency_s) == (0.3, 0.3, 0.001)
+    monkeypatch.setattr(store_mod, "_FAULTS", faults)
+    store = ObjectStore.open(str(tmp_path / "b"), retry=RetryPolicy(attempts=30, base_delay_s=0.0, max_delay_s=0.0))
+    for i in range(20):
+        assert store.create(f"k/{i}", b"first")  # a lost reply is retried: the bytes are ours
+        assert not store.create(f"k/{i}", b"second")
+        store.put(f"p/{i}", b"x" * i)
+        assert store.get(f"k/{i}") == b"first" and store.get(f"p/{i}") == b"x" * i
+    assert faults.injected["latency"] > 0 and faults.injected["lost:create"] > 0
+    assert sum(n for k, n in faults.injected.items() if k.startswith("error:")) > 0
+    assert store.op_counts["retry"] > 0
+
+
+@pytest.mark.parametrize("spec", ["error=2", "lost=-1", "latency_s=x", "latency_s=100"])
+def test_a_bad_storage_fault_spec_names_the_variable(monkeypatch, spec: str) -> None:
+    import atoll.storage.store as store_mod
+
+    monkeypatch.setenv(store_mod.StorageFaults.ENV, spec)
+    with pytest.raises(ValueError, match="ATOLL_FAULT_STORAGE"):
+        store_mod.StorageFaults.from_env()

@@ -214,3 +214,19 @@ def test_a_contribution_with_a_bad_incarnation_is_a_schema_rejection(hostile_bac
     listing = hostile_backend.open(url, fresh=True).list_contributions(0, 0)
     assert not listing.records and listing.rejected[key].kind.value == "schema"
     assert "incarnation" in listing.rejected[key].detail
+
+
+def test_an_armed_fault_hook_holds_one_commit_per_arming(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/chaos.py arms the hold only when it wants to kill a synchronizer before a commit."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    monkeypatch.setenv(lc.FAULT_HOLD_ENV, "7")
+    monkeypatch.setenv(lc.FAULT_SIGNAL_DIR_ENV, str(signals))
+    monkeypatch.setenv(lc.FAULT_ARMED_ENV, "1")
+    slept: list[float] = []
+    assert not lc.fault_hold_before_commit(1, sleep=slept.append)  # not armed: no hold, no signal
+    (signals / "arm").write_text("")
+    assert lc.fault_hold_before_commit(2, sleep=slept.append)
+    assert not lc.fault_hold_before_commit(3, sleep=slept.append)  # the arming was used up
+    assert slept == [7.0] and not (signals / "arm").exists()
+    assert sorted(p.name for p in signals.iterdir()) == ["payloads-written-00000002"]
