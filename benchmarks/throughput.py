@@ -27,7 +27,7 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
   rank with the same per-rank batch, timed inside the ranks after warm-up; scaling efficiency =
   tokens/s(2 ranks) / (2 x tokens/s(1 rank)). On CUDA it needs 2 GPUs; on a CPU box each rank has
   ``--threads`` threads, so it needs 2 free cores to mean anything.
-* **(d) the hook's overhead**: the bare loop itself, unchanged, inside ``atoll.join`` (the user's
+* **(d) the hook's overhead** (``--hook-only``: nothing else, 60 pairs of blocks): the bare loop itself, unchanged, inside ``atoll.join`` (the user's
   own loop as a learner: an optimizer post-step hook that counts, publishes the due fragment in
   the background, adopts, saves, with lease, heartbeats and fetcher threads running), against the
   very same loop object with the hook switched off, block by block (separate instances of one
@@ -190,12 +190,11 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
     publish_every_due_fragment()
     bare = None
     learners = {}
-    for background in (True, False):
+    for background in (True, False) if not args.hook_only else ():
         url, recipe = make_run(root / ("bg" if background else "fg"), args)
         learners[background] = Learner(RunStore.open(url), "learner-0", log=lambda _: None,
                                        publish_in_background=background)
         bare = bare or BareLoop(recipe, device, args.autocast)
-    assert bare is not None
 
     def stepper(learner: Learner) -> Callable[[], int]:
         def step() -> int:
@@ -231,15 +230,18 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
             return user.step()
         return step
 
-    loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
-             ("atoll learner, writes in the step", stepper(learners[False])),
-             ("the same loop, hook off", hooked(False)), ("bare loop + atoll.join", hooked(True))]
-    flushes = {"atoll learner": learners[True].flush, "bare loop + atoll.join": hook.learner.flush}
+    loops = [("the same loop, hook off", hooked(False)), ("bare loop + atoll.join", hooked(True))]
+    flushes = {"bare loop + atoll.join": hook.learner.flush}
+    if bare is not None:
+        loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
+                 ("atoll learner, writes in the step", stepper(learners[False])), *loops]
+        flushes["atoll learner"] = learners[True].flush
     try:
         for _ in range(args.warmup):  # compile kernels, fill caches, allocate
             for _, step in loops:
                 step()
-        learners[True].flush()
+        if learners:
+            learners[True].flush()
         results = [LoopResult(name) for name, _ in loops]
         for _ in range(args.blocks):
             for res, (name, step) in zip(results, loops, strict=True):
@@ -248,7 +250,7 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
                 res.cpu_blocks.append(cpu)
     finally:
         hook.__exit__(None, None, None)
-    return results, count_parameters(bare.model)
+    return results, count_parameters(user.model)
 
 
 def flops_per_token(model_spec: Any, params: int) -> float:
@@ -400,7 +402,10 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
           island: list[tuple[int, float]]) -> str:
     lines = [f"{'measure':<44} {'value':>14} {'baseline':>14} {'ratio':>7} {'goal':>7}"]
     lines.append("-" * len(lines[0]))
-    bare, learner, inline, unhooked, hooked = loops
+    unhooked, hooked = loops[-2:]
+    if len(loops) == 2:  # --hook-only
+        return "\n".join([*lines, *_hook_rows(unhooked, hooked)])
+    bare, learner, inline = loops[:3]
     ratio = learner.tokens_per_s / bare.tokens_per_s
     lines.append(f"{'(a) learner tokens/s vs bare PyTorch loop':<44} {learner.tokens_per_s:>14,.0f} "
                  f"{bare.tokens_per_s:>14,.0f} {ratio:>7.3f} {'>=0.97':>7}")
@@ -410,13 +415,7 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
                  f"{bare.tokens_per_cpu_s:>14,.0f} {learner.tokens_per_cpu_s / bare.tokens_per_cpu_s:>7.3f}")
     if mfu is not None:
         lines.append(f"{'    MFU (learner / bare)':<44} {mfu[1]:>13.1%} {mfu[0]:>13.1%}")
-    # Each hooked block against the hook-off block just before it (drift cancels), median.
-    added = statistics.median(off / on for off, on in zip(unhooked.blocks, hooked.blocks, strict=True)) - 1.0
-    lines.append(f"{'(d) bare loop + atoll.join vs the same, off':<44} {hooked.tokens_per_s:>14,.0f} "
-                 f"{unhooked.tokens_per_s:>14,.0f} {hooked.tokens_per_s / unhooked.tokens_per_s:>7.3f} {'':>7}")
-    lines.append(f"{'    step time added by the hook':<44} {added:>14.1%} {'':>14} {'':>7} {'<3%':>7}")
-    cpu_added = statistics.median(on / off for off, on in zip(unhooked.cpu_blocks, hooked.cpu_blocks, strict=True))
-    lines.append(f"{'    CPU time added (all threads, same pairs)':<44} {1.0 / cpu_added - 1.0:>14.1%}")
+    lines += _hook_rows(unhooked, hooked)
     for m in merges:
         lines.append(f"{'(b) ' + m.name + ' GB/s':<44} {m.gb_per_s:>14.2f} {m.memcpy_gb_per_s:>14.2f} "
                      f"{m.ratio:>7.3f} {'>=0.5':>7}")
@@ -430,12 +429,30 @@ def table(loops: list[LoopResult], merges: list[MergeResult], *, mfu: tuple[floa
     return "\n".join(lines)
 
 
+def _hook_rows(unhooked: LoopResult, hooked: LoopResult) -> list[str]:
+    # Each hooked block against the hook-off block just before it (drift cancels), median.
+    pairs = list(zip(unhooked.blocks, hooked.blocks, strict=True))
+    added = statistics.median(off / on for off, on in pairs) - 1.0
+    cpu_added = statistics.median(off / on for off, on in zip(unhooked.cpu_blocks, hooked.cpu_blocks, strict=True))
+    return [f"{'(d) bare loop + atoll.join vs the same, off':<44} {hooked.tokens_per_s:>14,.0f} "
+            f"{unhooked.tokens_per_s:>14,.0f} {hooked.tokens_per_s / unhooked.tokens_per_s:>7.3f} {'':>7}",
+            f"{'    step time added by the hook':<44} {added:>14.1%} {'':>14} {'':>7} {'<3%':>7}",
+            f"{'    CPU time added (all threads, same pairs)':<44} {cpu_added - 1.0:>14.1%}",
+            f"{'    pairs of blocks with the hook slower':<44} {sum(on < off for off, on in pairs):>9} of {len(pairs)}"]
+
+
 def plot(loops: list[LoopResult], merges: list[MergeResult], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not merges:  # --hook-only: the two sides of (d)
+        fig, a = plt.subplots(1, 1, figsize=(5, 4))
+        a.boxplot([x.blocks for x in loops], tick_labels=["user loop,\nhook off", "user loop +\natoll.join"])
+        a.set_ylabel("tokens/s per block")
+        a.set_title("(d) the hook's overhead (goal < 3%)")
+        return _save(fig, out)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     bare, learner = loops[0], loops[1]
     a.boxplot([x.blocks for x in loops], tick_labels=["bare loop", "learner", "learner,\nwrites in step", "user loop,\nhook off",
@@ -448,6 +465,12 @@ def plot(loops: list[LoopResult], merges: list[MergeResult], out: Path) -> Path:
     b.set_ylabel("GB/s of fp32 inputs")
     b.set_title("(b) merge + outer step vs memcpy")
     b.legend()
+    return _save(fig, out)
+
+
+def _save(fig: Any, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "throughput.png"
@@ -477,8 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: like one learner process)")
     p.add_argument("--peak-tflops", type=float, default=None, help="chip's dense bf16 peak, for MFU")
     p.add_argument("--island-ranks", type=int, default=2, help="(c): ranks of the larger island (< 2: skip)")
+    p.add_argument("--hook-only", action="store_true", help="only (d), the hook against the same loop without it: "
+                   "more blocks in the same time (default 60 blocks x 10 steps)")
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)
+    if args.hook_only and "--blocks" not in (argv or sys.argv):
+        args.blocks, args.block_steps = 60, 10
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device, knob="--device")
     args.device = device
@@ -496,11 +523,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="atoll-throughput-") as tmp:
         loops, params = bench_learner(Path(tmp), args, device)
-        island = bench_island(Path(tmp), args, device) if args.island_ranks >= 2 else []
-    merges = bench_merge(args, device)
+        island = bench_island(Path(tmp), args, device) if args.island_ranks >= 2 and not args.hook_only else []
+    merges = bench_merge(args, device) if not args.hook_only else []
     peak = peak_tflops(device, args.peak_tflops)
     mfu = None
-    if peak:
+    if peak and not args.hook_only:
         fpt = flops_per_token(args.model, params)
         mfu = (loops[0].tokens_per_s * fpt / (peak * 1e12), loops[1].tokens_per_s * fpt / (peak * 1e12))
     name = torch.cuda.get_device_name(device) if cuda else f"{device.type} ({torch.get_num_threads()} threads, "\
