@@ -27,18 +27,8 @@ def test_virtual_lockstep_equals_synchronous_diloco(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
 
 
-def test_virtual_lockstep_with_rebase_adoption_is_still_synchronous_diloco(tmp_path: Path) -> None:
-    """Lock-step with tau = 0: every version merges all the learner did, so rebase == overwrite."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _lockstep(tmp_path, adoption="rebase")
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _lockstep(tmp_path: Path, adoption: str = "overwrite") -> None:
-    config = synchronous_diloco(3, inner_steps=3, adoption=adoption)
+def _lockstep(tmp_path: Path) -> None:
+    config = synchronous_diloco(3, inner_steps=3)
     _, recipe = smoke_recipe(3, max_rounds=3)
     url = to_url(str(tmp_path / "run"))
     store = create_run(url, config, recipe)
@@ -107,30 +97,3 @@ def test_a_users_own_module_trains_through_the_same_loops(tmp_path: Path, monkey
     store2 = create_run(to_url(str(tmp_path / "run2")), config, bad)
     with pytest.raises(ConfigError, match="context_tokens"):
         Learner(store2, "learner-0", log=lambda _: None)
-
-
-def test_rebase_adoption_keeps_the_unmerged_work(tmp_path: Path) -> None:
-    """adoption="rebase": a learner whose contribution a version did not merge keeps that work, and
-    its next contribution carries it (counters included): nothing is overwritten."""
-    config, recipe = smoke_recipe(3, max_rounds=10_000)
-    config = config.replace(adoption="rebase")
-    learners = tuple(LearnerSpec(learner_id=s.learner_id, batch_size=4, slowdown=1.5 if i == 2 else 1.0)
-                     for i, s in enumerate(recipe.learners))
-    recipe = recipe.replace(learners=learners)
-    url = to_url(str(tmp_path / "run"))
-    store = create_run(url, config, recipe)
-    result = run_virtual(store, token_budget=80 * 4 * 64)
-    history = RunStore.open(url).history()
-    merged = sum(a.c_tokens for r in history for a in r.accepted)
-    # Every token of every learner is merged into every fragment once, except the work still in
-    # flight at the end (less than two sync intervals per learner and fragment).
-    plan = store.plan
-    per_fragment: dict[int, int] = {}
-    for r in history:
-        per_fragment[r.fragment] = per_fragment.get(r.fragment, 0) + sum(a.c_tokens for a in r.accepted)
-    tail = 2 * config.inner_steps * 4 * 64 * len(learners)
-    assert merged > 0 and len(per_fragment) == plan.num_fragments
-    for p, n in per_fragment.items():
-        assert result.tokens - tail <= n <= result.tokens, (p, n, result.tokens)
-    # A contribution that carries work from before its base version has more steps than H.
-    assert any(a.c_steps > config.inner_steps for r in history for a in r.accepted)

@@ -19,7 +19,6 @@ __all__ = [
     "MergeRule",
     "Weighting",
     "Codec",
-    "Adoption",
     "paper",
     "synchronous_diloco",
     "data_parallel",
@@ -28,7 +27,6 @@ __all__ = [
 MergeRule = Literal["rda", "mean"]
 Weighting = Literal["tokens", "uniform"]
 Codec = Literal["fp32", "bf16", "int4"]
-Adoption = Literal["overwrite", "rebase"]
 
 
 class ConfigError(ValueError):
@@ -92,15 +90,6 @@ class DilocoConfig:
     """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median
     (needs >= 3 contributions); None disables the guard."""
 
-    adoption: Adoption = "overwrite"
-    """How a learner takes a new global version of a fragment. 'overwrite' (the paper): the
-    fragment becomes the global value, and the learner's local work on it that the version did
-    not merge (the steps since it published, and all of it when its contribution was not merged)
-    is discarded. 'rebase': the global value plus that unmerged local work, which stays in the
-    learner's next contribution (counters included), so no work is overwritten. When the version
-    merged everything the learner did (synchronous DiLoCo: lock-step, tau = 0) both are the same,
-    bit for bit."""
-
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -132,7 +121,6 @@ class DilocoConfig:
         need(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", "eta must be finite and > 0")
         need(0.0 <= self.outer_momentum < 1.0, "outer_momentum", "mu must be in [0, 1)")
         need(self.merge in ("rda", "mean"), "merge", "choose 'rda' or 'mean'")
-        need(self.adoption in ("overwrite", "rebase"), "adoption", "choose 'overwrite' or 'rebase'")
         need(self.weighting in ("tokens", "uniform"), "weighting", "choose 'tokens' or 'uniform'")
         need(0.0 <= self.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
         need(

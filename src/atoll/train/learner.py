@@ -46,7 +46,6 @@ from atoll.core.align import LearnerCounters, align_fragment
 from atoll.core.pseudograd import check_same_layout, learner_delta
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
-from atoll.storage.records import CommitRecord
 from atoll.storage.validation import InvalidInput
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
@@ -63,7 +62,7 @@ from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
 
 __all__ = ["FetchError", "Learner", "LearnerExit", "LearnerOptions", "LearnerSession", "LearnerSummary",
-           "STALLED_PUBLISHES", "merged_of", "publish_due", "run_learner"]
+           "STALLED_PUBLISHES", "publish_due", "run_learner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,11 +211,6 @@ class FetchError(RuntimeError):
     """
 
 
-def merged_of(rec: CommitRecord, learner_id: str | None) -> tuple[int, int] | None:
-    """``(base_version, c_steps)`` of ``learner_id``'s contribution merged by the round ``rec``, if any."""
-    return next(((a.base_version, a.c_steps) for a in rec.accepted if a.learner_id == learner_id), None)
-
-
 class _Fetcher(threading.Thread):
     """Background poller: new commits -> prefetched fragment versions on a queue.
 
@@ -225,17 +219,14 @@ class _Fetcher(threading.Thread):
     """
 
     def __init__(self, store: RunStore, after_round: int, poll_interval_s: float, *,
-                 retry: RetryPolicy = FETCH_RETRY, log: Callable[[str], None] = print,
-                 learner_id: str | None = None) -> None:
+                 retry: RetryPolicy = FETCH_RETRY, log: Callable[[str], None] = print) -> None:
         super().__init__(daemon=True, name="atoll-fetcher")
         self.store = store.sibling()  # own caches; the object store itself is shared
         self.after = after_round
         self.poll_interval_s = poll_interval_s
         self.retry = retry
         self.log = log
-        self.learner_id = learner_id
-        self.ready: queue.Queue[tuple[int, int, dict[str, torch.Tensor], tuple[int, int] | None]] = queue.Queue()
-        """(round, fragment, values, which contribution of ``learner_id`` the round merged)."""
+        self.ready: queue.Queue[tuple[int, int, dict[str, torch.Tensor]]] = queue.Queue()
         self.latest_round = after_round
         self.stop = threading.Event()
         self.errors = 0
@@ -255,7 +246,7 @@ class _Fetcher(threading.Thread):
                             self.log(f"fetcher: round {rec.round}'s fragment {rec.fragment} is unreadable "
                                      f"({e}); keeping the current version")
                         else:
-                            self.ready.put((rec.round, rec.fragment, values, merged_of(rec, self.learner_id)))
+                            self.ready.put((rec.round, rec.fragment, values))
                     self.after = self.latest_round = rec.round
                 failures = 0
             except Exception as e:  # noqa: BLE001 - counted, logged and bounded below
@@ -319,18 +310,6 @@ def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, 
             else:  # a per-parameter scalar or other shape: as saved
                 state[key] = value.to(p.device).clone()
         opt.state[p] = state
-
-
-@dataclass(frozen=True)
-class _Sent:
-    """A published contribution of one fragment, kept under ``adoption="rebase"``."""
-
-    key: tuple[int, int]
-    """(base_version, c_steps) as published: how a commit record names it."""
-    c_steps: int
-    c_tokens: int
-    delta: dict[str, torch.Tensor]
-    """The work in it not yet accounted for by an adopted version (steps, tokens, delta)."""
 
 
 STALLED_PUBLISHES = 4
@@ -428,14 +407,8 @@ class Learner:
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
         for frag, v in enumerate(self.versions):
             self.counters.fragments[frag].base_version = v
-        self.sent: list[list[_Sent]] = [[] for _ in range(self.plan.num_fragments)]
-        """``adoption="rebase"`` only: per fragment, the contributions published and not yet
-        accounted for by an adopted version (their base, counters and delta, on the device)."""
         self.opt = optimizer if optimizer is not None else self.recipe.inner.make(self.model.parameters())
         self.step_count, self.tokens_total = 0, 0
-        self.aligned_at = [0] * self.plan.num_fragments
-        """The learner's step at its last alignment of each fragment (when to publish; the counters
-        also carry unmerged work across alignments under ``adoption="rebase"``)."""
         saved = store.load_learner_state(learner_id)
         if saved is not None:
             _load_inner_state(saved.tensors, self.model, self.opt)
@@ -450,7 +423,6 @@ class Learner:
         else:
             self.user_state = {}
         self.summary.started_from_round = self.start_round
-        self.aligned_at = [self.step_count] * self.plan.num_fragments
         self.step_ema: float | None = None
         self.publisher = _Publisher(store) if publish_in_background else None
         if self.publisher is not None:
@@ -521,8 +493,7 @@ class Learner:
         # 3. Publish the fragment that is due, against the version we last aligned to.
         p = self.plan.fragment_at(step)
         if p is not None and (self.rank == 0 or self.sharded) and self.counters.fragments[p].c_steps > 0 and publish_due(
-                step - self.aligned_at[p] if self.rebasing else self.counters.fragments[p].c_steps,
-                self.config.inner_steps):
+                self.counters.fragments[p].c_steps, self.config.inner_steps):
             fc = self.counters.fragments[p]
             loss_now = self.summary.last_loss
             # The delta is computed where the model lives, into one flat buffer that reaches the
@@ -535,9 +506,6 @@ class Learner:
                 delta = fragment_to_host(gathered)
             else:
                 delta = fragment_delta_to_host(self.bases[p], self.plan.select(self.params, p))
-                if self.rebasing:  # kept until a version accounts for it (adopt)
-                    self.sent[p].append(_Sent((fc.base_version, fc.c_steps), fc.c_steps, fc.c_tokens,
-                                              fragment_to_device(delta, self.device)))
             info = {"step": step, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
                     "loss": round(loss_now, 6) if math.isfinite(loss_now) else None}
             if self.publisher is not None:  # written in the background (the guard is asked right before)
@@ -560,25 +528,10 @@ class Learner:
             return None
         return min(1.0, max(self.versions) / self.recipe.max_rounds)
 
-    @property
-    def rebasing(self) -> bool:
-        """Whether adopt keeps the unmerged local work (``adoption="rebase"``; not on FSDP2 shards)."""
-        return self.config.adoption == "rebase" and not self.sharded
-
-    def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor],
-              merged: tuple[int, int] | None = None) -> bool:
-        """4. Take a newer global version of a fragment (AdamW moments stay).
-
-        ``adoption="overwrite"``: the fragment becomes the global value and its counters restart.
-        ``"rebase"``: the global value plus the local work the version did not merge, which stays
-        counted for the next contribution. ``merged`` is ``(base_version, c_steps)`` of this
-        learner's contribution that the version merged, if any (from the commit record)."""
+    def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """4. Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
         if round_ <= self.versions[fragment]:
             return False
-        self.aligned_at[fragment] = self.step_count
-        if self.rebasing:
-            self._rebase(round_, fragment, tensors, merged)
-            return True
         if self.sharded:  # written into every rank's shards before the next step (atoll.train.island)
             check_same_layout(self.plan.select(self.params, fragment), tensors, what=f"global fragment {fragment}")
             self.unwritten[fragment] = dict(tensors)
@@ -591,38 +544,6 @@ class Learner:
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
-
-    @torch.no_grad()
-    def _rebase(self, round_: int, p: int, tensors: dict[str, torch.Tensor], merged: tuple[int, int] | None) -> None:
-        """adopt under ``adoption="rebase"``: theta <- Theta_new - (unmerged work), where the
-        unmerged work is ``base - theta`` (all local work since the base) less the delta of the
-        merged contribution, if this version merged one of ours. When that delta is all of it
-        (nothing trained since publishing) the work left is exactly 0 and theta is Theta_new."""
-        local = self.plan.select(self.params, p)
-        check_same_layout(local, tensors, what=f"global fragment {p}")
-        fc = self.counters.fragments[p]
-        sent = self.sent[p]
-        hit = next((i for i, s in enumerate(sent) if merged is not None and s.key == merged), None)
-        base = self.bases[p]
-        new_base = {n: v.detach().to(self.device, torch.float32).clone() for n, v in tensors.items()}
-        done = sent[hit] if hit is not None else None
-        for n, x in local.items():
-            rest = base[n] - x.detach().float()
-            if done is not None:
-                rest.sub_(done.delta[n])
-            x.copy_((new_base[n] - rest).to(x.dtype))
-        if done is not None:
-            fc.c_steps -= done.c_steps
-            fc.c_tokens -= done.c_tokens
-            # Later publishes against the same base hold the merged work too: keep what is beyond it.
-            sent[:] = [_Sent(s.key, s.c_steps - done.c_steps, s.c_tokens - done.c_tokens,
-                             {n: d - done.delta[n] for n, d in s.delta.items()}) for s in sent[hit + 1:]]
-        # A round considers contributions against the fragment's current or previous version only.
-        sent[:] = [s for s in sent if s.key[0] >= self.versions[p]]
-        fc.base_version = round_
-        self.bases[p] = new_base
-        self.versions[p] = round_
-        self.summary.aligned += 1
 
     def waiting_for(self) -> tuple[int, int] | None:
         """Lock-step only: (fragment, base) whose merged version must be adopted before the next step."""
@@ -737,8 +658,7 @@ class LearnerSession:
             self.link.attach(learner)
         if keeper.lease is not None:
             learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
-        fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log,
-                           learner_id=learner_id)
+        fetcher = _Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
         self.fetcher = fetcher
         keeper.latest_round = lambda: fetcher.latest_round
         fetcher.start()

@@ -225,7 +225,6 @@ class Synchronizer:
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
         self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
-        self._merged_in: dict[tuple[int, str], int] = {}  # (fragment, learner) -> last round that merged its work
         for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
             try:
                 rec = self.store.read_commit(r)
@@ -235,8 +234,6 @@ class Synchronizer:
                 self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
-        for a in rec.accepted:
-            self._merged_in[(rec.fragment, a.learner_id)] = max(rec.round, self._merged_in.get((rec.fragment, a.learner_id), 0))
         keys = {a.key for a in rec.accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
@@ -315,7 +312,7 @@ class Synchronizer:
                     RejectionKind.FENCED,
                     f"incarnation {rec.incarnation} fenced by incarnation {newest[rec.learner_id]}")
                 continue
-            why = self.check_counters(rec, r, now) or self.check_overlap(rec, p)
+            why = self.check_counters(rec, r, now)
             if why is not None:
                 rejected[rec.key] = why
                 continue
@@ -370,21 +367,6 @@ class Synchronizer:
         max_steps = max_steps_since(rec.base_version, round_, self.config.inner_steps, elapsed_s=elapsed)
         per_step = self.token_bounds.of(rec.learner_id) if self.token_bounds is not None else None
         return impossible_counters(rec.c_steps, rec.c_tokens, max_steps=max_steps, max_tokens_per_step=per_step)
-
-    def check_overlap(self, rec: ContributionRecord, p: int) -> Rejection | None:
-        """``adoption="rebase"``: a learner's contributions are cumulative (each carries all its work
-        on the fragment not yet merged), so one against a version older than the round that last
-        merged this learner's work was published before the learner took that round, and holds
-        the merged work again. It is superseded; the learner keeps the rest of its work for its
-        next contribution. (Under "overwrite" the learner threw that work away on adopting.)"""
-        if self.config.adoption != "rebase":
-            return None
-        merged = self._merged_in.get((p, rec.learner_id))
-        if merged is not None and rec.base_version < merged:
-            return Rejection(RejectionKind.SUPERSEDED,
-                             f"against version {rec.base_version}, older than round {merged} that merged "
-                             f"{rec.learner_id}'s work on this fragment")
-        return None
 
     def _saw(self, round_: int) -> None:
         """Remember when this synchronizer saw ``round_`` committed (bounded: older rounds fall back

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.storage.bucket import RunStore
-from atoll.train.learner import Learner, merged_of
+from atoll.train.learner import Learner
 from atoll.train.run import load_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
@@ -93,8 +93,7 @@ def run_virtual(
             if rec.updated:
                 if rec.round not in fragment_cache:
                     fragment_cache[rec.round] = reader.read_global_fragment(rec.fragment, rec.round)
-                learners[i].adopt(rec.round, rec.fragment, fragment_cache[rec.round],
-                                  merged_of(rec, learners[i].learner_id))
+                learners[i].adopt(rec.round, rec.fragment, fragment_cache[rec.round])
             seen_round[i] = rec.round
 
     events: list[tuple[float, int, str, int]] = []
