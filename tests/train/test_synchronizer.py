@@ -63,6 +63,7 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
     url, learners = fresh_run()
     clock = Clock()
     sync = Synchronizer(RunStore.open(url), clock=clock)
+    store = RunStore.open(url)
     for _ in range(3):
         for lr in learners:
             lr.step()
@@ -70,13 +71,21 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
         clock.t += 1.0
         while isinstance(sync.tick(), RoundSummary):
             pass
+        for lr in learners:  # what each learner's fetcher does: adopt what was committed
+            for rec in store.history(max(lr.versions) + 1, sync.round):
+                lr.adopt(rec.round, rec.fragment, store.read_global_fragment(rec.fragment, rec.round))
     committed = sync.round
     assert committed >= 3
     again = Synchronizer(RunStore.open(url), clock=clock)
     assert again.round == committed and again.versions == sync.versions
     assert again.ema.to_dict() == sync.ema.to_dict()
-    assert again.consumed >= sync.consumed - {k for r in RunStore.open(url).history() for k, why in r.rejected.items()
-                                              if not why.final}
+    # What a restart rebuilds: the keys consumed by the last 2P rounds (older ones are never listed
+    # again: a round lists only the current and the previous version of its fragment).
+    recent = store.history(max(1, committed - 2 * store.plan.num_fragments + 1), committed)
+    window = {a.key for r in recent for a in r.accepted} | {k for r in recent for k, why in r.rejected.items()
+                                                             if why.final}
+    assert again.consumed >= sync.consumed & window and again.consumed == window
+    assert again._merged_in == {k: v for k, v in sync._merged_in.items() if v > committed - 2 * store.plan.num_fragments}
 
 
 def test_late_contribution_is_reconsidered_by_the_next_round_of_its_fragment() -> None:
@@ -175,3 +184,37 @@ def test_learner_fetch_failures_are_bounded_and_loud(monkeypatch) -> None:
                                            poll_interval_s=0.01))
     assert len(calls) == 3
     assert sum("retrying" in line for line in logs) == 2 and any("giving up" in line for line in logs)
+
+
+def test_a_contribution_repeating_merged_work_is_superseded_not_merged_twice() -> None:
+    """A learner's contribution is all its work on the fragment since it aligned it. One published
+    against a version older than the round that merged its previous contribution (it had not
+    adopted that round yet) holds the merged work again: merging it would count that work twice."""
+    url, learners = fresh_run()
+    clock = Clock()
+    sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)
+    fast = learners[0]
+    fast.step()
+    fast.step()  # fragment 0 against version 0, 2 steps
+    clock.t = 1.0
+    r1 = sync.tick()
+    assert isinstance(r1, RoundSummary) and [a.learner_id for a in r1.record.accepted] == [fast.learner_id]
+    fast.step()
+    fast.step()  # fragment 0 again, still against version 0 (never adopted round 1): 4 steps, 2 merged
+    store = RunStore.open(url)
+    again = [rec for rec in store.list_contributions(0, {0}).records if rec.c_steps == 4]
+    assert again and again[0].learner_id == fast.learner_id
+    other = learners[1]
+    other.step()
+    other.step()  # its first work on fragment 0, against version 0 too: late, re-anchored, merged
+    clock.t = 2.0
+    sync.tick()  # round 2: fragment 1
+    clock.t = 10.0
+    r3 = sync.tick()
+    while not isinstance(r3, RoundSummary) and clock.t < 20:  # a (tiny, measured) grace window
+        clock.t += 1.0
+        r3 = sync.tick()
+    assert isinstance(r3, RoundSummary) and r3.record.fragment == 0
+    assert {a.learner_id for a in r3.record.accepted} == {other.learner_id}
+    why = r3.record.rejected[again[0].key]
+    assert why.kind.value == "superseded" and "round 1" in why.detail
