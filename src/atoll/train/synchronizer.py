@@ -9,9 +9,7 @@ Which contributions a round considers: those for its fragment computed against t
 current version or the one before it (a learner may have published just before it saw the new
 version; its delta is re-anchored, never applied as if fresh), not already merged or rejected by
 an earlier round, and the newest one per learner. Anything older is stale: the learner has
-since overwritten that work with a newer global version. A contribution against a version older
-than the round that last merged the same learner's work on the fragment repeats that work (it was
-published before the learner adopted the round): it is ``superseded``, never merged twice.
+since overwritten that work with a newer global version.
 
 Counters are checked before anything else looks at a contribution (they decide its weight, and
 they are the learner's own numbers): more tokens than steps x batch x context from the recipe, or
@@ -227,9 +225,6 @@ class Synchronizer:
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
         self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
-        self._merged_in: dict[tuple[int, str], int] = {}
-        """(fragment, learner) -> the last round that merged that learner's work on the fragment
-        (rebuilt from the same recent commits on restart: only the newest merge can matter)."""
         for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
             try:
                 rec = self.store.read_commit(r)
@@ -239,9 +234,6 @@ class Synchronizer:
                 self._consume(rec)
 
     def _consume(self, rec: CommitRecord) -> None:
-        for a in rec.accepted:
-            slot = (rec.fragment, a.learner_id)
-            self._merged_in[slot] = max(rec.round, self._merged_in.get(slot, 0))
         keys = {a.key for a in rec.accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
@@ -320,7 +312,7 @@ class Synchronizer:
                     RejectionKind.FENCED,
                     f"incarnation {rec.incarnation} fenced by incarnation {newest[rec.learner_id]}")
                 continue
-            why = self.check_counters(rec, r, now) or self.check_repeat(rec, p)
+            why = self.check_counters(rec, r, now)
             if why is not None:
                 rejected[rec.key] = why
                 continue
@@ -368,19 +360,6 @@ class Synchronizer:
         if len(self._incarnations) > 65536:  # bounded, like every other cache
             self._incarnations = dict(list(self._incarnations.items())[-32768:])
         return out
-
-    def check_repeat(self, rec: ContributionRecord, p: int) -> Rejection | None:
-        """A contribution holds all of its learner's work on the fragment since the version it is
-        against. One against a version older than the round that last merged this learner's work
-        on the fragment was published before the learner adopted that round: it holds the merged
-        work again, and merging it (re-anchored) would count that work twice. It is superseded;
-        the learner drops that work itself when it adopts the round."""
-        merged = self._merged_in.get((p, rec.learner_id))
-        if merged is not None and rec.base_version < merged:
-            return Rejection(RejectionKind.SUPERSEDED,
-                             f"against version {rec.base_version}, older than round {merged}, which merged "
-                             f"{rec.learner_id}'s work on this fragment: it would be merged twice")
-        return None
 
     def check_counters(self, rec: ContributionRecord, round_: int, now: float) -> Rejection | None:
         """IMPOSSIBLE_COUNTERS if ``rec`` claims more steps or tokens than a learner can have done."""
