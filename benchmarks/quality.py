@@ -52,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from atoll.core.config import DilocoConfig, synchronous_diloco  # noqa: E402
+from atoll.runs.report import MergedWork  # noqa: E402
 from atoll.storage.paths import to_url  # noqa: E402
 from atoll.train import data as data_mod  # noqa: E402
 from atoll.train.model import GPTConfig, build_model, count_parameters, loss_fn  # noqa: E402
@@ -211,12 +212,16 @@ def run_diloco(a: argparse.Namespace, model: dict, spec: DataSpec, config: Diloc
                          eval_every_tokens=int(a.tokens) // a.evals)
     # Merged work: tokens x fragment size of every merged contribution, over all the work done.
     total_numel = sum(store.plan.sizes.values())
-    merged_work = sum(acc.c_tokens * store.plan.fragment_numel(rec.fragment)
-                      for rec in store.history() for acc in rec.accepted)
+    # A repeat (published again against the same base before adopting the round that merged the
+    # first) counts only its tokens beyond the first (MergedWork).
+    ledger = MergedWork()
+    merged_work = 0.0
     per_learner: dict[str, float] = {}
     for rec in store.history():
-        for acc in rec.accepted:
-            per_learner[acc.learner_id] = per_learner.get(acc.learner_id, 0.0) + acc.c_tokens * store.plan.fragment_numel(rec.fragment)
+        for lid, (_, new_tokens) in ledger.round(rec).items():
+            work = new_tokens * store.plan.fragment_numel(rec.fragment)
+            merged_work += work
+            per_learner[lid] = per_learner.get(lid, 0.0) + work
     tokens_of = {lid: steps * a.batch * a.context for lid, steps in result.steps.items()}
     return {"curve": result.curve, "tokens": result.tokens, "bytes_per_token": result.bytes_moved / result.tokens,
             "rounds": result.rounds, "max_rounds": max_rounds, "merged": result.merged_per_round,

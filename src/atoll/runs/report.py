@@ -11,7 +11,9 @@ all.
   ``sum(c_steps over m's merged contributions) / P``: a step counts fully once its work on every
   fragment reached the global model. Work that did not (a contribution that was late, superseded,
   rejected, or the steps between a publish and the next alignment, which alignment overwrites)
-  does not count.
+  does not count. A learner that publishes a fragment again before it adopts the round that
+  merged its previous contribution (same base version) carries that merged work again: only
+  the steps beyond it count (:class:`MergedWork`).
 * m's *spent* steps are the steps it ran: the highest local step counter it reported, plus the
   steps it ran twice after a restart (the counter went back to its last saved state).
 * Both are weighted by m's measured step time (median of the ``step_time_s`` it reports), so the
@@ -32,10 +34,11 @@ from typing import Any
 from atoll.storage import paths
 from atoll.storage.bucket import RunStore
 from atoll.storage.codec import load_record
-from atoll.storage.records import KIND_CONTRIBUTION, CommitRecord, ContributionRecord
+from atoll.storage.records import KIND_CONTRIBUTION, AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput
 
 __all__ = [
+    "MergedWork",
     "ContributionRow",
     "GoodputReport",
     "GoodputTracker",
@@ -131,6 +134,36 @@ class GoodputReport:
                 f"in committed rounds)")
 
 
+class MergedWork:
+    """The new work in each merged contribution, fed committed rounds in order.
+
+    A contribution carries all of its learner's work on the fragment since the version it is
+    against. When a learner publishes a fragment again before adopting the round that merged its
+    previous contribution, both are against the same base version, and the second one holds the
+    first one's work again. The synchronizer may merge it: the outer gradient is the distance
+    from the *current* global fragment to the learner's fragment (``atoll.core.pseudograd``), and
+    the merged part is already in the current fragment, so the parameters never take that work
+    twice. Counting merged work must not take it twice either: this counts only the steps and
+    tokens beyond the learner's last merged contribution on the fragment against the same base.
+    Memory: one entry per (fragment, learner)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, str], AcceptedContribution] = {}
+
+    def add(self, fragment: int, accepted: AcceptedContribution) -> tuple[int, int]:
+        """(new steps, new tokens) of ``accepted``, merged in a round of ``fragment``."""
+        slot = (fragment, accepted.learner_id)
+        prev = self._last.get(slot)
+        self._last[slot] = accepted
+        if prev is not None and prev.base_version == accepted.base_version:
+            return max(0, accepted.c_steps - prev.c_steps), max(0, accepted.c_tokens - prev.c_tokens)
+        return accepted.c_steps, accepted.c_tokens
+
+    def round(self, record: CommitRecord) -> dict[str, tuple[int, int]]:
+        """Per learner, (new steps, new tokens) merged by committed ``record``."""
+        return {a.learner_id: self.add(record.fragment, a) for a in record.accepted}
+
+
 @dataclass
 class _LearnerWork:
     merged_steps: int = 0
@@ -147,6 +180,7 @@ class GoodputTracker:
         self.after = 0
         self.learners: dict[str, _LearnerWork] = {}
         self._seen: set[str] = set()
+        self.merged = MergedWork()
 
     def _note(self, rec: ContributionRecord) -> _LearnerWork:
         work = self.learners.setdefault(rec.learner_id, _LearnerWork())
@@ -170,7 +204,7 @@ class GoodputTracker:
             for a in record.accepted:
                 rec = _read_contribution(self.store, a.key, self.cache)
                 work = self._note(rec) if rec is not None else self.learners.setdefault(a.learner_id, _LearnerWork())
-                work.merged_steps += a.c_steps
+                work.merged_steps += self.merged.add(record.fragment, a)[0]
             for key in record.rejected:
                 rec = _read_contribution(self.store, key, self.cache)
                 if rec is not None:

@@ -8,6 +8,7 @@ rounds. So every lookup names the flow and pages through all results.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -29,7 +30,8 @@ __all__ = ["PAGE_SIZE", "read_flow_runs_paged", "newest_first", "ACTIVE_STATE_TY
            "DEFAULT_TRAINING_DEPLOYMENT", "ROUND_TAG", "SEGMENT_RUN_TAG", "SEGMENT_TAG", "SEGMENT_OF_TAG", "HANDED_OVER_TAG"]
 
 PAGE_SIZE = 200
-"""Rows per API call when paging."""
+"""Rows per API call when paging. ``$ATOLL_QUERY_PAGE_SIZE`` overrides it (tests use a small page so a
+short run already spans several pages)."""
 
 ACTIVE_STATE_TYPES = (StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED,
                       StateType.CANCELLING)
@@ -37,7 +39,7 @@ ACTIVE_STATE_TYPES = (StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING,
 
 def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequence[str] = (),
                          state_types: Sequence[StateType] | None = None, since: datetime | None = None,
-                         max_rows: int = 1_000_000, page_size: int = PAGE_SIZE) -> list[FlowRun]:
+                         max_rows: int = 1_000_000, page_size: int | None = None) -> list[FlowRun]:
     """Every flow run of these flows carrying all of ``tags`` (and in ``state_types``, if given).
 
     Pages newest first; a run created while paging may shift rows by one, so rows are de-duplicated
@@ -48,6 +50,8 @@ def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequen
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(state_types))) if state_types else None,
         expected_start_time=FlowRunFilterExpectedStartTime(after_=cast(Any, since)) if since is not None else None,
     )
+    if page_size is None:
+        page_size = int(os.environ.get("ATOLL_QUERY_PAGE_SIZE", PAGE_SIZE))
     seen: dict[Any, FlowRun] = {}
     offset = 0
     while offset < max_rows:
