@@ -88,60 +88,28 @@ def kill_schedule(seed: int, *, minutes: float, learners: int, learner_kills: in
 
 # -- watching the processes ---------------------------------------------------------------------------
 
+MARKER_VAR = "ATOLL_CHAOS_MARKER"
+"""Every process of a soak's stack carries ``ATOLL_CHAOS_MARKER=<marker>`` (atoll.ops.observe)."""
+
+
 def processes_with(marker: str) -> list[int]:
-    needle = f"ATOLL_CHAOS_MARKER={marker}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
+    from atoll.ops.observe import processes_with as with_marker
 
-
-def pid_state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    return with_marker(MARKER_VAR, marker)
 
 
 def live_copies(store: Any, holder: str, marker: str) -> list[int]:
     """Incarnations of ``holder`` whose process runs on this machine and heartbeats as alive."""
-    from atoll.storage import paths
-    from atoll.storage.codec import load_record
-    from atoll.storage.lifecycle import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
+    from atoll.ops.observe import live_copies as copies
 
-    mine = set(processes_with(marker))
-    out = []
-    for name in store.store.list(paths.learner_leases_prefix(holder)):
-        n = paths.parse_incarnation_key(name)
-        if n is None:
-            continue
-        data = store.store.get_or_none(paths.learner_lease_key(holder, n))
-        if data is None:
-            continue
-        lease = Lease.from_body(load_record(data, KIND_LEASE))
-        if lease.pid not in mine or pid_state(lease.pid) in (None, "Z", "T", "t", "X"):
-            continue
-        hb = store.store.get_or_none(paths.learner_heartbeat_key(holder, n))
-        if hb is None:
-            continue
-        beat = Heartbeat.from_body(load_record(hb, KIND_HEARTBEAT))
-        if beat.status == "alive" and time.time() - beat.time < HEARTBEAT_TIMEOUT_S:
-            out.append(n)
-    return out
+    return copies(store, holder, env_var=MARKER_VAR, marker=marker, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
 
 
 def alive(store: Any, holder: str | None, *, newer_than: int = 0) -> Any:
     """The newest incarnation's liveness if it is newer than ``newer_than`` and heartbeating."""
-    live = store.synchronizer_liveness() if holder is None else store.learner_liveness(holder)
-    if live.lease is None or live.incarnation <= newer_than or live.exited_reason is not None:
-        return None
-    age = live.heartbeat_age_s(time.time())
-    return live if age is not None and age < 10.0 else None
+    from atoll.ops.observe import alive as newest_alive
+
+    return newest_alive(store, holder, newer_than=newer_than)
 
 
 class Watcher(threading.Thread):
@@ -279,7 +247,7 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     slug = "lockstep" if lockstep else "decoupled"
     fault_dir = root / f"{slug}-faults"
     fault_dir.mkdir(parents=True)
-    env = {**s3_env(endpoint), "ATOLL_CHAOS_MARKER": marker,
+    env = {**s3_env(endpoint), MARKER_VAR: marker,
            FAULT_HOLD_ENV: "30", FAULT_SIGNAL_DIR_ENV: str(fault_dir), FAULT_ARMED_ENV: "1"}
     if args.storage_faults:
         env[StorageFaults.ENV] = args.storage_faults

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from atoll.ops import observe
 from atoll.storage.codec import load_record
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.tasks.learners import run_tag
@@ -18,6 +19,8 @@ from atoll.tasks.learners import run_tag
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 POOLS = ("cpu-fast", "cpu-slow")
+MARKER_VAR = "ATOLL_IT_MARKER"
+"""The environment variable that marks a test stack's processes."""
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 1.0) -> Any:
@@ -53,16 +56,8 @@ def pid_of_flow_run(flow_run_id: str) -> int | None:
 
 
 def processes_with(marker: str) -> list[int]:
-    needle = f"ATOLL_IT_MARKER={marker}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
+    """Processes of the stack started with ``ATOLL_IT_MARKER=marker`` (atoll.ops.observe)."""
+    return observe.processes_with(MARKER_VAR, marker)
 
 
 def contribution_created_at(store: Any, key: str) -> float:

@@ -32,56 +32,21 @@ from typing import Any
 import pytest
 
 from atoll.ops.deploy import deploy_all, learner_job_env, start_supervisor, start_training
+from atoll.ops.observe import alive, live_copies, pid_state
 from atoll.ops.stack import LocalStack
 from atoll.runs.manage import open_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.storage import paths
-from atoll.storage.codec import load_record
-from atoll.storage.lifecycle import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
 from atoll.tasks.learners import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 
-from .stack_helpers import POOLS, flow_runs, logs, processes_with, tear_down, wait_for
+from .stack_helpers import MARKER_VAR, POOLS, flow_runs, logs, tear_down, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROUNDS = int(os.environ.get("ATOLL_CHAOS_ROUNDS", "60"))
 PAGE_SIZE = "25"  # rows per Prefect query: 60 round flow runs span three pages
 HEARTBEAT_TIMEOUT_S = 30.0
-
-
-def _pid_state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _running_copies(store: Any, learner_id: str, marker: str) -> list[int]:
-    """Live copies of ``learner_id``: incarnations whose process runs (not frozen) on this machine
-    and that heartbeat as alive (a fenced copy that wakes up exits without another heartbeat)."""
-    out = []
-    for name in store.store.list(paths.learner_leases_prefix(learner_id)):
-        n = paths.parse_incarnation_key(name)
-        if n is None:
-            continue
-        data = store.store.get_or_none(paths.learner_lease_key(learner_id, n))
-        if data is None:
-            continue
-        lease = Lease.from_body(load_record(data, KIND_LEASE))
-        state = _pid_state(lease.pid)
-        if state is None or state in ("Z", "T", "t", "X"):
-            continue
-        if lease.pid not in processes_with(marker):
-            continue
-        hb = store.store.get_or_none(paths.learner_heartbeat_key(learner_id, n))
-        if hb is None:
-            continue
-        beat = Heartbeat.from_body(load_record(hb, KIND_HEARTBEAT))
-        if beat.status == "alive" and time.time() - beat.time < HEARTBEAT_TIMEOUT_S:
-            out.append(n)
-    return out
 
 
 class CopySampler(threading.Thread):
@@ -96,7 +61,8 @@ class CopySampler(threading.Thread):
         while not self.stop.is_set():
             for lid in self.learners:
                 try:
-                    copies = _running_copies(self.store, lid, self.marker)
+                    copies = live_copies(self.store, lid, env_var=MARKER_VAR, marker=self.marker,
+                                         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - a flaky read is not a finding
                     continue
                 if len(copies) > len(self.worst.get(lid, [])):
@@ -175,26 +141,26 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
             # -- 2. SIGKILL two learners ------------------------------------------------------------
             kills: list[tuple[str, float, int]] = []
             for lid in ("learner-0", "learner-1"):
-                live = wait_for(lambda lid=lid: _alive(store, lid), 180, f"{lid} alive")
+                live = wait_for(lambda lid=lid: alive(store, lid), 180, f"{lid} alive")
                 os.kill(live.lease.pid, signal.SIGKILL)
                 kills.append((lid, time.time(), live.incarnation))
-                wait_for(lambda lid=lid, n=live.incarnation: _alive(store, lid, newer_than=n), 180,
+                wait_for(lambda lid=lid, n=live.incarnation: alive(store, lid, newer_than=n), 180,
                          f"{lid} relaunched: {logs(tmp_path)}")
                 times[f"{lid} relaunched after SIGKILL"] = time.time()
 
             # -- 3. freeze a learner: a zombie ------------------------------------------------------
-            live = wait_for(lambda: _alive(store, "learner-2"), 180, "learner-2 alive")
+            live = wait_for(lambda: alive(store, "learner-2"), 180, "learner-2 alive")
             os.kill(live.lease.pid, signal.SIGSTOP)
             frozen.append(live.lease.pid)
             kills.append(("learner-2", time.time(), live.incarnation))
-            wait_for(lambda n=live.incarnation: _alive(store, "learner-2", newer_than=n), 240,
+            wait_for(lambda n=live.incarnation: alive(store, "learner-2", newer_than=n), 240,
                      f"learner-2 replaced as a zombie: {logs(tmp_path)}")
             times["learner-2 replaced as a zombie"] = time.time()
             try:
                 os.kill(live.lease.pid, signal.SIGCONT)  # the old copy wakes up fenced
             except ProcessLookupError:
                 pass  # or its worker already killed it on cancel
-            wait_for(lambda pid=live.lease.pid: _pid_state(pid) in (None, "Z"), 60, "the fenced learner gone")
+            wait_for(lambda pid=live.lease.pid: pid_state(pid) in (None, "Z"), 60, "the fenced learner gone")
 
             # -- 4. freeze the training run: a zombie -----------------------------------------------
             slive = store.synchronizer_liveness()
@@ -211,7 +177,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
                 os.kill(slive.lease.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass  # already killed when its flow run was marked Crashed
-            wait_for(lambda pid=slive.lease.pid: _pid_state(pid) in (None, "Z"), 90, "the fenced training run gone")
+            wait_for(lambda pid=slive.lease.pid: pid_state(pid) in (None, "Z"), 90, "the fenced training run gone")
 
             # -- to the last round ------------------------------------------------------------------
             wait_for(lambda: store.latest_round() >= ROUNDS, 900, f"round {ROUNDS}: {logs(tmp_path)}", every_s=3.0)
@@ -312,9 +278,3 @@ def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int
         assert any(a.type == "markdown" and f"# Round {n} of {ROUNDS}" in str(a.data) for a in arts)
 
 
-def _alive(store: Any, learner_id: str, *, newer_than: int = 0) -> Any:
-    live = store.learner_liveness(learner_id)
-    if live.lease is None or live.incarnation <= newer_than or live.exited_reason is not None:
-        return None
-    age = live.heartbeat_age_s(time.time())
-    return live if age is not None and age < 10.0 else None
