@@ -247,12 +247,12 @@ class ObjectStore:
                 self.op_counts["retry"] += 1
                 self._sleep(self.retry.delay_s(attempt - 1, self._rng))
             try:
-                if _FAULTS is not None:
+                if _FAULTS is not None:  # chaos only (ATOLL_FAULT_STORAGE)
                     _FAULTS.before(op)
-                    result = fn()
+                result = fn()
+                if _FAULTS is not None:
                     _FAULTS.after(op)
-                    return result
-                return fn()
+                return result
             except Exception as e:  # noqa: BLE001 - classified below
                 if not is_transient(e):
                     raise

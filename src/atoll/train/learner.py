@@ -327,9 +327,8 @@ class _BufferPool:
         except IndexError:
             return None  # the caller allocates a new one, which comes back here after its write
 
-    def give(self, buffer: torch.Tensor | None) -> None:
-        if buffer is not None:
-            self._free[buffer.numel()].append(buffer)
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free[buffer.numel()].append(buffer)
 
 
 def _load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
