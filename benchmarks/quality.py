@@ -16,6 +16,8 @@ Rows (every label carries its outer and inner settings):
     cosine; its lr is swept until the best is not at an edge of the grid.
   * bare PyTorch DP: the same model and data in a plain torch loop (torch.optim.AdamW, LambdaLR,
     uniformly random windows), no atoll code in the loop: the baseline itself is efficient.
+  * bare PyTorch sync DiLoCo: M model copies with an AdamW each, parameters averaged every H steps,
+    no atoll code: what local steps cost by themselves, next to atoll's sync DiLoCo row.
   * decoupled K=1+grace (RDA, token-weighted): its inner lr is swept the same way.
   * sync DiLoCo (K=M, P=1, plain mean) at the same H and inner lr; sync DiLoCo with H=1.
   * decoupled K=1 without the grace window; decoupled with the pre-fix learner (lr schedule on
@@ -94,6 +96,8 @@ def label_of(kind: str, c: DilocoConfig | None, lr: float, extra: str = "") -> s
         return f"DP, atoll loop, AdamW lr {lr:g}"
     if kind == "bare":
         return f"DP, bare PyTorch loop, AdamW lr {lr:g}"
+    if kind == "bare-sync":
+        return f"sync DiLoCo H={extra}, mean, outer lr 1 mu 0, bare PyTorch loop (no atoll), inner lr {lr:g}"
     assert c is not None
     merge = "RDA" if c.merge == "rda" else "mean"
     if c.min_quorum == c.num_learners:
@@ -175,6 +179,48 @@ def run_bare_dp(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float
             "rounds": steps, "merged": float(M), "merged_share": 1.0}
 
 
+def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float, seed: int, h: int) -> dict:
+    """Synchronous DiLoCo in a plain PyTorch loop (no atoll learner, synchronizer or bucket): M
+    copies of the model, each with its own AdamW on its own uniformly random windows of the whole
+    corpus, every ``h`` steps all set to the average of their parameters (outer lr 1, no momentum).
+    The same schedule as the DP rows, on the global step. Tells whether atoll's DiLoCo rows lose
+    anything to atoll itself, or only what local steps cost."""
+    corpus = spec.corpus()
+    train = torch.from_numpy(corpus.train.read(0, len(corpus.train)).astype(np.int64))
+    T = gpt.context_tokens
+    steps = int(a.tokens) // (M * a.batch * T)
+    inner = InnerOptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="steps", total_steps=steps)
+    model = build_model(gpt, seed=seed)
+    copies = [build_model(gpt, seed=seed) for _ in range(M)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1) for m in copies]
+    gens = [torch.Generator().manual_seed(1000 * (i + 1) + seed) for i in range(M)]
+    offsets = torch.arange(T + 1)
+    curve, tokens, every = [], 0, max(1, steps // a.evals)
+    for step in range(1, steps + 1):
+        for m, opt, gen in zip(copies, opts, gens, strict=True):
+            for g in opt.param_groups:
+                g["lr"] = lr_at_step(inner, step)
+            w = train[torch.randint(0, len(train) - T - 1, (a.batch,), generator=gen)[:, None] + offsets]
+            logits = m(w[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            tokens += a.batch * T
+        if step % h == 0 or step == steps:  # the outer step: every copy (and the global model) := the mean
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(torch.stack([dict(m.named_parameters())[name] for m in copies]).mean(0))
+                    for m in copies:
+                        dict(m.named_parameters())[name].copy_(p)
+        if step % every == 0 or step == steps:
+            curve.append((tokens, data_mod.evaluate(model, corpus.val, batches=a.eval_batches)))
+    n = count_parameters(model)
+    return {"curve": curve, "tokens": tokens, "bytes_per_token": 2 * M * 4 * n / (h * M * a.batch * T),
+            "rounds": math.ceil(steps / h), "merged": float(M), "merged_share": 1.0}
+
+
 # ----------------------------------------------------------------------------------------------
 # DiLoCo rows: the real learners and synchronizer on a virtual clock
 
@@ -250,17 +296,19 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16, help="sequences per learner step (DP: M x this)")
     ap.add_argument("--inner-steps", type=int, default=8, help="H (= P for decoupled)")
-    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-lr", type=float, default=0.8, help="0.8 measured best for RDA here (0.6 / 1 / 1.25 worse)")
     ap.add_argument("--outer-momentum", type=float, default=0.0)
-    ap.add_argument("--dp-lrs", default="2e-3,4e-3,8e-3", help="DP lr grid (extended until the best is inside)")
-    ap.add_argument("--inner-lrs", default="3e-3,6e-3,1.2e-2", help="decoupled inner lr grid (extended likewise)")
+    ap.add_argument("--dp-lrs", default="2.83e-3,4e-3,5.66e-3,8e-3",
+                    help="DP lr grid, sqrt(2) apart (extended by 2x until the best is inside)")
+    ap.add_argument("--inner-lrs", default="4.24e-3,6e-3,8.49e-3", help="decoupled inner lr grid (extended likewise)")
     ap.add_argument("--max-extend", type=int, default=2, help="grid extensions per sweep")
     ap.add_argument("--rows", default="",
-                    help="rows beyond the two sweeps, at every seed: bare, sync (same merge and outer step as the "
-                         "decoupled rows), sync-mean, sync-h1, nograce, prefix (pre-fix learner)")
+                    help="rows beyond the two sweeps, at every seed: bare, bare-sync (sync DiLoCo in plain PyTorch), sync "
+                         "(same merge and outer step as the decoupled rows), sync-mean, sync-h1, nograce, prefix "
+                         "(pre-fix learner)")
     ap.add_argument("--rows-first-seed", default="prefix,sync,nograce,sync-mean",
                     help="rows run at the first seed only (same choices)")
-    ap.add_argument("--rows-late", default="bare,sync-h1",
+    ap.add_argument("--rows-late", default="bare,bare-sync,sync-h1",
                     help="sanity rows, first seed only, run last (same choices)")
     ap.add_argument("--code-mb", type=float, default=8.0)
     ap.add_argument("--evals", type=int, default=8)
@@ -357,6 +405,9 @@ def main() -> int:
                 c = configs.get(key)
                 if key == "bare":
                     run("bare", label_of("bare", None, dp_lr), seed, lambda s: run_bare_dp(a, gpt, spec_for(s), dp_lr, s))
+                elif key == "bare-sync":  # atoll's sync DiLoCo row without atoll: at the same inner lr
+                    run(key, label_of("bare-sync", None, inner_lr, str(a.inner_steps)), seed,
+                        lambda s: run_bare_sync(a, gpt, spec_for(s), inner_lr, s, a.inner_steps))
                 elif key == "sync-h1":  # H = 1, plain mean: one averaged AdamW step per round, at DP's lr
                     run(key, label_of("diloco", c, dp_lr), seed,
                         lambda s: run_diloco(a, model, spec_for(s), c, dp_lr, s, root, rounds_cache=rounds_cache))
