@@ -1,14 +1,15 @@
 """Orchestration overhead: the same tiny-preset run through Prefect and through the plain local runner.
 
-    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/] [--prefect sqlite,postgres-nested]
+    python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/] [--prefect sqlite,sqlite-recorded]
 
 Side by side on this machine (plain first, then each Prefect variant, same preset, same rounds):
 
 * **plain**: ``atoll.train`` only: M learner processes and the synchronizer loop in this process;
 * **prefect**: a local Prefect server (SQLite, or a private PostgreSQL cluster), a process worker
   per pool, atoll's deployments, the training-run flow (one round flow run per round with two
-  tasks; ``-nested``: as subflows; artifacts from the recorder) and M learner flow runs on the two
-  pools.
+  tasks; ``-nested``: as subflows; ``-recorded``: rounds run inline and their flow runs created,
+  Completed, by the recorder after each commit; artifacts from the recorder) and M learner flow
+  runs on the two pools.
 
 Reported, from the bucket (learner side) and from timers / Prefect task runs (synchronizer side):
 
@@ -141,7 +142,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
 
 
 def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, database: str = "sqlite",
-                nest_rounds: bool = False) -> Result:
+                nest_rounds: bool = False, record_rounds: bool = False) -> Result:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, TaskRunFilter, TaskRunFilterName
 
@@ -151,7 +152,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     from atoll.runs.options import TrainingRunOptions
     from atoll.tasks.learners import run_tag
 
-    name = f"prefect-{database}" + ("-nested" if nest_rounds else "")
+    name = f"prefect-{database}" + ("-nested" if nest_rounds else "") + ("-recorded" if record_rounds else "")
     url = to_url(str(bucket / name))
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
@@ -160,7 +161,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
         with stack.settings():
             deploy_all(stack.pools)
             t0 = time.monotonic()
-            fr = start_training(TrainingRunOptions(run_url=url, nest_rounds=nest_rounds))
+            fr = start_training(TrainingRunOptions(run_url=url, nest_rounds=nest_rounds, record_rounds=record_rounds))
             state, _ = follow(fr.id, url, every_s=30.0)
             wall = time.monotonic() - t0
             if state != "Completed":
@@ -179,9 +180,12 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
             round_of = {r.id: int(r.name.split("-")[1]) for r in runs}
             closes = {round_of[t.flow_run_id]: t.total_run_time.total_seconds() for t in tasks
                       if t.flow_run_id in round_of}
+            if record_rounds:  # no task runs: the synchronizer's own merge + commit timing (an EMA)
+                closes = {rec.round: float((rec.timings or {}).get("sync_s") or 0.0)
+                          for rec in store.history(1, store.latest_round())}
     finally:
         stack.stop()
-    label = f"prefect {database}" + (" nested" if nest_rounds else "")
+    label = f"prefect {database}" + (" nested" if nest_rounds else "") + (" recorded" if record_rounds else "")
     return Result(label, store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
 
@@ -243,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--out", default="out")
-    p.add_argument("--prefect", default="sqlite",
+    p.add_argument("--prefect", default="sqlite,sqlite-recorded",
                    help="comma-separated Prefect variants to run after the plain runner: sqlite, postgres "
-                        "(the stack's database), each optionally with -nested (round flow runs as subflows)")
+                        "(the stack's database), each optionally with -nested (round flow runs as subflows) or "
+                        "-recorded (record_rounds: rounds inline, their flow runs created after the commit)")
     p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
     args = p.parse_args(argv)
     import torch
@@ -257,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
         print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
         for variant in args.prefect.split(","):
-            database, _, nested = variant.strip().partition("-")
+            database, _, mode = variant.strip().partition("-")
             results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds, database=database,
-                                       nest_rounds=nested == "nested"))
+                                       nest_rounds=mode == "nested", record_rounds=mode == "recorded"))
             print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
     print()
     print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
               "(target >= 0.97x)")
     for r in results:
         print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
-              f"({r.eff_h / r.h:.2f}x; target within 1.10x)")
+              f"({r.eff_h / r.h:.2f}x; target within 1.10x; {r.eff_h / results[0].eff_h:.2f}x the plain runner's)")
     print(f"plot: {plot(results, Path(args.out))}")
     return 0
 

@@ -188,6 +188,9 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--in-process", action="store_true",
                        help="run the training-run flow here instead of on its deployment")
         p.add_argument("--no-wait", action="store_true", help="return once the run is launched")
+        p.add_argument("--record-rounds", action="store_true",
+                       help="run rounds inline and create each round's flow run after its commit: no round "
+                            "waits for the Prefect API (keeps up at small H; docs/prefect.md)")
         p.set_defaults(handler=_train)
 
     p = sub.add_parser("status", help="round history of a run, from its bucket (no Prefect needed)")
@@ -316,7 +319,8 @@ def _deploy_images(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.command == "resume" and args.fork_round is not None and not args.to:
         raise ValueError("--fork-round forks the run into a new one: give its URL with --to")
-    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds}
+    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds,
+              "record_rounds": args.record_rounds}
     if args.command == "resume":
         # Read the source run (only read) before anything starts: a missing or broken run is a
         # one-line error here, not a failed flow run later.

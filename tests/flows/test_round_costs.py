@@ -70,7 +70,8 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> CallCounter:
     return c
 
 
-def _train(root: Path, name: str, rounds: int, counter: CallCounter) -> tuple[dict[str, Any], collections.Counter[str]]:
+def _train(root: Path, name: str, rounds: int, counter: CallCounter,
+           **options: Any) -> tuple[dict[str, Any], collections.Counter[str]]:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
@@ -82,7 +83,8 @@ def _train(root: Path, name: str, rounds: int, counter: CallCounter) -> tuple[di
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         before = counter.snapshot()
-        out = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False, watch_every_s=5.0)))
+        out = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False, watch_every_s=5.0),
+                                              **options))
         APILogWorker.drain_all()
         EventsWorker.drain_all()
         return out, counter.snapshot() - before
@@ -185,3 +187,51 @@ def test_nest_rounds_runs_rounds_as_subflows(prefect_harness: None, tmp_path: Pa
         for fr in rounds:
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
             assert sorted(a.type for a in arts) == ["markdown", "table"]
+
+
+MAX_RECORDED_CALLS_PER_ROUND = 4.0
+"""Recorded rounds: the round's flow run (one call, created Completed) and its two artifacts, all
+written by the recorder's thread; none on the round's own path."""
+
+
+def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
+        prefect_harness: None, tmp_path: Path, counter: CallCounter) -> None:
+    """``record_rounds``: the rounds run inline in the training run (no task runs, no engine), and
+    each one still becomes a flow run a person can open: named and tagged like the others,
+    Completed, with the round's summary and contributions and the round-committed event."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+    from atoll.tasks.learners import run_tag
+    from atoll.tasks.queries import ROUND_TAG, SEGMENT_RUN_TAG
+
+    from .test_flows import _round_runs
+
+    extra = 4
+    _, short = _train(tmp_path, "rec-short", 2, counter, record_rounds=True)
+    out, long = _train(tmp_path, "rec-long", 2 + extra, counter, record_rounds=True)
+    assert out["rounds"] == 2 + extra
+    per_round = {k: (long[k] - short[k]) / extra for k in set(long) | set(short)}
+    total = sum(v for k, v in per_round.items() if k not in ("POST /api/logs/", "GET /api/csrf-token"))
+    table = "\n".join(f"{v:6.2f} {k}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1]))
+    assert total <= MAX_RECORDED_CALLS_PER_ROUND, f"{total:.2f} API calls per round:\n{table}"
+    assert per_round.get("POST /api/task_runs/", 0.0) == 0.0, table
+
+    run_id = out["run_id"]
+    with get_client(sync_client=True) as client:
+        rounds = _round_runs(client, run_id)
+        assert sorted(fr.name for fr in rounds) == [f"round-{r:06d}" for r in range(1, 3 + extra)]
+        for fr in rounds:
+            assert fr.state is not None and fr.state.is_completed(), fr.state
+            assert "committed in" in (fr.state.message or "")
+            assert {run_tag(run_id), ROUND_TAG} <= set(fr.tags)
+            assert any(t.startswith(SEGMENT_RUN_TAG) for t in fr.tags)
+            assert fr.parameters["round_number"] == int(fr.name.split("-")[1])
+            assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            assert sorted(a.type for a in arts) == ["markdown", "table"]
+        committed = read_events(client, ROUND_COMMITTED, resource_id=f"atoll.run.{run_id}", at_least=2 + extra)
+        by_round = {int(fr.name.split("-")[1]): str(fr.id) for fr in rounds}
+        for e in committed:
+            related = {r.id: r.role for r in e.related}
+            assert related.get(f"prefect.flow-run.{by_round[e.payload['round']]}") == "flow-run"

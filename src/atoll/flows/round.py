@@ -18,10 +18,16 @@ The tasks carry no tags (the flow run does): a tagged task run asks the API for 
 slot before it starts, one more call per task that atoll never needs.
 
 If another synchronizer committed the round first, its commit is adopted and only recorded.
+
+**Recorded rounds** (``TrainingRunOptions.record_rounds``): :func:`recorded_round` runs the same
+loop inline in the training-run process, calling the two tasks' functions directly (no task
+runs), so a round never waits for the Prefect API; the recorder then creates the round's flow run
+(already Completed, with its real duration in the state message) and writes its artifacts on it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import Flow, flow, get_run_logger
@@ -34,7 +40,7 @@ from atoll.tasks.learners import watch_learners
 from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict
 from atoll.train.synchronizer import RoundSummary
 
-__all__ = ["outer_round", "ROUND_FLOW"]
+__all__ = ["outer_round", "recorded_round", "ROUND_FLOW"]
 
 
 @flow(name="atoll-round", flow_run_name="round-{round_number:06d}", persist_result=False, log_prints=False)
@@ -47,30 +53,42 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
     """
     if run_id is not None and run_id != ctx.run_id:
         raise ValueError(f"run_id {run_id!r} is not the context's run {ctx.run_id!r}")
-    log = get_run_logger()
-    watch_every_s = ctx.options.fleet.watch_every_s
     flow_run_id = prefect_flow_run.id
-    waited = 0.0
     with TagsContext(current_tags=set()):  # the flow run is tagged; its task runs need not be
-        while True:
-            polled = await_quorum(ctx, round_number, budget_s=watch_every_s)
-            if isinstance(polled, RoundSummary):  # another synchronizer committed it: adopt
-                summary = summary_dict(polled)
-                log.info(f"round {round_number} was committed by {polled.record.committed_by}; adopted")
-                break
-            if polled.decision.close:
-                summary = merge_and_commit(ctx, polled)
-                break
-            waited = polled.polled_at_s - polled.opened_at_s
-            log.info(f"round {round_number} still open after {waited:.0f}s: {polled.decision.reason}")
-            emit(ROUND_STALLED, run_resource(ctx.run_id, ctx.run_url),
-                 {"round": round_number, "fragment": polled.fragment, "open_for_s": round(waited, 3),
-                  "reason": polled.decision.reason, "arrived": len(polled.accepted)},
-                 flow_runs={"flow-run": flow_run_id})
-            if ctx.fleet is not None:
-                watch_learners(ctx)
+        summary = _round(ctx, round_number, get_run_logger(), await_quorum, merge_and_commit, flow_run_id)
     ctx.round_recorder().submit(round_number, flow_run_id)
     return summary
+
+
+def recorded_round(ctx: RunContext, round_number: int, log: Any, *, started_at: float | None = None) -> dict[str, Any]:
+    """The same round, run inline in the training-run process with no Prefect call on its path;
+    the run's recorder creates its flow run afterwards (``record_rounds``: Completed, named
+    ``round-000017``, tagged like a round flow run, with the same artifacts and event)."""
+    t0 = time.time() if started_at is None else started_at
+    summary = _round(ctx, round_number, log, await_quorum.fn, merge_and_commit.fn, None)
+    ctx.round_recorder().submit(round_number, None, seconds=time.time() - t0)
+    return summary
+
+
+def _round(ctx: RunContext, round_number: int, log: Any, await_fn: Any, commit_fn: Any,
+           flow_run_id: Any) -> dict[str, Any]:
+    watch_every_s = ctx.options.fleet.watch_every_s
+    while True:
+        polled = await_fn(ctx, round_number, budget_s=watch_every_s)
+        if isinstance(polled, RoundSummary):  # another synchronizer committed it: adopt
+            log.info(f"round {round_number} was committed by {polled.record.committed_by}; adopted")
+            return summary_dict(polled)
+        if polled.decision.close:
+            out: dict[str, Any] = commit_fn(ctx, polled)
+            return out
+        waited = polled.polled_at_s - polled.opened_at_s
+        log.info(f"round {round_number} still open after {waited:.0f}s: {polled.decision.reason}")
+        emit(ROUND_STALLED, run_resource(ctx.run_id, ctx.run_url),
+             {"round": round_number, "fragment": polled.fragment, "open_for_s": round(waited, 3),
+              "reason": polled.decision.reason, "arrived": len(polled.accepted)},
+             flow_runs={"flow-run": flow_run_id} if flow_run_id else None)
+        if ctx.fleet is not None:
+            watch_learners(ctx)
 
 
 ROUND_FLOW = Flow(fn=outer_round.fn, name=outer_round.name, persist_result=False, log_prints=False)

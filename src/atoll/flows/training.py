@@ -5,7 +5,9 @@
 the run's :class:`~atoll.tasks.context.RunContext` (synchronizer, goodput tracker, learner fleet),
 launches or adopts one learner flow run per learner on the learner's work pool, then runs one
 **outer round** flow run per round (:mod:`atoll.flows.round`), tagged with the run id. A round
-that fails is retried from the bucket's state under :data:`~atoll.core.retry.ROUND_RETRY`.
+that fails is retried from the bucket's state under :data:`~atoll.core.retry.ROUND_RETRY`. With
+``record_rounds`` the rounds run inline and each one's flow run is created after its commit, by
+the recorder's thread, so no round waits for the Prefect API.
 
 Everything a round needs is in the bucket, so a training run that is restarted (or a fresh one
 given ``resume_from``) continues from the last committed round, with or without the Prefect
@@ -42,7 +44,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, 
 
 from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
-from atoll.flows.round import ROUND_FLOW, outer_round
+from atoll.flows.round import ROUND_FLOW, outer_round, recorded_round
 from atoll.runs.manage import RunInfo, prepare_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import last_val_loss, round_flow_name
@@ -121,13 +123,15 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
         progress=100.0 * start_round / info.max_rounds, key=keys["progress"],
         description=f"run {info.run_id}: round {start_round} of {info.max_rounds}",
     )
+    round_tags = [run_tag(info.run_id), ROUND_TAG, f"{SEGMENT_RUN_TAG}{prefect_flow_run.id}"]
+    recorded = options.record_rounds and not options.nest_rounds
     recorder = ctx.round_recorder(progress_artifact_id=str(progress_id) if progress_id else None,
-                                  run_flow_run_id=prefect_flow_run.id)
+                                  run_flow_run_id=prefect_flow_run.id, round_run_tags=round_tags if recorded else None)
     if ctx.fleet is not None and not ctx.finished:
         watch_learners(ctx)
 
-    launcher = None if options.nest_rounds or not prefect_flow_run.id else RoundLauncher(
-        info.run_id, tags=[run_tag(info.run_id), ROUND_TAG, f"{SEGMENT_RUN_TAG}{prefect_flow_run.id}"])
+    launcher = None if recorded or options.nest_rounds or not prefect_flow_run.id else RoundLauncher(
+        info.run_id, tags=round_tags)
     failures = 0
     stopped = False
     summaries: list[dict[str, Any]] = []
@@ -139,7 +143,10 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
         while not ctx.finished and len(summaries) < limit:
             r = ctx.next_round
             try:
-                if launcher is None:
+                if recorded:  # inline: the recorder creates the round's flow run afterwards
+                    with TagsContext(current_tags=set()):
+                        out = recorded_round(ctx, r, log)
+                elif launcher is None:
                     out = outer_round(ctx, r, run_id=info.run_id)
                 else:
                     out = launcher.run(ctx, r)

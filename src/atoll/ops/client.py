@@ -89,7 +89,10 @@ def run_demo(directory: str | Path = "out/demo", *, learners: int = 4, rounds: i
         with stack.settings():
             deploy_all(stack.pools)
             print("deployed atoll-training-run/default and atoll-learner/{" + ",".join(stack.pools) + "}", flush=True)
-            options = TrainingRunOptions(run_url=run_url, preset="demo", learners=learners, rounds=rounds)
+            # Recorded rounds: at the demo's H = P = 8 a round per learner step is due, faster than a
+            # Prefect flow run per round can be run on a laptop (docs/prefect.md, "What a round costs").
+            options = TrainingRunOptions(run_url=run_url, preset="demo", learners=learners, rounds=rounds,
+                                         record_rounds=True)
             fr = start_training(options, flow_run_name=run_url.rsplit("/", 1)[-1])
             print(f"training run: {stack.ui_url}/runs/flow-run/{fr.id}\nbucket: {run_url}", flush=True)
             state, loss = follow(fr.id, run_url)

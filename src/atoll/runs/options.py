@@ -110,6 +110,13 @@ class TrainingRunOptions(BaseModel):
         description="Run each round flow run as a subflow of the training run (nested under it in the UI), "
         "instead of a flow run of its own tagged with the run and the segment: about twice the API calls and "
         "server writes per round, and a round waits for them (docs/prefect.md, 'What a round costs').")
+    record_rounds: bool = Field(
+        default=False,
+        description="Run each round inline in the training-run process and create its flow run afterwards, "
+        "from a background thread, already Completed, with the same artifacts and event: no round waits for "
+        "the Prefect API, so the synchronizer keeps up with fast learners (small H). A recorded round's flow "
+        "run has no task runs and no logs of its own (they go to the training run). Ignored with nest_rounds "
+        "(docs/prefect.md, 'What a round costs').")
     segment_rounds: int = Field(
         default=DEFAULT_SEGMENT_ROUNDS, ge=1,
         description="Rounds per training-run flow run: after this many, the run continues in a new flow run "

@@ -118,14 +118,16 @@ class RunContext:
         self._keeper.start()
         return self._lease
 
-    def round_recorder(self, *, progress_artifact_id: str | None = None, run_flow_run_id: object = None) -> RoundRecorder:
+    def round_recorder(self, *, progress_artifact_id: str | None = None, run_flow_run_id: object = None,
+                       round_run_tags: list[str] | None = None) -> RoundRecorder:
         """The run's round recorder, started on first use (its writer thread runs in a copy of the
-        caller's context: call this first from the training run's flow)."""
+        caller's context: call this first from the training run's flow). ``round_run_tags``:
+        recorded rounds (the recorder creates each round's flow run, with these tags)."""
         if self.recorder is None:
             self.recorder = RoundRecorder(self.store, run_id=self.run_id, max_rounds=self.info.max_rounds,
                                           inner_steps=self.store.config.inner_steps,
                                           progress_artifact_id=progress_artifact_id, tracker=self.tracker,
-                                          run_flow_run_id=run_flow_run_id).start()
+                                          run_flow_run_id=run_flow_run_id, round_run_tags=round_run_tags).start()
         return self.recorder
 
     def release(self) -> None:

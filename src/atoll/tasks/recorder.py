@@ -66,6 +66,8 @@ def goodput_markdown(run_id: str, round_: int, goodput: GoodputReport) -> str:
 class _Item:
     round: int
     flow_run_id: str | None
+    seconds: float | None = None
+    """Recorded rounds: how long the round took (its flow run is created afterwards)."""
 
 
 _STOP = object()
@@ -76,8 +78,11 @@ class RoundRecorder:
 
     def __init__(self, store: RunStore, *, run_id: str, max_rounds: int, inner_steps: int,
                  progress_artifact_id: str | None = None, progress_every_s: float = 10.0,
-                 tracker: GoodputTracker | None = None, run_flow_run_id: Any = None) -> None:
-        """``run_flow_run_id``: the training-run flow run, which the run-level goodput artifact is attached to."""
+                 tracker: GoodputTracker | None = None, run_flow_run_id: Any = None,
+                 round_run_tags: list[str] | None = None) -> None:
+        """``run_flow_run_id``: the training-run flow run, which the run-level goodput artifact is attached to.
+        ``round_run_tags``: the tags of round flow runs this recorder creates itself (recorded
+        rounds: a round submitted without a flow run id gets one, Completed, before its artifacts)."""
         self.store = store
         self.run_id = run_id
         self.max_rounds = max_rounds
@@ -87,6 +92,8 @@ class RoundRecorder:
         self.run_flow_run_id = UUID(str(run_flow_run_id)) if run_flow_run_id else None
         self.tracker = tracker if tracker is not None else GoodputTracker(store)
         self.keys = artifact_keys(run_id)
+        self.round_run_tags = list(round_run_tags) if round_run_tags is not None else None
+        self._round_flow_id: Any = None
         self.last_goodput: GoodputReport | None = None
         self.recorded: list[int] = []
         """Rounds written, in order (tests)."""
@@ -108,9 +115,11 @@ class RoundRecorder:
             self._thread.start()
         return self
 
-    def submit(self, round_: int, flow_run_id: Any = None) -> None:
-        """Record committed round ``round_`` on flow run ``flow_run_id``, later (never blocks)."""
-        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None))
+    def submit(self, round_: int, flow_run_id: Any = None, *, seconds: float | None = None) -> None:
+        """Record committed round ``round_`` on flow run ``flow_run_id``, later (never blocks).
+        Without a flow run id (recorded rounds) the round's flow run is created first; ``seconds``
+        is the round's duration for its state message."""
+        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds))
 
     def flush(self, timeout_s: float = 60.0) -> GoodputReport | None:
         """Wait until every submitted round is written (at most ``timeout_s``); the goodput so far."""
@@ -171,6 +180,29 @@ class RoundRecorder:
             self.errors += 1
             log.warning(f"run {self.run_id}: could not record rounds {[i.round for i in batch]}: {e!r}")
 
+    def _create_round_run(self, client: Any, item: _Item, record: Any) -> UUID:
+        """The flow run of a recorded round: one API call, created Completed (the server sets the
+        state as given on creation), named and tagged like a round flow run; its state message
+        says what the round did and how long it took."""
+        from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+        from prefect.states import Completed, to_state_create
+
+        from atoll.runs.report import round_flow_name
+        from atoll.tasks.queries import ROUND_FLOW_NAME
+
+        if self._round_flow_id is None:
+            resp = client.request("POST", "/flows/", json=FlowCreate(name=ROUND_FLOW_NAME).model_dump(mode="json"))
+            self._round_flow_id = resp.json()["id"]
+        took = f" in {item.seconds:.2f} s" if item.seconds is not None else ""
+        message = (f"round {item.round} (fragment {record.fragment}) committed{took}: "
+                   f"{len(record.accepted)} merged, {len(record.rejected)} not")
+        create = FlowRunCreate(flow_id=self._round_flow_id, name=round_flow_name(item.round),
+                               parameters={"round_number": item.round, "run_id": self.run_id},
+                               tags=list(self.round_run_tags or []),
+                               state=to_state_create(Completed(message=message)))
+        resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
+        return UUID(resp.json()["id"])
+
     def _write_with(self, client: Any, batch: list[_Item], *, final: bool) -> None:
         from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
@@ -182,6 +214,9 @@ class RoundRecorder:
                 continue
             rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
             fr = UUID(item.flow_run_id) if item.flow_run_id else None
+            if fr is None and self.round_run_tags is not None:
+                fr = self._create_round_run(client, item, record)
+                item = _Item(item.round, str(fr), item.seconds)
             md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
                                 goodput=goodput, inner_steps=self.inner_steps)
             client.create_artifact(ArtifactCreate(
