@@ -264,7 +264,8 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
                                          "max_relaunches": 10**6})
             fleet = FleetOptions(watch_every_s=2.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, relaunch_backoff_s=1.0,
                                  startup_grace_s=120.0, max_launches=10**6)
-            start_training(TrainingRunOptions(run_url=url, fleet=fleet), tags=[run_tag(run_id)])
+            start_training(TrainingRunOptions(run_url=url, fleet=fleet, record_rounds=args.record_rounds),
+                           tags=[run_tag(run_id)])
             deadline = time.monotonic() + 300
             while store.latest_round() < 1:
                 if time.monotonic() > deadline:
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ATOLL_FAULT_STORAGE for every process of the run ('' = none)")
     p.add_argument("--modes", default="decoupled,lockstep", help="decoupled (K = 1 + grace), lockstep (K = M)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record-rounds", action="store_true",
+                   help="record_rounds: rounds run inline, their flow runs created after each commit")
     p.add_argument("--quick", action="store_true", help="3 minutes, 12 learner kills, 2 training-run kills")
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)

@@ -235,3 +235,16 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
         for e in committed:
             related = {r.id: r.role for r in e.related}
             assert related.get(f"prefect.flow-run.{by_round[e.payload['round']]}") == "flow-run"
+
+    # A second recorder of the same run (a relaunched training run that adopted round 1) gets the
+    # same flow run back: one flow run per round, whoever records it.
+    from atoll.runs.manage import open_run
+    from atoll.tasks.recorder import RoundRecorder
+
+    again = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+                          round_run_tags=[run_tag(run_id), ROUND_TAG])
+    again.submit(1, None, seconds=0.1)
+    again.flush()
+    assert again.recorded == [1] and again.errors == 0
+    with get_client(sync_client=True) as client:
+        assert [fr.name for fr in _round_runs(client, run_id)].count("round-000001") == 1

@@ -29,6 +29,10 @@ b was killed after step 9 and restarted from its state saved at step 5: its coun
 * d: useful 0; spent 4; step time 0.5 s.
 
 useful = 5 * 0.1 + 7 * 0.2 + 0 = 1.9 s; spent = 8 * 0.1 + 12 * 0.2 + 4 * 0.5 = 5.2 s; goodput = 1.9 / 5.2.
+
+Each contribution is against its learner's last alignment of the fragment (``BASES``). One
+published again against the same version as the learner's previous merged one would carry that
+work again: only its steps beyond it count (the last test).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ CONTRIBUTIONS = {
     "b7": ("b", 7, 4.5, 0.2, 0, 2), "b10": ("b", 10, 5.5, 0.3, 1, 3),
     "d2": ("d", 2, 1.2, 0.5, 0, 2), "d4": ("d", 4, 2.2, 0.5, 1, 2),
 }
+# The version each one is against: the learner's last alignment of that fragment (fragment 0 is
+# synchronized by rounds 1, 3, 5 and fragment 1 by rounds 2, 4). b restarted from its save at step
+# 5, taken after it had aligned fragment 0 to round 1.
+BASES = {"a2": 0, "a4": 0, "a6": 1, "a8": 2, "b3": 0, "b6": 0, "b9": 1, "b7": 1, "b10": 2, "d2": 0, "d4": 0}
 # round: (accepted, rejected: name -> kind)
 ROUNDS = {
     1: (["a2", "b3"], {"d2": RejectionKind.OUTLIER}),
@@ -76,8 +84,8 @@ def write_run(contributions: dict = CONTRIBUTIONS) -> tuple[RunStore, dict[str, 
     keys: dict[str, str] = {}
     for name, (learner, step, created, step_time, fragment, c_steps) in contributions.items():
         sha = hashlib.sha256(name.encode()).hexdigest()
-        key = paths.contribution_key(fragment, 0, learner, c_steps, sha)
-        rec = ContributionRecord(key=key, learner_id=learner, fragment=fragment, base_version=0, c_steps=c_steps,
+        key = paths.contribution_key(fragment, BASES[name], learner, c_steps, sha)
+        rec = ContributionRecord(key=key, learner_id=learner, fragment=fragment, base_version=BASES[name], c_steps=c_steps,
                                  c_tokens=64 * c_steps, payload=BlobRef(sha, 100),
                                  tensors={n: {"codec": "fp32", "shape": list(SHAPES[n])} for n in plan.fragments[fragment]},
                                  created_at=created, info={"step": step, "step_time_s": step_time, "pool": "p"})
@@ -93,7 +101,7 @@ def commit(store: RunStore, keys: dict[str, str], round_: int) -> None:
     for name in accepted:
         learner, _, _, _, frag, c_steps = CONTRIBUTIONS[name]
         assert frag == fragment
-        rows.append(AcceptedContribution(keys[name], learner, 1.0 / len(accepted), 0, c_steps, 64 * c_steps))
+        rows.append(AcceptedContribution(keys[name], learner, 1.0 / len(accepted), BASES[name], c_steps, 64 * c_steps))
     assert store.commit_round(round_, fragment, params=None, accepted=rows,
                               rejected={keys[n]: Rejection(kind, "test") for n, kind in rejected.items()}).won
 
@@ -137,3 +145,20 @@ def test_no_restart_means_no_re_run_steps() -> None:
     report = GoodputTracker(store).update()
     assert report.per_learner["b"] == pytest.approx(7 / 14)
     assert report.spent_s == pytest.approx(8 * 0.1 + 14 * 0.2 + 4 * 0.5)
+
+
+def test_a_repeat_against_the_same_version_counts_only_its_new_steps() -> None:
+    """a publishes fragment 0 again before adopting round 1 (a6 against version 0, not 1): it
+    carries a2's 2 merged steps again, so merging it adds 4 - 2 = 2 useful steps, not 4."""
+    repeat = dict(BASES)
+    BASES["a6"] = 0
+    try:
+        store, keys = write_run()
+        for r in ROUNDS:
+            commit(store, keys, r)
+        report = GoodputTracker(store).update()
+    finally:
+        BASES.clear()
+        BASES.update(repeat)
+    assert report.per_learner["a"] == pytest.approx((2 + 4 + 2) / 2 / 8)
+    assert report.useful_s == pytest.approx(USEFUL_S - 2 / 2 * 0.1)

@@ -199,7 +199,10 @@ class RoundRecorder:
         create = FlowRunCreate(flow_id=self._round_flow_id, name=round_flow_name(item.round),
                                parameters={"round_number": item.round, "run_id": self.run_id},
                                tags=list(self.round_run_tags or []),
-                               state=to_state_create(Completed(message=message)))
+                               state=to_state_create(Completed(message=message)),
+                               # One flow run per round of a run, whoever records it (a restarted or
+                               # racing training run that adopted the round gets the same one back).
+                               idempotency_key=f"atoll-round:{self.run_id}:{item.round}")
         resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
         return UUID(resp.json()["id"])
 
