@@ -88,10 +88,11 @@ def test_train_passes_its_flags_through(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr("atoll.ops.client.launch_training", launch)
     rc = main(["train", "--preset", "smoke", "--bucket", str(tmp_path / "bucket"), "--name", "r1",
                "--learners", "3", "--rounds", "7", "--config", "cfg.yaml", "--storage-option", "anon=true",
-               "--no-wait"])
+               "--no-wait", "--record-rounds"])
     assert rc == 0
     [(args, kwargs)] = launch.calls
     options = args[0]
+    assert options.record_rounds
     assert options.run_url == to_url(str(tmp_path / "bucket" / "r1"))
     assert (options.preset, options.learners, options.rounds, options.config_path) == ("smoke", 3, 7, "cfg.yaml")
     assert options.storage_options == {"anon": "true"} and options.resume_from is None
