@@ -425,12 +425,17 @@ def main() -> int:
             # DP's best lr at the first seed can sit at the edge of stability (one step up fails to
             # take off): its lower neighbour runs at every seed too, and the table's best DP is the
             # best mean over all seeds, so one lucky seed never sets the reference.
+            # The decoupled rows get the same treatment (the table lists each inner lr's mean).
             lower = sorted(float(k.split()[1]) for k in runs if k.startswith("dp ") and float(k.split()[1]) < dp_lr)
+            lower_inner = sorted(float(k.split()[1]) for k in runs if k.startswith("dec ")
+                                 and float(k.split()[1]) < inner_lr)
             for seed in seeds[1:]:
                 dp_row(dp_lr, seed)
                 if lower:
                     dp_row(lower[-1], seed)
                 dec_row(inner_lr, seed)
+                if lower_inner:
+                    dec_row(lower_inner[-1], seed)
                 for key in rows_all:
                     fixed(key, seed)
             for key in rows_late:
