@@ -16,8 +16,9 @@ Rows (every label carries its outer and inner settings):
     cosine; its lr is swept until the best is not at an edge of the grid.
   * bare PyTorch DP: the same model and data in a plain torch loop (torch.optim.AdamW, LambdaLR,
     uniformly random windows), no atoll code in the loop: the baseline itself is efficient.
-  * bare PyTorch sync DiLoCo: M model copies with an AdamW each, parameters averaged every H steps,
-    no atoll code: what local steps cost by themselves, next to atoll's sync DiLoCo row.
+  * bare PyTorch sync DiLoCo: M model copies with an AdamW each, every H steps an outer step to
+    their average (the rows' outer lr, no momentum), no atoll code: what local steps cost by
+    themselves, next to atoll's sync DiLoCo row with the plain mean.
   * decoupled K=1+grace (RDA, token-weighted): its inner lr is swept the same way.
   * sync DiLoCo (K=M, P=1, plain mean) at the same H and inner lr; sync DiLoCo with H=1.
   * decoupled K=1 without the grace window; decoupled with the pre-fix learner (lr schedule on
@@ -97,7 +98,8 @@ def label_of(kind: str, c: DilocoConfig | None, lr: float, extra: str = "") -> s
     if kind == "bare":
         return f"DP, bare PyTorch loop, AdamW lr {lr:g}"
     if kind == "bare-sync":
-        return f"sync DiLoCo H={extra}, mean, outer lr 1 mu 0, bare PyTorch loop (no atoll), inner lr {lr:g}"
+        h, _, outer = extra.partition(",")
+        return f"sync DiLoCo H={h}, mean, outer lr {outer or 1} mu 0, bare PyTorch loop (no atoll), inner lr {lr:g}"
     assert c is not None
     merge = "RDA" if c.merge == "rda" else "mean"
     if c.min_quorum == c.num_learners:
@@ -179,10 +181,12 @@ def run_bare_dp(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float
             "rounds": steps, "merged": float(M), "merged_share": 1.0}
 
 
-def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float, seed: int, h: int) -> dict:
+def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float, seed: int, h: int,
+                  outer_lr: float = 1.0) -> dict:
     """Synchronous DiLoCo in a plain PyTorch loop (no atoll learner, synchronizer or bucket): M
     copies of the model, each with its own AdamW on its own uniformly random windows of the whole
-    corpus, every ``h`` steps all set to the average of their parameters (outer lr 1, no momentum).
+    corpus; every ``h`` steps the global model moves ``outer_lr`` of the way to the average of
+    the copies (no momentum: outer lr 1 is the plain average) and every copy restarts from it.
     The same schedule as the DP rows, on the global step. Tells whether atoll's DiLoCo rows lose
     anything to atoll itself, or only what local steps cost."""
     corpus = spec.corpus()
@@ -208,10 +212,11 @@ def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: flo
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             tokens += a.batch * T
-        if step % h == 0 or step == steps:  # the outer step: every copy (and the global model) := the mean
+        if step % h == 0 or step == steps:  # the outer step, then every copy restarts from the global model
             with torch.no_grad():
                 for name, p in model.named_parameters():
-                    p.copy_(torch.stack([dict(m.named_parameters())[name] for m in copies]).mean(0))
+                    mean = torch.stack([dict(m.named_parameters())[name] for m in copies]).mean(0)
+                    p.add_(mean - p, alpha=outer_lr)
                     for m in copies:
                         dict(m.named_parameters())[name].copy_(p)
         if step % every == 0 or step == steps:
@@ -405,9 +410,9 @@ def main() -> int:
                 c = configs.get(key)
                 if key == "bare":
                     run("bare", label_of("bare", None, dp_lr), seed, lambda s: run_bare_dp(a, gpt, spec_for(s), dp_lr, s))
-                elif key == "bare-sync":  # atoll's sync DiLoCo row without atoll: at the same inner lr
-                    run(key, label_of("bare-sync", None, inner_lr, str(a.inner_steps)), seed,
-                        lambda s: run_bare_sync(a, gpt, spec_for(s), inner_lr, s, a.inner_steps))
+                elif key == "bare-sync":  # atoll's sync-mean row without atoll: same inner lr and outer lr
+                    run(f"bare-sync {a.outer_lr:g}", label_of("bare-sync", None, inner_lr, f"{a.inner_steps},{a.outer_lr:g}"),
+                        seed, lambda s: run_bare_sync(a, gpt, spec_for(s), inner_lr, s, a.inner_steps, a.outer_lr))
                 elif key == "sync-h1":  # H = 1, plain mean: one averaged AdamW step per round, at DP's lr
                     run(key, label_of("diloco", c, dp_lr), seed,
                         lambda s: run_diloco(a, model, spec_for(s), c, dp_lr, s, root, rounds_cache=rounds_cache))

@@ -35,4 +35,4 @@ def test_bare_sync_diloco_row_trains(quality) -> None:  # type: ignore[no-untype
     assert out["tokens"] == a.tokens and out["rounds"] == 3 and len(out["curve"]) == 3
     assert all(math.isfinite(v) for _, v in out["curve"])
     assert out["curve"][-1][1] < out["curve"][0][1] < math.log(256) + 0.5  # it learns
-    assert quality.label_of("bare-sync", None, 3e-3, "8").startswith("sync DiLoCo H=8, mean")
+    assert quality.label_of("bare-sync", None, 3e-3, "8,0.8").startswith("sync DiLoCo H=8, mean, outer lr 0.8")
