@@ -455,6 +455,12 @@ def main() -> int:
             most = max(len(runs[k]) for k in dp_keys)
             best_dp = min((k for k in dp_keys if len(runs[k]) == most), key=lambda k: stats(k)[0])
             ref = stats(best_dp)[0]
+
+            def ref_of(key: str) -> float:
+                """The best DP's mean over the seeds ``key`` ran at (a row run at one seed is compared
+                with DP at that seed, not with DP's mean over seeds it never ran)."""
+                same = [final(runs[best_dp][sd]) for sd in runs[key] if sd in runs[best_dp]]
+                return statistics.fmean(same) if same else ref
             dp_bpt = runs[best_dp][seeds[0]]["bytes_per_token"]
             say("")
             say(f"== {desc}; {len(corpus.train):,} train tokens = {a.tokens / len(corpus.train):.1f} epochs at "
@@ -471,16 +477,17 @@ def main() -> int:
             for key in order:
                 mean, spread, n = stats(key)
                 r0 = next(iter(runs[key].values()))
-                row = {"key": key, "label": labels[key], "mean": mean, "spread": spread, "n": n, "ratio": mean / ref,
+                row = {"key": key, "label": labels[key], "mean": mean, "spread": spread, "n": n, "ratio": mean / ref_of(key),
                        "rounds": r0["rounds"], "merged": r0["merged"],
                        "merged_share": statistics.fmean(r["merged_share"] for r in runs[key].values()),
                        "bytes_per_token": r0["bytes_per_token"], "seeds": {s: final(r) for s, r in runs[key].items()}}
                 table.append(row)
                 mark = " *" if key == best_dp else ""
-                say(f"{labels[key] + mark:92s} {mean:8.4f} {spread:6.4f} {n:2d} {mean / ref:9.3f} {r0['rounds']:7d} "
+                say(f"{labels[key] + mark:92s} {mean:8.4f} {spread:6.4f} {n:2d} {mean / ref_of(key):9.3f} {r0['rounds']:7d} "
                     f"{r0['merged']:9.2f} {row['merged_share']:11.0%} {r0['bytes_per_token']:11.1f} "
                     f"{r0['bytes_per_token'] / dp_bpt:7.4f}")
-            say(f"(* best DP; +- is half the range over seeds; sweeps at seed {seeds[0]}, best DP lr {dp_lr:g}, "
+            say(f"(* best DP: best mean over seeds; '/ best DP' divides by its mean over the row's own seeds; "
+                f"+- is half the range over seeds; sweeps at seed {seeds[0]}, best DP lr {dp_lr:g}, "
                 f"best inner lr {inner_lr:g}; {time.time() - t0:.0f}s so far)")
             report["corpora"][cname] = {"desc": desc, "table": table, "best_dp": best_dp, "dp_lr": dp_lr,
                                         "inner_lr": inner_lr,
