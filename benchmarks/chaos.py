@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -476,27 +477,44 @@ def main(argv: list[str] | None = None) -> int:
         args.minutes, args.learner_kills, args.run_kills = 3.0, 12, 2
     schedule = kill_schedule(args.seed, minutes=args.minutes, learners=args.learners,
                              learner_kills=args.learner_kills, run_kills=args.run_kills)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in ("decoupled", "lockstep"):
+            raise SystemExit(f"--modes: unknown mode {mode!r} (decoupled, lockstep)")
+    out = Path(args.out)
     server, endpoint = moto_server()
     results = []
+    failed: list[str] = []
     try:
         with tempfile.TemporaryDirectory(prefix="atoll-chaos-") as tmp:
-            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-                if mode not in ("decoupled", "lockstep"):
-                    raise SystemExit(f"--modes: unknown mode {mode!r} (decoupled, lockstep)")
-                results.append(run_mode("K=1+grace" if mode == "decoupled" else "lock-step K=M",
-                                        lockstep=mode == "lockstep", schedule=schedule, args=args,
-                                        endpoint=endpoint, root=Path(tmp), log=lambda s: print(s, flush=True)))
+            for mode in modes:
+                name = "K=1+grace" if mode == "decoupled" else "lock-step K=M"
+                try:
+                    results.append(run_mode(name, lockstep=mode == "lockstep", schedule=schedule, args=args,
+                                            endpoint=endpoint, root=Path(tmp), log=lambda s: print(s, flush=True)))
+                except Exception as e:  # noqa: BLE001 - one mode failing must not lose the other's results
+                    # Keep that mode's logs (the temporary folder goes away) and go on.
+                    kept = out / f"chaos-{mode}-logs"
+                    shutil.rmtree(kept, ignore_errors=True)
+                    logs = Path(tmp) / f"{mode}-logs"
+                    if logs.exists():
+                        shutil.copytree(logs, kept)
+                    print(f"{name}: FAILED: {e!r}; its logs: {kept}", flush=True)
+                    failed.append(name)
     finally:
         server.stop()
+    if not results:
+        return 1
     print()
     print(f"M = {args.learners} learners on {len(POOLS)} pools (cpu-slow 1.5x slower), micro GPT, P = 2, H = 8; "
           f"storage faults: {args.storage_faults or 'none'}; seed {args.seed}")
     print(table(results))
-    out = Path(args.out)
+    if failed:
+        print(f"failed (no results): {', '.join(failed)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     print(f"plot: {plot(results, out)}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
