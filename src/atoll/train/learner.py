@@ -79,7 +79,11 @@ class LearnerOptions:
     """Stop after this many local steps (None: until the run is finished)."""
 
     lockstep: bool | None = None
-    """Wait for each merged version tau steps after publishing. None: only when K = M."""
+    """Wait for each merged version tau steps after publishing. None: only when K = M and P = 1
+    (synchronous DiLoCo). With P > 1 a learner publishes fragments in offset order, which is not
+    the rounds' order (P = 2, H = 8: fragment 1 at step 4, fragment 0 at step 8, round 1 merges
+    fragment 0), so waiting after the first publish would deadlock the run; K = M there is the
+    synchronizer waiting for all M, and the learners run on."""
 
     log_every_steps: int = 0
     """Print a progress line every this many steps (0: quiet)."""
@@ -387,7 +391,8 @@ class Learner:
         """Called right before each publish; False skips it (the learner was fenced)."""
         self.config, self.plan, self.recipe = store.config, store.plan, load_recipe(store)
         self.index, self.spec = self.recipe.learner(learner_id)
-        self.lockstep = lockstep if lockstep is not None else self.config.min_quorum == self.config.num_learners
+        self.lockstep = lockstep if lockstep is not None else (
+            self.config.min_quorum == self.config.num_learners and self.config.num_fragments == 1)
         self.summary = LearnerSummary(learner_id=learner_id, incarnation=incarnation)
 
         # Where it trains: the launch's setting (flow parameter / LearnerOptions) or the recipe's.
