@@ -59,6 +59,8 @@ from typing import Any
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+from atoll.ops import observe  # noqa: E402
+
 POOLS = ("cpu-fast", "cpu-slow")
 HEARTBEAT_TIMEOUT_S = 20.0
 BUCKET = "atoll-chaos"
@@ -94,23 +96,17 @@ MARKER_VAR = "ATOLL_CHAOS_MARKER"
 
 
 def processes_with(marker: str) -> list[int]:
-    from atoll.ops.observe import processes_with as with_marker
-
-    return with_marker(MARKER_VAR, marker)
+    return observe.processes_with(MARKER_VAR, marker)
 
 
 def live_copies(store: Any, holder: str, marker: str) -> list[int]:
     """Incarnations of ``holder`` whose process runs on this machine and heartbeats as alive."""
-    from atoll.ops.observe import live_copies as copies
+    return observe.live_copies(store, holder, env_var=MARKER_VAR, marker=marker,
+                               heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
 
-    return copies(store, holder, env_var=MARKER_VAR, marker=marker, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
 
-
-def alive(store: Any, holder: str | None, *, newer_than: int = 0) -> Any:
-    """The newest incarnation's liveness if it is newer than ``newer_than`` and heartbeating."""
-    from atoll.ops.observe import alive as newest_alive
-
-    return newest_alive(store, holder, newer_than=newer_than)
+alive = observe.alive
+"""The newest incarnation's liveness (None: not newer than ``newer_than``, or not heartbeating)."""
 
 
 class Watcher(threading.Thread):

@@ -143,6 +143,16 @@ def run_dp(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float, see
             "rounds": steps, "merged": float(M), "merged_share": 1.0}
 
 
+def _bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, w: torch.Tensor) -> None:
+    """One plain PyTorch training step on windows ``w`` (next-byte loss, clip 1, AdamW step)."""
+    logits = model(w[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def run_bare_dp(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float, seed: int) -> dict:
     """The same model and data in a plain PyTorch loop: nothing of atoll but the model and the evaluator."""
     corpus = spec.corpus()
@@ -165,13 +175,7 @@ def run_bare_dp(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: float
     offsets = torch.arange(T + 1)
     for step in range(1, steps + 1):
         starts = torch.randint(0, len(train) - T - 1, (batch,), generator=gen)
-        w = train[starts[:, None] + offsets]
-        logits = model(w[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _bare_step(model, opt, train[starts[:, None] + offsets])
         sched.step()
         tokens += batch * T
         if step % every == 0 or step == steps:
@@ -196,6 +200,7 @@ def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: flo
     inner = InnerOptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="steps", total_steps=steps)
     model = build_model(gpt, seed=seed)
     copies = [build_model(gpt, seed=seed) for _ in range(M)]
+    copy_params = [dict(m.named_parameters()) for m in copies]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1) for m in copies]
     gens = [torch.Generator().manual_seed(1000 * (i + 1) + seed) for i in range(M)]
     offsets = torch.arange(T + 1)
@@ -204,21 +209,15 @@ def run_bare_sync(a: argparse.Namespace, gpt: GPTConfig, spec: DataSpec, lr: flo
         for m, opt, gen in zip(copies, opts, gens, strict=True):
             for g in opt.param_groups:
                 g["lr"] = lr_at_step(inner, step)
-            w = train[torch.randint(0, len(train) - T - 1, (a.batch,), generator=gen)[:, None] + offsets]
-            logits = m(w[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
+            _bare_step(m, opt, train[torch.randint(0, len(train) - T - 1, (a.batch,), generator=gen)[:, None] + offsets])
             tokens += a.batch * T
         if step % h == 0 or step == steps:  # the outer step, then every copy restarts from the global model
             with torch.no_grad():
                 for name, p in model.named_parameters():
-                    mean = torch.stack([dict(m.named_parameters())[name] for m in copies]).mean(0)
+                    mean = torch.stack([c[name] for c in copy_params]).mean(0)
                     p.add_(mean - p, alpha=outer_lr)
-                    for m in copies:
-                        dict(m.named_parameters())[name].copy_(p)
+                    for c in copy_params:
+                        c[name].copy_(p)
         if step % every == 0 or step == steps:
             curve.append((tokens, data_mod.evaluate(model, corpus.val, batches=a.eval_batches)))
     n = count_parameters(model)

@@ -40,21 +40,6 @@ def flow_runs(client: Any, run_id: str, flow_name: str, *extra_tags: str) -> lis
     return read_flow_runs_paged(client, flow_names=[flow_name], tags=[run_tag(run_id), *extra_tags])
 
 
-def pid_of_flow_run(flow_run_id: str) -> int | None:
-    """The process running a flow run: the worker gives it PREFECT__FLOW_RUN_ID in its environment."""
-    needle = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in env:
-            return int(d.name)
-    return None
-
-
 def processes_with(marker: str) -> list[int]:
     """Processes of the stack started with ``ATOLL_IT_MARKER=marker`` (atoll.ops.observe)."""
     return observe.processes_with(MARKER_VAR, marker)

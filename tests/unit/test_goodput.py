@@ -147,18 +147,13 @@ def test_no_restart_means_no_re_run_steps() -> None:
     assert report.spent_s == pytest.approx(8 * 0.1 + 14 * 0.2 + 4 * 0.5)
 
 
-def test_a_repeat_against_the_same_version_counts_only_its_new_steps() -> None:
+def test_a_repeat_against_the_same_version_counts_only_its_new_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """a publishes fragment 0 again before adopting round 1 (a6 against version 0, not 1): it
     carries a2's 2 merged steps again, so merging it adds 4 - 2 = 2 useful steps, not 4."""
-    repeat = dict(BASES)
-    BASES["a6"] = 0
-    try:
-        store, keys = write_run()
-        for r in ROUNDS:
-            commit(store, keys, r)
-        report = GoodputTracker(store).update()
-    finally:
-        BASES.clear()
-        BASES.update(repeat)
+    monkeypatch.setitem(BASES, "a6", 0)
+    store, keys = write_run()
+    for r in ROUNDS:
+        commit(store, keys, r)
+    report = GoodputTracker(store).update()
     assert report.per_learner["a"] == pytest.approx((2 + 4 + 2) / 2 / 8)
     assert report.useful_s == pytest.approx(USEFUL_S - 2 / 2 * 0.1)

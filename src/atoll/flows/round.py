@@ -60,11 +60,11 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
     return summary
 
 
-def recorded_round(ctx: RunContext, round_number: int, log: Any, *, started_at: float | None = None) -> dict[str, Any]:
+def recorded_round(ctx: RunContext, round_number: int, log: Any) -> dict[str, Any]:
     """The same round, run inline in the training-run process with no Prefect call on its path;
     the run's recorder creates its flow run afterwards (``record_rounds``: Completed, named
     ``round-000017``, tagged like a round flow run, with the same artifacts and event)."""
-    t0 = time.time() if started_at is None else started_at
+    t0 = time.time()
     summary = _round(ctx, round_number, log, await_quorum.fn, merge_and_commit.fn, None)
     ctx.round_recorder().submit(round_number, None, seconds=time.time() - t0)
     return summary

@@ -58,6 +58,7 @@ from atoll.tasks.queries import (
     SEGMENT_OF_TAG,
     SEGMENT_RUN_TAG,
     SEGMENT_TAG,
+    flow_id,
 )
 from atoll.tasks.recorder import artifact_keys
 from atoll.train.lifecycle import Fenced, RunStopped
@@ -223,7 +224,7 @@ class RoundLauncher:
             self._client = None
 
     def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
-        from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+        from prefect.client.schemas.actions import FlowRunCreate
         from prefect.client.schemas.objects import FlowRun
         from prefect.flow_engine import run_flow
         from prefect.states import Pending, to_state_create
@@ -234,8 +235,7 @@ class RoundLauncher:
             self._client.__enter__()
         client = self._client
         if self._flow_id is None:
-            resp = client.request("POST", "/flows/", json=FlowCreate(name=ROUND_FLOW.name).model_dump(mode="json"))
-            self._flow_id = resp.json()["id"]
+            self._flow_id = flow_id(client, ROUND_FLOW.name)
         create = FlowRunCreate(flow_id=self._flow_id, name=round_flow_name(round_),
                                parameters=ROUND_FLOW.serialize_parameters(params), tags=list(self.tags),
                                state=to_state_create(Pending()))

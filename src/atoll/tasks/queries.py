@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 
-__all__ = ["PAGE_SIZE", "read_flow_runs_paged", "newest_first", "ACTIVE_STATE_TYPES", "TRAINING_FLOW_NAME",
+__all__ = ["PAGE_SIZE", "read_flow_runs_paged", "newest_first", "flow_id", "ACTIVE_STATE_TYPES", "TRAINING_FLOW_NAME",
            "ROUND_FLOW_NAME", "LEARNER_FLOW_NAME", "SUPERVISOR_FLOW_NAME", "RUN_TAG_PREFIX", "run_id_of",
            "DEFAULT_TRAINING_DEPLOYMENT", "ROUND_TAG", "SEGMENT_RUN_TAG", "SEGMENT_TAG", "SEGMENT_OF_TAG", "HANDED_OVER_TAG"]
 
@@ -64,6 +64,15 @@ def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequen
             break
         offset += page_size
     return newest_first(seen.values())
+
+
+def flow_id(client: Any, name: str) -> str:
+    """The id of flow ``name`` (created if new): one ``POST /flows/``, which Prefect answers with
+    the existing flow when the name is taken. For flow runs created with the API (round flow runs)."""
+    from prefect.client.schemas.actions import FlowCreate
+
+    resp = client.request("POST", "/flows/", json=FlowCreate(name=name).model_dump(mode="json"))
+    return str(resp.json()["id"])
 
 
 def newest_first(runs: Any) -> list[FlowRun]:

@@ -23,6 +23,7 @@ training run waits for the queue to drain (``flush``) before it reports its end.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 import queue
 import threading
@@ -184,15 +185,14 @@ class RoundRecorder:
         """The flow run of a recorded round: one API call, created Completed (the server sets the
         state as given on creation), named and tagged like a round flow run; its state message
         says what the round did and how long it took."""
-        from prefect.client.schemas.actions import FlowCreate, FlowRunCreate
+        from prefect.client.schemas.actions import FlowRunCreate
         from prefect.states import Completed, to_state_create
 
         from atoll.runs.report import round_flow_name
-        from atoll.tasks.queries import ROUND_FLOW_NAME
+        from atoll.tasks.queries import ROUND_FLOW_NAME, flow_id
 
         if self._round_flow_id is None:
-            resp = client.request("POST", "/flows/", json=FlowCreate(name=ROUND_FLOW_NAME).model_dump(mode="json"))
-            self._round_flow_id = resp.json()["id"]
+            self._round_flow_id = flow_id(client, ROUND_FLOW_NAME)
         took = f" in {item.seconds:.2f} s" if item.seconds is not None else ""
         message = (f"round {item.round} (fragment {record.fragment}) committed{took}: "
                    f"{len(record.accepted)} merged, {len(record.rejected)} not")
@@ -219,7 +219,7 @@ class RoundRecorder:
             fr = UUID(item.flow_run_id) if item.flow_run_id else None
             if fr is None and self.round_run_tags is not None:
                 fr = self._create_round_run(client, item, record)
-                item = _Item(item.round, str(fr), item.seconds)
+                item = dataclasses.replace(item, flow_run_id=str(fr))
             md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
                                 goodput=goodput, inner_steps=self.inner_steps)
             client.create_artifact(ArtifactCreate(
