@@ -1,7 +1,7 @@
 """The real stack on PostgreSQL: the test starts a private cluster through ``LocalStack(database=
 "postgres")`` (initdb, pg_ctl on a free loopback port, as an unprivileged user when root), a Prefect
 server on it, two process pools with a worker each, moto S3; then a run of 8 learners split over
-the two pools, lock-step (K = M) so every round merges every learner: many processes write to
+the two pools, lock-step (K = M, P = 1) so every round merges every learner: many processes write to
 Prefect at once, which is what PostgreSQL is for.
 
 Checks: every round committed (the chain verifies), all 8 learners merged, learner flow runs on
@@ -101,7 +101,11 @@ def test_eight_learners_on_two_pools_on_postgres(s3: Any, tmp_path: Path) -> Non
     run_id = f"pg-{marker[:8]}"
     url = f"s3://{s3.bucket}/{run_id}"
     config, recipe = smoke_recipe(LEARNERS, max_rounds=ROUNDS)
-    config = dataclasses.replace(config, min_quorum=LEARNERS)  # lock-step: every round merges all 8
+    # Lock-step (K = M and P = 1, learners wait for the version that merges their work): every round
+    # merges all 8 and the learners never run ahead of the synchronizer. With P > 1 learners run free
+    # (K = M is then only the synchronizer waiting for all M), and 8 free-running learners on 2 cores
+    # starve the training run: 12 rounds took 6.5 min on an idle machine and timed out in CI.
+    config = dataclasses.replace(config, min_quorum=LEARNERS, num_fragments=1)
     learners = [LearnerSpec(learner_id=f"learner-{i}", batch_size=4, pool=POOLS[i % 2],
                             slowdown=1.0 if i % 2 == 0 else 1.5) for i in range(LEARNERS)]
     recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners],
