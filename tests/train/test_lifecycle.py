@@ -350,3 +350,24 @@ def test_a_thawed_synchronizer_that_finds_its_round_committed_by_its_replacement
     assert store.latest_round() == 1 and store.read_commit(1) is not None
     with pytest.raises(Fenced, match="incarnation 1 fenced by incarnation 2"):
         old.poll()
+
+
+def test_a_long_running_learner_keeps_a_bounded_loss_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.train.learner as learner_module
+
+    monkeypatch.setattr(learner_module, "LOSS_WINDOW", 2)  # days of steps, in six
+    store = new_run(tmp_path)
+    options = LearnerOptions(heartbeat_interval_s=0.1, orphan_timeout_s=None, poll_interval_s=0.05)
+    t, out = learner_in_thread(store, L0, options)
+
+    def stepping() -> bool:
+        hb = store.learner_liveness(L0).heartbeat
+        return hb is not None and (hb.step or 0) >= 6
+
+    wait_for(stepping, 120, "learner-0 to heartbeat at step 6")
+    store.mark_stopped("enough", by="test")
+    t.join(60)
+    summary = out[0]
+    assert isinstance(summary, LearnerSummary), summary
+    assert summary.steps >= 6 and 2 <= len(summary.losses) < 4, (summary.steps, summary.losses)
+    assert summary.losses[-1] == summary.last_loss

@@ -129,6 +129,10 @@ class LearnerOptions:
     step). At most two contributions wait; a failed write is raised from the next step."""
 
 
+LOSS_WINDOW = 10_000
+"""How many recent step losses a learner's summary keeps at least (see ``LearnerSummary.losses``)."""
+
+
 @dataclass
 class LearnerSummary:
     learner_id: str
@@ -140,6 +144,8 @@ class LearnerSummary:
     started_from_round: int = 0
     resumed_inner_state: bool = False
     losses: list[float] = field(default_factory=list)
+    """Per-step training losses, oldest first: the most recent ``LOSS_WINDOW`` to ``2 * LOSS_WINDOW`` of
+    them (trimmed in bulk, so appending stays O(1)), so a learner that runs for days holds a bounded list."""
     incarnation: int = 0
     """The lease incarnation this process held (0: no lease)."""
     exit_reason: str = ""
@@ -532,6 +538,8 @@ class Learner:
         self.summary.tokens += n_tokens
         self.summary.last_loss = float("nan") if loss is None else float(loss)
         self.summary.losses.append(self.summary.last_loss)
+        if len(self.summary.losses) >= 2 * LOSS_WINDOW:
+            del self.summary.losses[:-LOSS_WINDOW]
         if step_time_s is not None:
             self.step_ema = step_time_s if self.step_ema is None else 0.9 * self.step_ema + 0.1 * step_time_s
 
