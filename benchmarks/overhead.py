@@ -21,7 +21,10 @@ Reported, from the bucket (learner side) and from timers / Prefect task runs (sy
   synchronizer that keeps up makes it H, one that falls behind lets it grow (target: within 10%);
 * the round wall time (commit to commit) split into waiting for the quorum + grace window, merge +
   storage (load deltas, merge, outer step, write the new fragment and the commit record, evaluate),
-  and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop).
+  and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop);
+* where the machine's CPU went over the same window, in cores, by role (learners, synchronizer or
+  training run, Prefect server, workers, database), from /proc: on a machine with fewer cores than
+  processes, every core the control plane takes is a core the learners do not get.
 
 Prints a table and writes ``overhead.png`` under ``--out``.
 """
@@ -34,8 +37,9 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -50,6 +54,82 @@ from atoll.train.run import make_evaluator  # noqa: E402
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions  # noqa: E402
 
 WARMUP_ROUNDS = 5
+ROLES = ("learners", "synchronizer", "Prefect server", "workers", "database", "other")
+
+
+def _role(pid: int, cmdline: str) -> str:
+    if pid == os.getpid():
+        return "synchronizer"  # the plain runner's loop (under Prefect this process only follows)
+    if "prefect server" in cmdline or "uvicorn" in cmdline:
+        return "Prefect server"
+    if "prefect worker" in cmdline:
+        return "workers"
+    if "postgres" in cmdline:
+        return "database"
+    if "atoll.train.local" in cmdline:
+        return "learners"
+    if "prefect.engine" in cmdline:
+        # A flow run: a learner's has its progress-writer thread (comm is cut to 15 characters).
+        with contextlib.suppress(OSError):
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                if (t / "comm").read_text().startswith("atoll-learner"):
+                    return "learners"
+        return "synchronizer"  # the training run, which runs the rounds
+    return "other"
+
+
+class CpuSampler:
+    """CPU seconds of this process and all its descendants, by role, sampled every ``every_s`` (Linux
+    /proc; elsewhere it records nothing). :meth:`cores` turns a window into cores used per role."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> dict[int, tuple[str, float]]:
+        from atoll.ops.stack import descendants
+
+        out: dict[int, tuple[str, float]] = {}
+        for pid in [os.getpid(), *descendants(os.getpid())]:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError):
+                continue
+            out[pid] = (_role(pid, cmd), (int(stat[11]) + int(stat[12])) / self._tick)  # utime + stime
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._sample()))
+            self._stop.wait(self.every_s)
+
+    def cores(self, t0: float, t1: float) -> dict[str, float]:
+        """Cores used per role between wall times ``t0`` and ``t1``: for each process, its CPU time as
+        last seen by ``t1`` less that as last seen by ``t0`` (0 if it started later). A process that
+        exits inside the window loses at most its last ``every_s`` of CPU."""
+        before: dict[int, tuple[str, float]] = {}
+        after: dict[int, tuple[str, float]] = {}
+        for t, sample in self.samples:
+            if t <= t0:
+                before.update(sample)
+            if t <= t1:
+                after.update(sample)
+        used = dict.fromkeys(ROLES, 0.0)
+        for pid, (role, cpu) in after.items():
+            used[role] += max(0.0, cpu - before.get(pid, (role, 0.0))[1])
+        return {role: v / max(t1 - t0, 1e-9) for role, v in used.items()}
 
 
 @dataclass
@@ -65,6 +145,8 @@ class Result:
     """Configured H (inner steps between two syncs of a fragment)."""
     eff_h: float = 0.0
     """Effective H: mean steps since last sync of the merged contributions, after warm-up."""
+    cores: dict[str, float] = field(default_factory=dict)
+    """Cores used per role (``ROLES``) between the warm-up round's commit and the last commit."""
 
     @property
     def orchestration_s(self) -> float:
@@ -105,6 +187,12 @@ def effective_h(store: RunStore) -> tuple[int, float]:
     return store.config.inner_steps, (statistics.mean(steps) if steps else float("nan"))
 
 
+def measured_window(store: RunStore) -> tuple[float, float]:
+    """Wall times of the warm-up round's commit and the last commit: the window every figure covers."""
+    records = store.history(1, store.latest_round())
+    return records[min(WARMUP_ROUNDS, len(records) - 1)].created_at, records[-1].created_at
+
+
 def round_intervals(store: RunStore) -> tuple[float, float, list[int]]:
     """Median commit-to-commit time and median quorum wait after warm-up; the rounds measured."""
     records = store.history(1, store.latest_round())[WARMUP_ROUNDS:]
@@ -118,7 +206,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     t0 = time.monotonic()
     closes: dict[int, float] = {}
-    with LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
+    with CpuSampler() as cpu, LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         store = RunStore.open(url)
@@ -138,7 +226,8 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     store = RunStore.open(url)
     round_s, wait_s, measured = round_intervals(store)
     return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store),
+                  cores=cpu.cores(*measured_window(store)))
 
 
 def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, database: str = "sqlite",
@@ -156,9 +245,10 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     url = to_url(str(bucket / name))
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
+    cpu = CpuSampler()
     try:
         stack.start()
-        with stack.settings():
+        with stack.settings(), cpu:
             deploy_all(stack.pools)
             t0 = time.monotonic()
             fr = start_training(TrainingRunOptions(run_url=url, nest_rounds=nest_rounds, record_rounds=record_rounds))
@@ -187,7 +277,8 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
         stack.stop()
     label = f"prefect {database}" + (" nested" if nest_rounds else "") + (" recorded" if record_rounds else "")
     return Result(label, store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
-                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store))
+                  statistics.median(closes[r] for r in measured if r in closes), *effective_h(store),
+                  cores=cpu.cores(*measured_window(store)))
 
 
 def table(results: list[Result]) -> str:
@@ -203,6 +294,15 @@ def table(results: list[Result]) -> str:
                      f"{r.tokens_per_s / base:>9.3f}x{r.round_s:>9.2f}{share(r.wait_s, r.round_s):>14}"
                      f"{share(r.close_s, r.round_s):>15}{share(r.orchestration_s, r.round_s):>15}"
                      f"{r.h:>4}{r.eff_h:>8.1f}{r.eff_h / r.h if r.h else float('nan'):>6.2f}x")
+    return "\n".join(lines)
+
+
+def cpu_table(results: list[Result]) -> str:
+    """Cores used per role over each runner's measured window (the machine has ``os.cpu_count()``)."""
+    lines = [f"{'runner':<22}" + "".join(f"{role:>16}" for role in ROLES) + f"{'total':>8}"]
+    for r in results:
+        lines.append(f"{r.name:<22}" + "".join(f"{r.cores.get(role, 0.0):>16.2f}" for role in ROLES)
+                     + f"{sum(r.cores.values()):>8.2f}")
     return "\n".join(lines)
 
 
@@ -270,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
           f"medians after {WARMUP_ROUNDS} warm-up rounds")
     print(table(results))
+    print()
+    print(f"where the CPU went, in cores ({os.cpu_count()} on this machine), over the same window:")
+    print(cpu_table(results))
     for r in results[1:]:
         print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
               "(target >= 0.97x)")
