@@ -44,15 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn.parallel import DistributedDataParallel
 
 from atoll.storage.bucket import RunStore
 from atoll.train.device import resolve_device
 from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, inner_state_tensors, run_learner
 from atoll.train.run import load_recipe
+
+# FSDP2, DTensor, distributed state dicts and DDP are imported where they are used: together they
+# are ~5 s of a loaded machine's import time, paid by every learner process that starts (a relaunch
+# after a SIGKILL included), and a one-rank learner never touches them.
 
 __all__ = ["broadcast_fragments", "die_with_parent", "island_device", "run_island", "free_port"]
 
@@ -133,6 +133,8 @@ class _RankZeroLink:
 
 
 def _wrap_ddp(learner: Learner) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
     ids = [learner.device.index] if learner.device.type == "cuda" else None
     learner.forward_model = DistributedDataParallel(learner.model, device_ids=ids)
 
@@ -141,6 +143,9 @@ def _wrap_fsdp2(learner: Learner) -> None:
     """Shard the learner's model with FSDP2 (every rank, collectively) and move its bases and the
     AdamW state it loaded into DTensor shards of the same layout (each rank keeps its slice: all
     ranks loaded the same values). The optimizer is rebuilt on the sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     model = learner.model
     loaded = {name: learner.opt.state.get(p, {}) for name, p in learner.params.items()}
     for module in list(model.modules()):
@@ -171,6 +176,8 @@ def _wrap_fsdp2(learner: Learner) -> None:
 
 def _full_inner_state(learner: Learner) -> dict[str, torch.Tensor]:
     """FSDP2, every rank: gather the AdamW state to rank 0's host (empty on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     sd = get_optimizer_state_dict(learner.model, learner.opt,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state: Any = sd.get("state", {})
@@ -195,6 +202,8 @@ def broadcast_fragments(learner: Learner, fragments: list[int]) -> None:
                 continue
             # FSDP2: rank 0 holds the adopted values (host); it scatters them into every rank's
             # shards, which also become the fragment's base. The counters restart on every rank.
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
             values = learner.unwritten.pop(p, {}) if learner.rank == 0 else {}
             for name in learner.plan.fragments[p]:
                 param = learner.params[name]
