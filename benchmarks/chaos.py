@@ -347,7 +347,25 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     finally:
         watcher.stop.set()
         _tear_down(stack, marker)
-    return analyse(name, store, watcher, kills, completed, t0, t_end, fault_dir, args)
+    result = analyse(name, store, watcher, kills, completed, t0, t_end, fault_dir, args)
+    try:
+        drop_prefix(endpoint, run_id)
+    except Exception as e:  # noqa: BLE001 - the mode's results are in hand; memory is the next mode's problem
+        log(f"{name}: could not delete the run's objects: {e!r}")
+    return result
+
+
+def drop_prefix(endpoint: str, prefix: str) -> None:
+    """Delete a measured mode's objects: moto keeps every object in this process's memory (~0.3 GB a
+    minute at 6 learners), and the next mode shares the server."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                      region_name="us-east-1")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
 
 
 def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], completed: dict[str, int],
@@ -515,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     results.append(run_mode(name, lockstep=mode == "lockstep", schedule=schedule, args=args,
                                             endpoint=endpoint, root=Path(tmp), log=lambda s: print(s, flush=True)))
+                    out.mkdir(parents=True, exist_ok=True)  # each mode's results as soon as it has them
+                    (out / "chaos.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+                    print(table(results), flush=True)
                 except Exception as e:  # noqa: BLE001 - one mode failing must not lose the other's results
                     # Keep that mode's logs (the temporary folder goes away) and go on.
                     kept = out / f"chaos-{mode}-logs"
