@@ -21,6 +21,7 @@ A fragment's *version* is the number of the round that last wrote it (0 = initia
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -67,7 +68,7 @@ from atoll.storage.records import (
     LearnerStateRecord,
     RunManifest,
 )
-from atoll.storage.store import ObjectStore
+from atoll.storage.store import ObjectStore, io_map
 from atoll.storage.validation import (
     InvalidInput,
     LayoutError,
@@ -207,6 +208,7 @@ class RunStore:
         self._manifest: RunManifest | None = None
         self._commits: OrderedDict[int, CommitRecord] = OrderedDict()
         self._contrib_cache: OrderedDict[str, ContributionRecord | Rejection] = OrderedDict()
+        self._contrib_lock = threading.Lock()  # records are read by several I/O threads at once
         self._latest: int | None = None
 
     # -- opening -----------------------------------------------------------------------------
@@ -456,15 +458,15 @@ class RunStore:
 
     def _read_contribution_record(self, key: str) -> ContributionRecord | Rejection:
         """Parsed record, or the reason it is unusable. Cached: records are immutable."""
-        cached = self._contrib_cache.get(key)
+        with self._contrib_lock:
+            cached = self._contrib_cache.get(key)
         if cached is not None:
             return cached
         url = self.store.key_url(key)
         try:
             data = self._get_capped(key, MAX_CONTRIBUTION_RECORD_BYTES)
         except InvalidInput as e:  # oversize
-            self._contrib_cache[key] = e.rejection
-            return e.rejection
+            return self._cache_contribution(key, e.rejection)
         except TransientStorageError:
             raise  # the store is unwell, not this record: the caller's retry policy decides
         except Exception as e:  # noqa: BLE001 - e.g. a directory or a FIFO where a record belongs
@@ -484,8 +486,7 @@ class RunStore:
                            require_signature=bool(self.keyring))
             except IntegrityError as e:
                 kind = RejectionKind.BAD_SIGNATURE if self.keyring else RejectionKind.CORRUPT
-                self._contrib_cache[key] = Rejection(kind, e.what)
-                return self._contrib_cache[key]
+                return self._cache_contribution(key, Rejection(kind, e.what))
             expected_key = paths.contribution_key(record.fragment, record.base_version, record.learner_id,
                                                   record.c_steps, record.payload.sha256)
             if expected_key != key:
@@ -495,9 +496,13 @@ class RunStore:
             result = e.rejection
         except Exception as e:  # noqa: BLE001 - no single record may stop a reader
             result = Rejection(RejectionKind.CORRUPT, f"record cannot be parsed: {type(e).__name__}: {str(e)[:200]}")
-        self._contrib_cache[key] = result
-        while len(self._contrib_cache) > CACHE_ENTRIES:
-            self._contrib_cache.popitem(last=False)
+        return self._cache_contribution(key, result)
+
+    def _cache_contribution(self, key: str, result: ContributionRecord | Rejection) -> ContributionRecord | Rejection:
+        with self._contrib_lock:
+            self._contrib_cache[key] = result
+            while len(self._contrib_cache) > CACHE_ENTRIES:
+                self._contrib_cache.popitem(last=False)
         return result
 
     def learner_ids(self) -> list[str]:
@@ -518,23 +523,22 @@ class RunStore:
         Each learner writes only under its own prefix, so this is one LIST per learner and base
         version (listing cache invalidated first; ``learner_ids=None`` finds the learners with one
         more LIST), then one GET per record not seen before (records are immutable and cached).
+        The LISTs, then the GETs, run concurrently (:func:`~atoll.storage.store.io_map`): on an
+        object store each one waits tens of milliseconds, and a round does this every poll.
         Payloads are not read here.
         """
         self._check_fragment(fragment)
         bases = [base_versions] if isinstance(base_versions, int) else sorted(set(base_versions))
         ids = self.learner_ids() if learner_ids is None else sorted(set(learner_ids))
         listing = ContributionListing()
-        for lid, base in ((lid, base) for lid in ids for base in bases):
-            prefix = paths.contributions_prefix(fragment, base, lid)
-            for name in self.store.list(prefix):
-                if not name.endswith(".json"):
-                    continue
-                key = prefix + name
-                rec = self._read_contribution_record(key)
-                if isinstance(rec, Rejection):
-                    listing.rejected[key] = rec
-                else:
-                    listing.records.append(rec)
+        prefixes = [paths.contributions_prefix(fragment, base, lid) for lid in ids for base in bases]
+        keys = [prefix + name for prefix, names in zip(prefixes, io_map(self.store.list, prefixes), strict=True)
+                for name in names if name.endswith(".json")]
+        for key, rec in zip(keys, io_map(self._read_contribution_record, keys), strict=True):
+            if isinstance(rec, Rejection):
+                listing.rejected[key] = rec
+            else:
+                listing.records.append(rec)
         # Ordered by what the protocol itself says, never by a writer's clock: for one learner and
         # fragment, a higher base version is newer, and at one base version the counters only grow
         # between two publishes (they accumulate since the learner's last alignment).
@@ -570,18 +574,27 @@ class RunStore:
     def load_contributions(
         self, records: Iterable[ContributionRecord]
     ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
-        """Load many; bad ones land in the second value as ``key -> Rejection`` instead of raising."""
+        """Load many (concurrently, results in the order given); bad ones land in the second value as
+        ``key -> Rejection`` instead of raising. A transient storage error is raised (the store is
+        unwell, not a payload)."""
+        def one(r: ContributionRecord) -> FragmentContribution | Rejection:
+            try:
+                return self.load_contribution(r)
+            except InvalidInput as e:
+                return e.rejection
+            except TransientStorageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
+                return Rejection(RejectionKind.CORRUPT, f"payload cannot be read: {type(e).__name__}: {e}")
+
+        todo = list(records)
         ok: list[FragmentContribution] = []
         rejected: dict[str, Rejection] = {}
-        for r in records:
-            try:
-                ok.append(self.load_contribution(r))
-            except InvalidInput as e:
-                rejected[r.key] = e.rejection
-            except TransientStorageError:
-                raise  # the store is unwell, not this payload
-            except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
-                rejected[r.key] = Rejection(RejectionKind.CORRUPT, f"payload cannot be read: {type(e).__name__}: {e}")
+        for r, loaded in zip(todo, io_map(one, todo), strict=True):
+            if isinstance(loaded, Rejection):
+                rejected[r.key] = loaded
+            else:
+                ok.append(loaded)
         return ok, rejected
 
     # -- commits -----------------------------------------------------------------------------
