@@ -72,3 +72,13 @@ def test_a_round_s_reads_are_the_same_concurrent_or_not(tmp_path: Path, monkeypa
 
     assert reads(1) == reads(16)
     assert len(reads(16)[0]) == 12
+
+
+def test_every_learner_s_liveness_in_one_call(tmp_path: Path) -> None:
+    config, recipe = smoke_recipe(3, max_rounds=4)
+    store = create_run(to_url(str(tmp_path / "run")), config, recipe)
+    store.take_learner_lease("learner-1")
+    live = store.learners_liveness(["learner-0", "learner-1", "learner-2", "learner-1"])
+    assert list(live) == ["learner-0", "learner-1", "learner-2"]
+    assert [v.incarnation for v in live.values()] == [0, 1, 0]
+    assert live["learner-1"] == store.learner_liveness("learner-1")

@@ -1025,6 +1025,11 @@ class RunStore:
         validate_id(learner_id, "learner id")
         return lifecycle.read_liveness(self.store, learner_id)
 
+    def learners_liveness(self, learner_ids: Iterable[str]) -> dict[str, Liveness]:
+        """:meth:`learner_liveness` of each, concurrently (a fleet watch reads every learner's)."""
+        ids = list(dict.fromkeys(learner_ids))
+        return dict(zip(ids, io_map(self.learner_liveness, ids), strict=True))
+
     def synchronizer_liveness(self) -> Liveness:
         return lifecycle.read_liveness(self.store, SYNCHRONIZER_HOLDER)
 

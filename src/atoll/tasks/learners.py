@@ -220,7 +220,7 @@ def watch_learners(ctx: RunContext) -> list[dict[str, Any]]:
         return []
     sync = ctx.synchronizer()
     store = ctx.store
-    liveness = {s["learner_id"]: store.learner_liveness(s["learner_id"]) for s in ctx.fleet.learners}
+    liveness = store.learners_liveness(s["learner_id"] for s in ctx.fleet.learners)
     marker = store.stop_marker()
     return [a.as_dict() for a in ctx.fleet.reconcile(liveness=liveness, finished=sync.finished,
                                                      stopped=marker is not None and marker.stopped)]
