@@ -6,7 +6,7 @@
 
 Each mode runs on a stack of its own, started here for real: a Prefect server (its own SQLite),
 a process worker on each of two pools (``cpu-fast``, ``cpu-slow``), the supervisor flow, atoll's
-deployments, and a moto S3 server on loopback as the bucket. A training run with M learners (two
+deployments, and a moto S3 server on loopback (a process of its own) as the bucket. A training run with M learners (two
 per pool, the ``cpu-slow`` ones 1.5x slower) trains for ``--minutes`` of wall time, while a
 schedule drawn from ``--seed`` (the same times and targets in both modes):
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import random
 import shutil
@@ -201,23 +200,44 @@ class ModeResult:
     contributors: float = 0.0
 
 
+class MotoProcess:
+    """moto's S3 server in a process of its own: in this one it would share a GIL with the watcher
+    (which reads every learner's lease and heartbeat each second), and every object-store call of
+    the run would wait for that."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import urllib.request
+
+        from atoll.ops.stack import free_port
+
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto's server did not start on {self.endpoint}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
 def moto_server() -> tuple[Any, str]:
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    from atoll.ops.stack import free_port
-
-    for name in ("werkzeug", "moto"):
-        # moto's server races its own listing against deletes under load and logs each as a traceback
-        # (the client gets a 500 and atoll retries it): keep the soak's output readable.
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+    server = MotoProcess()
+    boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                  region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    return server, endpoint
+    return server, server.endpoint
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
