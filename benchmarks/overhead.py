@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,9 @@ WARMUP_ROUNDS = 5
 ROLES = ("learners", "synchronizer", "Prefect server", "workers", "database", "other")
 
 
-def _role(pid: int, cmdline: str) -> str:
+def _role(pid: int, cmdline: str, holders: dict[int, str] | None = None) -> str:
+    if holders and pid in holders:
+        return holders[pid]
     if pid == os.getpid():
         return "synchronizer"  # the plain runner's loop (under Prefect this process only follows)
     if "prefect server" in cmdline or "uvicorn" in cmdline:
@@ -69,21 +72,28 @@ def _role(pid: int, cmdline: str) -> str:
     if "atoll.train.local" in cmdline:
         return "learners"
     if "prefect.engine" in cmdline:
-        # A flow run: a learner's has its progress-writer thread (comm is cut to 15 characters).
-        with contextlib.suppress(OSError):
-            for t in Path(f"/proc/{pid}/task").iterdir():
-                if (t / "comm").read_text().startswith("atoll-learner"):
-                    return "learners"
-        return "synchronizer"  # the training run, which runs the rounds
+        return "synchronizer"  # a flow run no lease names: the training run before it takes its lease
     return "other"
+
+
+def lease_holders(store: RunStore, learner_ids: list[str]) -> dict[int, str]:
+    """Pids the bucket's newest leases name: each learner's process, and the synchronizer's (the
+    training run under Prefect). Both run as ``python -m prefect.engine`` there."""
+    out = {live.lease.pid: "learners" for live in store.learners_liveness(learner_ids).values()
+           if live.lease is not None}
+    sync = store.synchronizer_liveness()
+    if sync.lease is not None:
+        out[sync.lease.pid] = "synchronizer"
+    return out
 
 
 class CpuSampler:
     """CPU seconds of this process and all its descendants, by role, sampled every ``every_s`` (Linux
     /proc; elsewhere it records nothing). :meth:`cores` turns a window into cores used per role."""
 
-    def __init__(self, every_s: float = 1.0) -> None:
+    def __init__(self, every_s: float = 1.0, holders: Callable[[], dict[int, str]] | None = None) -> None:
         self.every_s = every_s
+        self.holders = holders
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
@@ -101,13 +111,17 @@ class CpuSampler:
         from atoll.ops.stack import descendants
 
         out: dict[int, tuple[str, float]] = {}
+        holders: dict[int, str] = {}
+        if self.holders is not None:
+            with contextlib.suppress(Exception):  # no run yet, or a read raced a write
+                holders = self.holders()
         for pid in [os.getpid(), *descendants(os.getpid())]:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except (OSError, IndexError):
                 continue
-            out[pid] = (_role(pid, cmd), (int(stat[11]) + int(stat[12])) / self._tick)  # utime + stime
+            out[pid] = (_role(pid, cmd, holders), (int(stat[11]) + int(stat[12])) / self._tick)  # utime + stime
         return out
 
     def _run(self) -> None:
@@ -245,7 +259,8 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     url = to_url(str(bucket / name))
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
-    cpu = CpuSampler()
+    ids = [spec["learner_id"] for spec in info.learners]
+    cpu = CpuSampler(holders=lambda: lease_holders(RunStore.open(url), ids))
     try:
         stack.start()
         with stack.settings(), cpu:

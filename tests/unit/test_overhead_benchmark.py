@@ -28,6 +28,9 @@ def test_roles_come_from_the_command_line(overhead) -> None:
     assert overhead._role(1, "postgres: atoll prefect 127.0.0.1 idle") == "database"
     assert overhead._role(1, "python -m atoll.train.local learner run --learner-id learner-0") == "learners"
     assert overhead._role(1, "sleep 5") == "other"
+    # Flow runs all look alike: the bucket's leases say which are learners.
+    assert overhead._role(7, "python -m prefect.engine", {7: "learners"}) == "learners"
+    assert overhead._role(8, "python -m prefect.engine", {7: "learners"}) == "synchronizer"
 
 
 def test_the_sampler_charges_a_child_s_cpu_to_its_role_even_after_it_exits(overhead) -> None:
