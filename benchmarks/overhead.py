@@ -260,7 +260,8 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
     ids = [spec["learner_id"] for spec in info.learners]
-    cpu = CpuSampler(holders=lambda: lease_holders(RunStore.open(url), ids))
+    leases = RunStore.open(url)  # one handle: the sampler reads the leases through it every second
+    cpu = CpuSampler(holders=lambda: lease_holders(leases, ids))
     try:
         stack.start()
         with stack.settings(), cpu:

@@ -149,20 +149,26 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_stop_marker_makes_a_learner_save_and_exit_stopped(tmp_path: Path) -> None:
-    store = new_run(tmp_path)
+def stop_after_step(store: RunStore, step: int, *, reason: str, by: str) -> LearnerSummary:
+    """Run learner-0 in a thread until it heartbeats at ``step``, mark the run stopped, return its summary."""
     options = LearnerOptions(heartbeat_interval_s=0.1, orphan_timeout_s=None, poll_interval_s=0.05)
     t, out = learner_in_thread(store, L0, options)
 
     def stepping() -> bool:
         hb = store.learner_liveness(L0).heartbeat
-        return hb is not None and (hb.step or 0) >= 3
+        return hb is not None and (hb.step or 0) >= step
 
-    wait_for(stepping, 120, "learner-0 to heartbeat at step 3")
-    store.mark_stopped("maintenance", by="alice")
+    wait_for(stepping, 120, f"learner-0 to heartbeat at step {step}")
+    store.mark_stopped(reason, by=by)
     t.join(60)
     summary = out[0]
     assert isinstance(summary, LearnerSummary), summary
+    return summary
+
+
+def test_stop_marker_makes_a_learner_save_and_exit_stopped(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    summary = stop_after_step(store, 3, reason="maintenance", by="alice")
     assert summary.exit_reason == "stopped" and summary.exit_detail == "stopped by alice: maintenance"
     assert summary.incarnation == 1
     saved = store.load_learner_state(L0)
@@ -356,18 +362,6 @@ def test_a_long_running_learner_keeps_a_bounded_loss_list(tmp_path: Path, monkey
     import atoll.train.learner as learner_module
 
     monkeypatch.setattr(learner_module, "LOSS_WINDOW", 2)  # days of steps, in six
-    store = new_run(tmp_path)
-    options = LearnerOptions(heartbeat_interval_s=0.1, orphan_timeout_s=None, poll_interval_s=0.05)
-    t, out = learner_in_thread(store, L0, options)
-
-    def stepping() -> bool:
-        hb = store.learner_liveness(L0).heartbeat
-        return hb is not None and (hb.step or 0) >= 6
-
-    wait_for(stepping, 120, "learner-0 to heartbeat at step 6")
-    store.mark_stopped("enough", by="test")
-    t.join(60)
-    summary = out[0]
-    assert isinstance(summary, LearnerSummary), summary
+    summary = stop_after_step(new_run(tmp_path), 6, reason="enough", by="test")
     assert summary.steps >= 6 and 2 <= len(summary.losses) < 4, (summary.steps, summary.losses)
     assert summary.losses[-1] == summary.last_loss
