@@ -198,6 +198,8 @@ class ModeResult:
     timeline: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds since the first commit, contributors, cumulative goodput) per round."""
     contributors: float = 0.0
+    unrecorded: int = 0
+    """Committed rounds with no Completed round flow run (a person could not open them in the UI)."""
 
 
 class MotoProcess:
@@ -357,6 +359,8 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
             store.mark_stopped("chaos soak over", by="benchmarks/chaos.py")
             log(f"{name}: soak over at round {store.latest_round()}; stopping the run")
             _wait(lambda: all(alive(store, lid) is None for lid in learner_ids), 60.0)
+            # The training run records its last rounds before it exits (its recorder drains first).
+            _wait(lambda: alive(store, None) is None, 90.0)
             watcher.stop.set()
             watcher.join(timeout=10)
             with get_client(sync_client=True) as client:
@@ -390,7 +394,7 @@ def drop_prefix(endpoint: str, prefix: str) -> None:
 
 def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], completed: dict[str, int],
             t0: float, t_end: float, fault_dir: Path, args: argparse.Namespace) -> ModeResult:
-    from atoll.runs.report import GoodputTracker
+    from atoll.runs.report import GoodputTracker, round_flow_name
 
     report = store.verify()
     latest = report.latest
@@ -417,7 +421,8 @@ def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], comp
         relaunch_s=watcher.relaunch_s, not_back=len(watcher.pending),
         goodput_wall=useful_in_soak / (m * max(1e-9, t_end - t0)), work_share=final.goodput,
         faults=_fault_counts(fault_dir), timeline=timeline,
-        contributors=statistics.mean(c for _, c, _ in in_soak) if in_soak else 0.0)
+        contributors=statistics.mean(c for _, c, _ in in_soak) if in_soak else 0.0,
+        unrecorded=sum(1 for r in range(1, latest + 1) if round_flow_name(r) not in completed))
 
 
 def _fault_counts(fault_dir: Path) -> dict[str, int]:
@@ -473,6 +478,7 @@ def table(results: list[ModeResult]) -> str:
         ("rounds committed", lambda r: str(r.rounds), ">= 300"),
         ("rounds lost (gaps in the chain)", lambda r: str(r.lost), "0"),
         ("rounds duplicated (>1 Completed round flow run)", lambda r: str(r.duplicated), "0"),
+        ("committed rounds with no Completed flow run", lambda r: str(r.unrecorded), "0"),
         ("commit chain verifies", lambda r: "yes" if r.chain_ok else f"NO: {r.problems}", "yes"),
         ("duplicate live learner copies (worst)", lambda r: str(max(0, r.worst_copies - 1)), "0"),
         ("learner SIGKILLs", lambda r: str(r.learner_kills), ">= 100"),
@@ -529,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="ATOLL_FAULT_STORAGE for every process of the run ('' = none)")
     p.add_argument("--modes", default="decoupled,lockstep", help="decoupled (K = 1 + grace), lockstep (K = M)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--record-rounds", action="store_true",
-                   help="record_rounds: rounds run inline, their flow runs created after each commit")
+    p.add_argument("--record-rounds", action=argparse.BooleanOptionalAction, default=True,
+                   help="record_rounds (the product's default): rounds run inline, their flow runs created after "
+                        "each commit; --no-record-rounds: each round a flow run executed by Prefect's engine")
     p.add_argument("--quick", action="store_true", help="3 minutes, 12 learner kills, 2 training-run kills")
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)

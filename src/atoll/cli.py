@@ -188,9 +188,11 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--in-process", action="store_true",
                        help="run the training-run flow here instead of on its deployment")
         p.add_argument("--no-wait", action="store_true", help="return once the run is launched")
-        p.add_argument("--record-rounds", action="store_true",
-                       help="run rounds inline and create each round's flow run after its commit: no round "
-                            "waits for the Prefect API (keeps up at small H; docs/prefect.md)")
+        p.add_argument("--record-rounds", action=argparse.BooleanOptionalAction, default=True,
+                       help="run rounds inline and create each round's flow run after its commit, so no round "
+                            "waits for the Prefect API and the run keeps up at small H (the default); "
+                            "--no-record-rounds: each round a flow run executed by Prefect's engine, with "
+                            "task runs and logs of its own (docs/prefect.md, 'What a round costs')")
         p.set_defaults(handler=_train)
 
     p = sub.add_parser("status", help="round history of a run, from its bucket (no Prefect needed)")

@@ -88,15 +88,23 @@ def test_train_passes_its_flags_through(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr("atoll.ops.client.launch_training", launch)
     rc = main(["train", "--preset", "smoke", "--bucket", str(tmp_path / "bucket"), "--name", "r1",
                "--learners", "3", "--rounds", "7", "--config", "cfg.yaml", "--storage-option", "anon=true",
-               "--no-wait", "--record-rounds"])
+               "--no-wait"])
     assert rc == 0
     [(args, kwargs)] = launch.calls
     options = args[0]
-    assert options.record_rounds
+    assert options.record_rounds  # the default: rounds keep up with the learners
     assert options.run_url == to_url(str(tmp_path / "bucket" / "r1"))
     assert (options.preset, options.learners, options.rounds, options.config_path) == ("smoke", 3, 7, "cfg.yaml")
     assert options.storage_options == {"anon": "true"} and options.resume_from is None
     assert kwargs == {"in_process": False, "wait": False}
+
+
+def test_train_no_record_rounds_executes_each_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = Recorder(rc=0)
+    monkeypatch.setattr("atoll.ops.client.launch_training", launch)
+    assert main(["train", "--bucket", str(tmp_path / "bucket"), "--no-wait", "--no-record-rounds"]) == 0
+    [(args, _)] = launch.calls
+    assert args[0].record_rounds is False
 
 
 def test_train_returns_the_launch_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

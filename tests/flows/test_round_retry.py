@@ -96,7 +96,7 @@ def test_three_failed_rounds_in_a_row_fail_the_run(prefect_harness: None, tmp_pa
 
 def test_a_failed_round_flow_run_of_its_own_is_retried(prefect_harness: None, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch, retry: RecordingLogger) -> None:
-    """Round flow runs of their own (the default): the round's exception comes out of Prefect's
+    """Executed round flow runs of their own: the round's exception comes out of Prefect's
     engine into the loop, the round is retried, and the failed attempt stays a Failed flow run."""
     from prefect import Flow
     from prefect.client.orchestration import get_client
@@ -109,7 +109,7 @@ def test_a_failed_round_flow_run_of_its_own_is_retried(prefect_harness: None, tm
         return flaky(ctx, round_number, run_id)
 
     monkeypatch.setattr(training_mod, "ROUND_FLOW", Flow(fn=round_fn, name="atoll-round", persist_result=False))
-    options = _options(tmp_path).model_copy(update={"nest_rounds": False})
+    options = _options(tmp_path).model_copy(update={"nest_rounds": False, "record_rounds": False})
     out = training_mod.training_run(options)
     assert out["rounds"] == 2 and flaky.calls == [1, 1, 2]
     assert "round 1 failed (1 in a row): RuntimeError('round 1 boom 1'); retrying" in retry.warnings[0]

@@ -3,11 +3,12 @@
 ``training_run`` (flow ``atoll-training-run``) takes one :class:`~atoll.runs.options.TrainingRunOptions`
 (a form in the Prefect UI). It prepares the run in the bucket (new, continued or forked), creates
 the run's :class:`~atoll.tasks.context.RunContext` (synchronizer, goodput tracker, learner fleet),
-launches or adopts one learner flow run per learner on the learner's work pool, then runs one
-**outer round** flow run per round (:mod:`atoll.flows.round`), tagged with the run id. A round
-that fails is retried from the bucket's state under :data:`~atoll.core.retry.ROUND_RETRY`. With
-``record_rounds`` the rounds run inline and each one's flow run is created after its commit, by
-the recorder's thread, so no round waits for the Prefect API.
+launches or adopts one learner flow run per learner on the learner's work pool, then runs the
+**outer rounds** (:mod:`atoll.flows.round`), one flow run per round, tagged with the run id. By
+default (``record_rounds``) the rounds run inline and each one's flow run is created after its
+commit, by the recorder's thread, so no round waits for the Prefect API; with ``record_rounds``
+false each round is a flow run executed by Prefect's engine. A round that fails is retried from
+the bucket's state under :data:`~atoll.core.retry.ROUND_RETRY`.
 
 Everything a round needs is in the bucket, so a training run that is restarted (or a fresh one
 given ``resume_from``) continues from the last committed round, with or without the Prefect
@@ -128,6 +129,11 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
     recorded = options.record_rounds and not options.nest_rounds
     recorder = ctx.round_recorder(progress_artifact_id=str(progress_id) if progress_id else None,
                                   run_flow_run_id=prefect_flow_run.id, round_run_tags=round_tags if recorded else None)
+    if recorded and start_round > 0:
+        backfilled = recorder.backfill(start_round)
+        if backfilled:
+            log.info(f"recording {len(backfilled)} committed round(s) that have no flow run yet (the training "
+                     f"run before this one ended before it recorded them): {backfilled[0]}..{backfilled[-1]}")
     if ctx.fleet is not None and not ctx.finished:
         watch_learners(ctx)
 

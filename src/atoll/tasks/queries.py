@@ -18,6 +18,7 @@ from prefect.client.schemas.filters import (
     FlowFilterName,
     FlowRunFilter,
     FlowRunFilterExpectedStartTime,
+    FlowRunFilterName,
     FlowRunFilterState,
     FlowRunFilterStateType,
     FlowRunFilterTags,
@@ -39,8 +40,10 @@ ACTIVE_STATE_TYPES = (StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING,
 
 def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequence[str] = (),
                          state_types: Sequence[StateType] | None = None, since: datetime | None = None,
-                         max_rows: int = 1_000_000, page_size: int | None = None) -> list[FlowRun]:
-    """Every flow run of these flows carrying all of ``tags`` (and in ``state_types``, if given).
+                         names: Sequence[str] | None = None, max_rows: int = 1_000_000,
+                         page_size: int | None = None) -> list[FlowRun]:
+    """Every flow run of these flows carrying all of ``tags`` (and in ``state_types``, and named
+    one of ``names``, if given).
 
     Pages newest first; a run created while paging may shift rows by one, so rows are de-duplicated
     by id (a shift never skips a row: new rows enter at the top). ``since``: only flow runs expected
@@ -49,6 +52,7 @@ def read_flow_runs_paged(client: Any, *, flow_names: Sequence[str], tags: Sequen
         tags=FlowRunFilterTags(all_=list(tags)) if tags else None,
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(state_types))) if state_types else None,
         expected_start_time=FlowRunFilterExpectedStartTime(after_=cast(Any, since)) if since is not None else None,
+        name=FlowRunFilterName(any_=list(names)) if names is not None else None,
     )
     if page_size is None:
         page_size = int(os.environ.get("ATOLL_QUERY_PAGE_SIZE", PAGE_SIZE))
