@@ -1,5 +1,5 @@
 """Chaos on the real stack: Prefect server (own SQLite), two process pools with a worker each, the
-supervisor, moto S3. A tiny run of 60 rounds with Prefect queries paged by 25 rows
+supervisor, moto S3. A tiny run, stopped after at least 60 rounds, with Prefect queries paged by 25 rows
 (``$ATOLL_QUERY_PAGE_SIZE``, in every process), so the training run's lookups outgrow one page of
 flow runs (round flow runs carry the run's tag too), while, in turn:
 
@@ -45,6 +45,10 @@ from .stack_helpers import MARKER_VAR, POOLS, flow_runs, logs, tear_down, wait_f
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROUNDS = int(os.environ.get("ATOLL_CHAOS_ROUNDS", "60"))
+"""Rounds to reach after the four faults; the run is then stopped (``atoll stop``). Its rounds are
+recorded (the default): they come as fast as the learners publish, so the run's own length is
+open-ended and the test decides when it is over."""
+MAX_ROUNDS = 100_000
 PAGE_SIZE = "25"  # rows per Prefect query: 60 round flow runs span three pages
 HEARTBEAT_TIMEOUT_S = 30.0
 
@@ -77,7 +81,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
     marker = uuid.uuid4().hex
     run_id = f"chaos-{marker[:8]}"
     url = f"s3://{s3.bucket}/{run_id}"
-    config, recipe = smoke_recipe(3, max_rounds=ROUNDS)
+    config, recipe = smoke_recipe(3, max_rounds=MAX_ROUNDS)
     # H = 8 and slower steps: fewer superseded contributions per round (cheaper rounds, same protocol).
     config = dataclasses.replace(config, inner_steps=8)
     learners = (LearnerSpec(learner_id="learner-0", batch_size=4, pool="cpu-fast", slowdown=2.0),
@@ -179,24 +183,27 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
                 pass  # already killed when its flow run was marked Crashed
             wait_for(lambda pid=slive.lease.pid: pid_state(pid) in (None, "Z"), 90, "the fenced training run gone")
 
-            # -- to the last round ------------------------------------------------------------------
+            # -- past round ROUNDS, then atoll stop ------------------------------------------------
             wait_for(lambda: store.latest_round() >= ROUNDS, 900, f"round {ROUNDS}: {logs(tmp_path)}", every_s=3.0)
-            times["finished"] = time.time()
-            sampler.stop.set()
+            store.mark_stopped("chaos test over", by="test_chaos")
+            times["stopped"] = time.time()
 
-            # learners exit by themselves once the run is finished
-            def learners_ended() -> bool:
-                runs = flow_runs(client, run_id, "atoll-learner")
+            # the training run and the learners exit by themselves once the run is stopped; the
+            # training run records its last rounds before it ends
+            def all_ended() -> bool:
+                runs = flow_runs(client, run_id, "atoll-learner") + flow_runs(client, run_id, "atoll-training-run")
                 return all(fr.state is not None and fr.state.is_final() for fr in runs)
 
-            wait_for(learners_ended, 120, "every learner flow run final")
+            wait_for(all_ended, 180, "every learner and training-run flow run final")
+            sampler.stop.set()
 
         # -- assertions on the bucket -------------------------------------------------------------
         report = store.verify()
         assert report.ok, report.problems
-        assert report.latest == ROUNDS and not report.void
-        history = store.history(1, ROUNDS)
-        assert [rec.round for rec in history] == list(range(1, ROUNDS + 1))  # none lost, none twice
+        n_rounds = report.latest
+        assert n_rounds >= ROUNDS and not report.void
+        history = store.history(1, n_rounds)
+        assert [rec.round for rec in history] == list(range(1, n_rounds + 1))  # none lost, none twice
         merged: dict[str, list[tuple[int, int]]] = {}
         for rec in history:
             for a in rec.accepted:
@@ -210,18 +217,19 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
             assert any(n > inc for _, n in merged[lid]), f"{lid} was never merged again after its kill"
         assert all(len(c) <= 1 for c in sampler.worst.values()), f"two live copies: {sampler.worst}"
         assert sampler.samples > 50
-        # Prefect: each round has at most one Completed round flow run; more than 200 rounds ran.
+        # Prefect: every committed round has exactly one Completed round flow run, including the
+        # rounds a killed training run committed and had not recorded yet (its successor did).
         with stack.settings(), get_client(sync_client=True) as client:
             completed: dict[str, int] = {}
             for fr in flow_runs(client, run_id, "atoll-round"):
                 if fr.state is not None and fr.state.is_completed():
                     completed[fr.name] = completed.get(fr.name, 0) + 1
-            assert max(completed.values()) == 1 and len(completed) == ROUNDS
+            assert max(completed.values()) == 1 and len(completed) == n_rounds, (n_rounds, len(completed))
             trainings = flow_runs(client, run_id, "atoll-training-run")
             assert len(trainings) >= 3  # the first, and two relaunches by the supervisor
         t0 = times.pop("kill training run (before commit)")
         print("\nchaos timings (s since the first kill):",
-              {k: round(v - t0, 1) for k, v in times.items()}, "rounds", ROUNDS, flush=True)
+              {k: round(v - t0, 1) for k, v in times.items()}, "rounds", n_rounds, flush=True)
     finally:
         sampler.stop.set()
         for pid in frozen:
@@ -275,6 +283,6 @@ def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int
         assert {r["learner"]: r["weight"] for r in rows if r["status"] == "accepted"} == {
             a.learner_id: round(a.weight, 6) for a in record.accepted}
         assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
-        assert any(a.type == "markdown" and f"# Round {n} of {ROUNDS}" in str(a.data) for a in arts)
+        assert any(a.type == "markdown" and f"# Round {n} of {MAX_ROUNDS}" in str(a.data) for a in arts)
 
 

@@ -99,10 +99,18 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
                 "action": info.action}
     flow_run_id = prefect_flow_run.id
     ctx.hold_lease(str(flow_run_id) if flow_run_id else None)
+    fenced = False
     try:
         return _train(ctx, info, keys, log)
+    except Fenced:
+        fenced = True
+        raise
     finally:
-        ctx.release()
+        # A fenced training run (a thawed zombie: its successor already runs) leaves at once, with
+        # whatever its recorder still holds: the successor records those rounds (backfill), and
+        # the old copy's Prefect client may be minutes into retries against a flow run the
+        # supervisor has marked Crashed.
+        ctx.release(drain=not fenced)
 
 
 def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> dict[str, Any]:

@@ -130,10 +130,11 @@ class RunContext:
                                           run_flow_run_id=run_flow_run_id, round_run_tags=round_run_tags).start()
         return self.recorder
 
-    def release(self) -> None:
-        """Stop the background heartbeat and drain the round recorder (the training run is ending)."""
+    def release(self, *, drain: bool = True) -> None:
+        """Stop the background heartbeat and drain the round recorder (the training run is ending).
+        ``drain=False``: do not wait for the recorder (a fenced run: its successor records)."""
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close(timeout_s=60.0 if drain else 0.0)
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None
