@@ -272,3 +272,17 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
                 assert sorted(a.type for a in arts) == ["markdown", "table"]
             else:
                 assert fr.id == by_name[fr.name]
+
+    # A recorder far behind when its training run died leaves a whole tail unrecorded: the walk
+    # goes back a window at a time until a window holds a recorded round (windows of 2 here).
+    with get_client(sync_client=True) as client:
+        for fr in _round_runs(client, run_id):
+            if fr.name != "round-000001":
+                client.delete_flow_run(fr.id)
+    walker = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+                           round_run_tags=[run_tag(run_id), ROUND_TAG])
+    assert walker.backfill(2 + extra, window=2) == list(range(2, 3 + extra))
+    walker.flush()
+    assert walker.recorded == list(range(2, 3 + extra)) and walker.errors == 0
+    with get_client(sync_client=True) as client:
+        assert sorted(fr.name for fr in _round_runs(client, run_id)) == [f"round-{r:06d}" for r in range(1, 3 + extra)]

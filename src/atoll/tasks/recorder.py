@@ -48,9 +48,8 @@ __all__ = ["BACKFILL_ROUNDS", "RoundRecorder", "artifact_keys", "goodput_markdow
 log = logging.getLogger("atoll.recorder")
 
 BACKFILL_ROUNDS = 100
-"""How far back a recorded run looks, when it starts, for committed rounds that have no flow run
-(:meth:`RoundRecorder.backfill`). The recorder's queue is a few rounds deep; 100 covers a server
-that was far behind when the last training run died, in one query."""
+"""Rounds per query when a recorded run looks, at its start, for committed rounds that have no
+flow run (:meth:`RoundRecorder.backfill`)."""
 
 
 def artifact_keys(run_id: str) -> dict[str, str]:
@@ -128,14 +127,19 @@ class RoundRecorder:
         self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds))
 
     def backfill(self, latest_round: int, *, window: int = BACKFILL_ROUNDS) -> list[int]:
-        """Queue every committed round among the last ``window`` up to ``latest_round`` that has
-        no round flow run yet, and return them.
+        """Queue every committed round up to ``latest_round`` that has no round flow run yet, and
+        return them (oldest first).
 
         A recorded round gets its flow run after its commit, from this thread: a training run
-        killed in between (or whose server was down) leaves committed rounds without one, and a
-        person looking for ``round-000123`` in the UI would not find it. The next training run
-        calls this when it starts; one query (paged) by the run's tag and the rounds' names. The
-        idempotency key makes a round recorded twice (a racing old copy) one flow run."""
+        killed in between leaves committed rounds without one (the whole tail its recorder was
+        behind, which on a loaded server can be hundreds of rounds), and a person looking for
+        ``round-000123`` in the UI would not find it. The next training run calls this when it
+        starts. It reads the round flow runs of the last ``window`` rounds (one paged query by the
+        run's tag and the rounds' names) and walks back a window at a time while a whole window
+        is unrecorded: a recorder records in order, so the first window that holds a recorded
+        round is where the gap began (it also stops the walk where the database's retention
+        deleted old flow runs). The idempotency key keeps a round recorded twice (a racing old
+        copy) one flow run."""
         if self.round_run_tags is None or latest_round < 1:
             return []
         from prefect.client.orchestration import get_client
@@ -143,16 +147,21 @@ class RoundRecorder:
         from atoll.runs.report import round_flow_name
         from atoll.tasks.queries import ROUND_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
 
-        names = {round_flow_name(r): r for r in range(max(1, latest_round - window + 1), latest_round + 1)}
         run_tags = [t for t in self.round_run_tags if t.startswith(RUN_TAG_PREFIX)]
+        missing: list[int] = []
+        hi = latest_round
         try:
             with get_client(sync_client=True) as client:
-                have = {fr.name for fr in read_flow_runs_paged(client, flow_names=[ROUND_FLOW_NAME], tags=run_tags,
-                                                                names=list(names))}
+                while hi >= 1:
+                    names = {round_flow_name(r): r for r in range(max(1, hi - window + 1), hi + 1)}
+                    have = {fr.name for fr in read_flow_runs_paged(client, flow_names=[ROUND_FLOW_NAME],
+                                                                    tags=run_tags, names=list(names))}
+                    missing[:0] = [r for name, r in names.items() if name not in have]
+                    if have:
+                        break
+                    hi -= window
         except Exception as e:  # noqa: BLE001 - artifacts are for people; the bucket holds the truth
             log.warning(f"run {self.run_id}: could not look for unrecorded rounds: {e!r}")
-            return []
-        missing = [r for name, r in names.items() if name not in have]
         for r in missing:
             self.submit(r)
         return missing
