@@ -145,9 +145,9 @@ class RoundRecorder:
         from prefect.client.orchestration import get_client
 
         from atoll.runs.report import round_flow_name
-        from atoll.tasks.queries import ROUND_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
+        from atoll.tasks.learners import run_tag
+        from atoll.tasks.queries import ROUND_FLOW_NAME, read_flow_runs_paged
 
-        run_tags = [t for t in self.round_run_tags if t.startswith(RUN_TAG_PREFIX)]
         missing: list[int] = []
         hi = latest_round
         try:
@@ -155,7 +155,7 @@ class RoundRecorder:
                 while hi >= 1:
                     names = {round_flow_name(r): r for r in range(max(1, hi - window + 1), hi + 1)}
                     have = {fr.name for fr in read_flow_runs_paged(client, flow_names=[ROUND_FLOW_NAME],
-                                                                    tags=run_tags, names=list(names))}
+                                                                    tags=[run_tag(self.run_id)], names=list(names))}
                     missing[:0] = [r for name, r in names.items() if name not in have]
                     if have:
                         break
