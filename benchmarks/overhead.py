@@ -55,6 +55,8 @@ from atoll.train.run import make_evaluator  # noqa: E402
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions  # noqa: E402
 
 WARMUP_ROUNDS = 5
+PIN = False
+"""``--pin``: learners on CPU 0, the control plane on the others (:class:`CpuSampler`)."""
 ROLES = ("learners", "synchronizer", "Prefect server", "workers", "database", "other")
 
 
@@ -91,9 +93,14 @@ class CpuSampler:
     """CPU seconds of this process and all its descendants, by role, sampled every ``every_s`` (Linux
     /proc; elsewhere it records nothing). :meth:`cores` turns a window into cores used per role."""
 
-    def __init__(self, every_s: float = 1.0, holders: Callable[[], dict[int, str]] | None = None) -> None:
+    def __init__(self, every_s: float = 1.0, holders: Callable[[], dict[int, str]] | None = None,
+                 pin: bool = False) -> None:
+        """``pin``: also pin each process by role, learners to CPU 0 and everything else (server,
+        workers, training run or the plain runner's synchronizer) to the other CPUs, as a fleet
+        whose control plane runs on machines of its own (checked every ``every_s``)."""
         self.every_s = every_s
         self.holders = holders
+        self.pin = pin and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
@@ -122,7 +129,17 @@ class CpuSampler:
             except (OSError, IndexError):
                 continue
             out[pid] = (_role(pid, cmd, holders), (int(stat[11]) + int(stat[12])) / self._tick)  # utime + stime
+            if self.pin:
+                self._pin(pid, out[pid][0])
         return out
+
+    def _pin(self, pid: int, role: str) -> None:
+        cpus = {0} if role == "learners" else set(range(1, os.cpu_count() or 2))
+        with contextlib.suppress(OSError):  # gone meanwhile
+            # Every thread: setaffinity on a pid moves only its main thread.
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if os.sched_getaffinity(int(tid)) != cpus:
+                    os.sched_setaffinity(int(tid), cpus)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -220,7 +237,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     t0 = time.monotonic()
     closes: dict[int, float] = {}
-    with CpuSampler() as cpu, LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
+    with CpuSampler(pin=PIN) as cpu, LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         store = RunStore.open(url)
@@ -261,7 +278,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
     ids = [spec["learner_id"] for spec in info.learners]
     leases = RunStore.open(url)  # one handle: the sampler reads the leases through it every second
-    cpu = CpuSampler(holders=lambda: lease_holders(leases, ids))
+    cpu = CpuSampler(holders=lambda: lease_holders(leases, ids), pin=PIN)
     try:
         stack.start()
         with stack.settings(), cpu:
@@ -368,7 +385,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(the stack's database), each optionally with -nested (round flow runs as subflows) or "
                         "-recorded (record_rounds: rounds inline, their flow runs created after the commit)")
     p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
+    p.add_argument("--pin", action="store_true",
+                   help="learners on CPU 0 and the control plane (server, workers, training run / synchronizer) on "
+                        "the other CPUs, in every runner: what orchestration costs the learners themselves when the "
+                        "control plane has machines of its own")
     args = p.parse_args(argv)
+    global PIN
+    PIN = args.pin
     import torch
 
     torch.set_num_threads(1)  # like the plain runner's synchronizer process (and the training-run job)
@@ -383,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                                        nest_rounds=mode == "nested", record_rounds=mode == "recorded"))
             print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
     print()
-    print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs; "
+    print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs"
+          + ("; learners pinned to CPU 0, the control plane to the rest" if PIN else "") + "; "
           f"medians after {WARMUP_ROUNDS} warm-up rounds")
     print(table(results))
     print()

@@ -64,20 +64,20 @@ def test_round_artifacts_match_the_bucket(smoke_run) -> None:
     with _client() as client:
         for fr in _round_runs(client, smoke_run.info.run_id):
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            by_type = {}
-            for a in arts:
-                by_type.setdefault(a.type, []).append(a)
+            # One artifact per round, with no key (a key would gather a version per round).
+            [art] = arts
+            assert art.type == "markdown" and art.key is None
             round_ = int(fr.name.split("-")[1])
             record = store.read_commit(round_)
-            table = by_type["table"][0]
-            assert table.key == "run-smoke-contributions"
-            rows = json.loads(table.data) if isinstance(table.data, str) else table.data
-            accepted = {r["learner"]: r["weight"] for r in rows if r["status"] == "accepted"}
+            summary = art.data
+            # Its contributions table is the commit record's: each merged learner with its weight,
+            # and one line per contribution given weight 0.
+            lines = summary[summary.index("## Contributions"):].split("\n\n")[1].splitlines()[2:]
+            cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+            accepted = {c[0]: float(c[4]) for c in cells if c[5] == "accepted"}
             assert accepted == {a.learner_id: round(a.weight, 6) for a in record.accepted}
-            assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
-            assert all(r["pool"] == "cpu-fast" for r in rows if r["status"] == "accepted")
-            md = {a.key: a.data for a in by_type["markdown"]}
-            summary = md["run-smoke-round-summary"]
+            assert sum(1 for c in cells if c[5] != "accepted") == len(record.rejected)
+            assert all(c[1] == "cpu-fast" for c in cells if c[5] == "accepted")
             assert f"# Round {round_} of 6" in summary and "quorum reached after" in summary
             assert "goodput so far" in summary and "| learner | goodput so far |" in summary
             assert "steps since last sync" in summary and "(H = " in summary

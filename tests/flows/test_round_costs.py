@@ -108,8 +108,9 @@ def test_api_calls_per_round_are_bounded(prefect_harness: None, tmp_path: Path, 
     assert total <= MAX_CALLS_PER_ROUND, f"{total:.2f} API calls per round:\n{table}"
     # No task run asks for tag-concurrency slots (task runs of a round carry no tags).
     assert not any("increment-with-lease" in k for k in long), table
-    # Two artifacts per round, plus the run's progress and goodput on their own cadence.
-    assert per_round.get("POST /api/artifacts/", 0.0) <= 2.5, table
+    # One artifact per round (summary and contributions), plus the run's progress and goodput on
+    # their own cadence.
+    assert per_round.get("POST /api/artifacts/", 0.0) <= 1.5, table
 
     run_id = out["run_id"]
     with get_client(sync_client=True) as client:
@@ -121,7 +122,7 @@ def test_api_calls_per_round_are_bounded(prefect_harness: None, tmp_path: Path, 
             assert set(names) == {"await-quorum", "merge-and-commit"} and names.count("merge-and-commit") == 1
             assert all(not t.tags for t in tasks)
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            assert sorted(a.type for a in arts) == ["markdown", "table"]  # written by the recorder, on this flow run
+            assert [a.type for a in arts] == ["markdown"]  # written by the recorder, on this flow run
 
         # Events, read back from the API: one round-committed per round, about the run, naming the
         # round's flow run; one run-finished.
@@ -186,12 +187,14 @@ def test_nest_rounds_runs_rounds_as_subflows(prefect_harness: None, tmp_path: Pa
         assert len(parents) == 1 and client.read_flow_run(parents.pop()).parameters["options"]["nest_rounds"]
         for fr in rounds:
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            assert sorted(a.type for a in arts) == ["markdown", "table"]
+            assert [a.type for a in arts] == ["markdown"]
 
 
-MAX_RECORDED_CALLS_PER_ROUND = 4.0
-"""Recorded rounds: the round's flow run (one call, created Completed) and its two artifacts, all
-written by the recorder's thread; none on the round's own path."""
+MAX_RECORDED_CALLS_PER_ROUND = 3.0
+"""Recorded rounds: the round's flow run (one call, created Completed) and its one artifact (summary
+and contributions), both written by the recorder's thread; none on the round's own path. Two
+artifacts a round (a keyed summary and a keyed contributions table) cost the server 35 ms of CPU
+where one without a key costs 11 ms (session 9)."""
 
 
 def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
@@ -229,7 +232,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
             assert fr.parameters["round_number"] == int(fr.name.split("-")[1])
             assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            assert sorted(a.type for a in arts) == ["markdown", "table"]
+            assert [a.type for a in arts] == ["markdown"]
         committed = read_events(client, ROUND_COMMITTED, resource_id=f"atoll.run.{run_id}", at_least=2 + extra)
         by_round = {int(fr.name.split("-")[1]): str(fr.id) for fr in rounds}
         for e in committed:
@@ -269,7 +272,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
                 assert fr.id != by_name[fr.name] and fr.state is not None and fr.state.is_completed()
                 arts = client.read_artifacts(
                     artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-                assert sorted(a.type for a in arts) == ["markdown", "table"]
+                assert [a.type for a in arts] == ["markdown"]
             else:
                 assert fr.id == by_name[fr.name]
 

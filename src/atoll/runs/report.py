@@ -278,8 +278,10 @@ def steps_since_sync(rows: Iterable[ContributionRow]) -> float | None:
 
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
                    max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None) -> str:
-    """The round's summary as markdown (the round flow run's artifact); with ``goodput``, the goodput
-    so far overall and per learner; with ``inner_steps`` (H), the effective H next to it."""
+    """The round's summary as markdown (the round flow run's one artifact): the round, its
+    contributions table (``rows``: learner, pool, tokens, steps, weight, accepted or why not); with
+    ``goodput``, the goodput so far overall and per learner; with ``inner_steps`` (H), the effective
+    H next to it."""
     s = record.stats
     accepted = [r for r in rows if r.status == "accepted"]
     eff_h = steps_since_sync(rows)
@@ -307,9 +309,14 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
     ]
     if goodput is not None:
         lines.append(f"| goodput so far | {goodput.line().removeprefix('goodput ')} |")
-        if goodput.per_learner:
-            lines += ["", "| learner | goodput so far |", "|---|---|"]
-            lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
+    if rows:
+        lines += ["", "## Contributions", "", "| learner | pool | tokens | steps | weight | status |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r.learner} | {r.pool or '-'} | {r.tokens:,} | {r.steps} | {round(r.weight, 6)} | "
+                  f"{_short(r.status).replace('|', '/')} |" for r in rows]
+    if goodput is not None and goodput.per_learner:
+        lines += ["", "| learner | goodput so far |", "|---|---|"]
+        lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
     return "\n".join(lines) + "\n"
 
 

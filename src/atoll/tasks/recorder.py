@@ -7,14 +7,15 @@ training-run process then, for every round, reads the commit record (and the con
 records of what got weight 0) from the bucket and writes, **attached to that round's flow run**
 (so the UI shows them on it, whenever they land):
 
-* ``<run>-round-summary`` (markdown): the round's summary with the goodput so far, overall and
-  per learner, and the mean *steps since last sync* of the merged contributions (the effective H);
-* ``<run>-contributions`` (table): learner, pool, tokens, steps, weight, accepted or why not;
+* one markdown artifact with no key: the round's summary with the goodput so far, overall and
+  per learner, the mean *steps since last sync* of the merged contributions (the effective H), and
+  the contributions table (learner, pool, tokens, steps, weight, accepted or why not);
 
 and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`). When it falls behind
 (rounds queue up), it reads the bucket once for the whole batch. The run's progress artifact and
 the ``<run>-goodput`` markdown (the whole run's goodput, per learner) are updated at most every
-``progress_every_s`` and after the last round, not every round: two API calls per round in all.
+``progress_every_s`` and after the last round, not every round: one API call per round in all
+(two with recorded rounds, whose flow run the recorder creates).
 
 Nothing here is the truth (the bucket is), so a write that fails is logged and skipped; the
 training run waits for the queue to drain (``flush``) before it reports its end.
@@ -53,9 +54,10 @@ flow run (:meth:`RoundRecorder.backfill`)."""
 
 
 def artifact_keys(run_id: str) -> dict[str, str]:
-    """Artifact keys of a run (lowercase and dashes, as Prefect requires); each round adds a version."""
+    """Artifact keys of a run (lowercase and dashes, as Prefect requires). A round's own artifact has
+    no key (see :meth:`RoundRecorder._write_with`)."""
     s = slug(run_id)
-    return {"summary": f"{s}-round-summary", "contributions": f"{s}-contributions", "goodput": f"{s}-goodput",
+    return {"goodput": f"{s}-goodput",
             "run": f"{s}-run-summary", "progress": f"{s}-run-summary-progress", "segment": f"{s}-segment"}
 
 
@@ -266,12 +268,13 @@ class RoundRecorder:
                 item = dataclasses.replace(item, flow_run_id=str(fr))
             md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
                                 goodput=goodput, inner_steps=self.inner_steps)
+            # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
+            # write (it moves the key's latest version) and a key would gather one version per
+            # round, 10^5 on a long run. The round's flow run is where a person looks for it.
             client.create_artifact(ArtifactCreate(
-                key=self.keys["summary"], type="markdown", data=md, flow_run_id=fr,
-                description=f"round {item.round} of run {self.run_id}"))
-            client.create_artifact(ArtifactCreate(
-                key=self.keys["contributions"], type="table", data=[r.as_dict() for r in rows], flow_run_id=fr,
-                description=f"contributions to round {item.round} (fragment {record.fragment}) of run {self.run_id}"))
+                type="markdown", data=md, flow_run_id=fr,
+                description=f"round {item.round} (fragment {record.fragment}) of run {self.run_id}: "
+                            "summary and contributions"))
             emit_round_committed(self.run_id, self.store.url, record, rows, goodput=goodput,
                                  flow_run_id=item.flow_run_id)
             self.recorded.append(item.round)
