@@ -1,6 +1,7 @@
 """Orchestration overhead: the same tiny-preset run through Prefect and through the plain local runner.
 
     python benchmarks/overhead.py [--rounds 48] [--learners 4] [--out out/] [--prefect sqlite,sqlite-recorded]
+                                  [--repeat 3] [--pin]
 
 Side by side on this machine (plain first, then each Prefect variant, same preset, same rounds):
 
@@ -26,7 +27,10 @@ Reported, from the bucket (learner side) and from timers / Prefect task runs (sy
   training run, Prefect server, workers, database), from /proc: on a machine with fewer cores than
   processes, every core the control plane takes is a core the learners do not get.
 
-Prints a table and writes ``overhead.png`` under ``--out``.
+Prints a table and writes ``overhead.png`` under ``--out``. Learner speed on a small shared VM
+moves by +-10% from one run to the next, plain runner included, so ``--repeat N`` runs the whole
+sequence N times (plain, then each variant, alternating) and reports each repetition's ratio to
+the plain run just before it and their median.
 """
 
 from __future__ import annotations
@@ -330,6 +334,25 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def summary_table(reps: list[list[Result]]) -> str:
+    """Per variant over the repetitions: each one's throughput ratio to its own plain run, the
+    median, and the median effective H; the learners' cores and tokens per learner core-second."""
+    lines = [f"over {len(reps)} repetitions (each ratio against the plain run of the same repetition):",
+             f"{'runner':<24}{'tok/s vs plain, each':>30}{'median':>8}{'eff. H, each':>20}{'median':>8}"
+             f"{'learner cores':>15}{'tok per learner core-s vs plain':>33}"]
+    for i, name in enumerate(r.name for r in reps[0]):
+        rows = [rep[i] for rep in reps]
+        ratios = [r.tokens_per_s / rep[0].tokens_per_s for r, rep in zip(rows, reps, strict=True)]
+        per_core = [(r.tokens_per_s / max(1e-9, r.cores.get("learners", 0.0)))
+                    / (rep[0].tokens_per_s / max(1e-9, rep[0].cores.get("learners", 0.0)))
+                    for r, rep in zip(rows, reps, strict=True)]
+        lines.append(f"{name:<24}{', '.join(f'{x:.3f}' for x in ratios):>30}{statistics.median(ratios):>7.3f}x"
+                     f"{', '.join(f'{r.eff_h:.1f}' for r in rows):>20}{statistics.median(r.eff_h for r in rows):>8.1f}"
+                     f"{statistics.median(r.cores.get('learners', 0.0) for r in rows):>15.2f}"
+                     f"{statistics.median(per_core):>32.3f}x")
+    return "\n".join(lines)
+
+
 def cpu_table(results: list[Result]) -> str:
     """Cores used per role over each runner's measured window (the machine has ``os.cpu_count()``)."""
     lines = [f"{'runner':<22}" + "".join(f"{role:>16}" for role in ROLES) + f"{'total':>8}"]
@@ -389,37 +412,45 @@ def main(argv: list[str] | None = None) -> int:
                    help="learners on CPU 0 and the control plane (server, workers, training run / synchronizer) on "
                         "the other CPUs, in every runner: what orchestration costs the learners themselves when the "
                         "control plane has machines of its own")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole sequence this many times, alternating")
     args = p.parse_args(argv)
     global PIN
     PIN = args.pin
     import torch
 
     torch.set_num_threads(1)  # like the plain runner's synchronizer process (and the training-run job)
-    with (tempfile.TemporaryDirectory(prefix="atoll-overhead-") if args.keep is None
-          else contextlib.nullcontext(str(Path(args.keep).absolute()))) as tmp:
-        os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
-        results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
-        print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
-        for variant in args.prefect.split(","):
-            database, _, mode = variant.strip().partition("-")
-            results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds, database=database,
-                                       nest_rounds=mode == "nested", record_rounds=mode == "recorded"))
-            print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
-    print()
-    print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs"
-          + ("; learners pinned to CPU 0, the control plane to the rest" if PIN else "") + "; "
-          f"medians after {WARMUP_ROUNDS} warm-up rounds")
-    print(table(results))
-    print()
-    print(f"where the CPU went, in cores ({os.cpu_count()} on this machine), over the same window:")
-    print(cpu_table(results))
-    for r in results[1:]:
-        print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
-              "(target >= 0.97x)")
-    for r in results:
-        print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
-              f"({r.eff_h / r.h:.2f}x; target within 1.10x; {r.eff_h / results[0].eff_h:.2f}x the plain runner's)")
-    print(f"plot: {plot(results, Path(args.out))}")
+    reps: list[list[Result]] = []
+    for rep in range(args.repeat):
+        with (tempfile.TemporaryDirectory(prefix="atoll-overhead-") if args.keep is None
+              else contextlib.nullcontext(str(Path(args.keep).absolute() / f"rep-{rep}"))) as tmp:
+            os.environ["PREFECT_HOME"] = str(Path(tmp) / "prefect-home")
+            results = [run_plain(Path(tmp), args.preset, args.learners, args.rounds)]
+            print(f"plain done in {results[0].wall_s:.0f}s", flush=True)
+            for variant in args.prefect.split(","):
+                database, _, mode = variant.strip().partition("-")
+                results.append(run_prefect(Path(tmp), args.preset, args.learners, args.rounds, database=database,
+                                           nest_rounds=mode == "nested", record_rounds=mode == "recorded"))
+                print(f"{results[-1].name} done in {results[-1].wall_s:.0f}s", flush=True)
+        reps.append(results)
+        print()
+        print(f"{args.preset} preset, {args.learners} learners, {args.rounds} rounds, {os.cpu_count()} CPUs"
+              + ("; learners pinned to CPU 0, the control plane to the rest" if PIN else "")
+              + (f"; repetition {rep + 1} of {args.repeat}" if args.repeat > 1 else "")
+              + f"; medians after {WARMUP_ROUNDS} warm-up rounds")
+        print(table(results))
+        print()
+        print(f"where the CPU went, in cores ({os.cpu_count()} on this machine), over the same window:")
+        print(cpu_table(results))
+        for r in results[1:]:
+            print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
+                  "(target >= 0.97x)")
+        for r in results:
+            print(f"effective H, {r.name}: {r.eff_h:.1f} steps between syncs of a fragment for H = {r.h} "
+                  f"({r.eff_h / r.h:.2f}x; target within 1.10x; {r.eff_h / results[0].eff_h:.2f}x the plain runner's)")
+        print(flush=True)
+    if args.repeat > 1:
+        print(summary_table(reps))
+    print(f"plot: {plot(reps[-1], Path(args.out))}")
     return 0
 
 

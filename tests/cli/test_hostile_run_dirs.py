@@ -326,3 +326,20 @@ def test_store_refuses_a_fifo_before_opening_it(tmp_path: Path) -> None:
     with pytest.raises(NotRegularFileError, match="FIFO"):
         store.get_or_none("pipe", max_bytes=10)
     assert store.get_or_none("absent") is None
+
+
+def test_round_markdown_keeps_its_contributions_table_parseable() -> None:
+    """A reason with a pipe or a newline (a hostile learner's text ends up in a rejection reason)
+    cannot add a column or a row to the round's contributions table."""
+    from atoll.runs.report import ContributionRow
+
+    record = CommitRecord(round=3, fragment=1, updated=True, state=(), accepted=(), rejected={}, timings={},
+                          stats={}, committed_by="s", nonce="n", created_at=0.0)
+    rows = [ContributionRow("learner-0", "cpu-fast", 1024, 8, 0.75, "accepted"),
+            ContributionRow("learner-1", "", 0, 0, 0.0, "bad payload | x\n| injected | row |")]
+    md = round_markdown(record, rows, run_id="r", run_url="u", max_rounds=None)
+    table = md[md.index("## Contributions"):].split("\n\n")[1].splitlines()
+    assert table[0] == "| learner | pool | tokens | steps | weight | status |"
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert cells == [["learner-0", "cpu-fast", "1,024", "8", "0.75", "accepted"],
+                     ["learner-1", "-", "0", "0", "0.0", "bad payload / x / injected / row /"]]

@@ -54,3 +54,39 @@ def test_the_cpu_table_has_a_row_per_runner_and_a_total(overhead) -> None:
     text = overhead.cpu_table([r])
     assert "Prefect server" in text.splitlines()[0]
     assert text.splitlines()[1].split()[-1] == "1.75"
+
+
+def test_the_summary_takes_each_ratio_against_its_own_plain_run(overhead) -> None:
+    def run(name: str, tok: float, learners: float, eff_h: float):
+        return overhead.Result(name, 10, 60.0, tok, 0.3, 0.2, 0.05, 8, eff_h, cores={"learners": learners})
+
+    reps = [[run("plain", 1000.0, 1.0, 5.0), run("prefect", 900.0, 0.9, 4.0)],
+            [run("plain", 2000.0, 1.0, 5.0), run("prefect", 1960.0, 1.0, 4.4)],
+            [run("plain", 1000.0, 1.0, 5.0), run("prefect", 950.0, 1.0, 4.2)]]
+    line = overhead.summary_table(reps).splitlines()[-1].split()
+    # Ratios 0.9, 0.98, 0.95 (never against another repetition's plain run); median 0.95.
+    assert line[:5] == ["prefect", "0.900,", "0.980,", "0.950", "0.950x"]
+    assert line[5:9] == ["4.0,", "4.4,", "4.2", "4.2"]
+    # Per learner core: 0.9 / 0.9 = 1.0, 0.98, 0.95 -> median 0.98.
+    assert line[-1] == "0.980x"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or (__import__("os").cpu_count() or 1) < 2,
+                    reason="needs Linux CPU affinity and two CPUs")
+def test_pinning_moves_every_thread_of_a_learner_to_cpu_0_and_the_rest_off_it(overhead) -> None:
+    import os
+
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+                              "time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        sampler = overhead.CpuSampler(pin=True)
+        sampler._pin(child.pid, "learners")
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) == 2 and all(os.sched_getaffinity(t) == {0} for t in tids)
+        sampler._pin(child.pid, "Prefect server")
+        assert all(0 not in os.sched_getaffinity(t) for t in tids)
+    finally:
+        child.kill()
+        child.wait()
