@@ -331,7 +331,7 @@ def test_store_refuses_a_fifo_before_opening_it(tmp_path: Path) -> None:
 def test_round_markdown_keeps_its_contributions_table_parseable() -> None:
     """A reason with a pipe or a newline (a hostile learner's text ends up in a rejection reason)
     cannot add a column or a row to the round's contributions table."""
-    from atoll.runs.report import ContributionRow
+    from atoll.runs.report import ContributionRow, contributions_from_markdown
 
     record = CommitRecord(round=3, fragment=1, updated=True, state=(), accepted=(), rejected={}, timings={},
                           stats={}, committed_by="s", nonce="n", created_at=0.0)
@@ -340,6 +340,7 @@ def test_round_markdown_keeps_its_contributions_table_parseable() -> None:
     md = round_markdown(record, rows, run_id="r", run_url="u", max_rounds=None)
     table = md[md.index("## Contributions"):].split("\n\n")[1].splitlines()
     assert table[0] == "| learner | pool | tokens | steps | weight | status |"
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
-    assert cells == [["learner-0", "cpu-fast", "1,024", "8", "0.75", "accepted"],
-                     ["learner-1", "-", "0", "0", "0.0", "bad payload / x / injected / row /"]]
+    assert [list(r.values()) for r in contributions_from_markdown(md)] == [
+        ["learner-0", "cpu-fast", "1,024", "8", "0.75", "accepted"],
+        ["learner-1", "-", "0", "0", "0.0", "bad payload / x / injected / row /"]]
+    assert contributions_from_markdown(round_markdown(record, [], run_id="r", run_url="u", max_rounds=None)) == []

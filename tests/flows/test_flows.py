@@ -9,7 +9,7 @@ import torch
 
 from atoll.runs.manage import open_run, prepare_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.runs.report import GoodputTracker, round_flow_name, run_status
+from atoll.runs.report import GoodputTracker, contributions_from_markdown, round_flow_name, run_status
 from atoll.storage.paths import to_url
 from atoll.tasks.learners import run_tag
 from atoll.tasks.queries import SEGMENT_RUN_TAG
@@ -71,12 +71,11 @@ def test_round_artifacts_match_the_bucket(smoke_run) -> None:
             summary = art.data
             # Its contributions table is the commit record's: each merged learner with its weight,
             # and one line per contribution given weight 0.
-            lines = summary[summary.index("## Contributions"):].split("\n\n")[1].splitlines()[2:]
-            cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-            accepted = {c[0]: float(c[4]) for c in cells if c[5] == "accepted"}
+            rows = contributions_from_markdown(summary)
+            accepted = {r["learner"]: float(r["weight"]) for r in rows if r["status"] == "accepted"}
             assert accepted == {a.learner_id: round(a.weight, 6) for a in record.accepted}
-            assert sum(1 for c in cells if c[5] != "accepted") == len(record.rejected)
-            assert all(c[1] == "cpu-fast" for c in cells if c[5] == "accepted")
+            assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
+            assert all(r["pool"] == "cpu-fast" for r in rows if r["status"] == "accepted")
             assert f"# Round {round_} of 6" in summary and "quorum reached after" in summary
             assert "goodput so far" in summary and "| learner | goodput so far |" in summary
             assert "steps since last sync" in summary and "(H = " in summary

@@ -253,11 +253,9 @@ def learners_running(client: Any, run_id: str) -> dict[str, Any] | None:
 def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int]) -> None:
     """Each round is a completed flow run, a child of the training run, tagged with the run, whose
     contributions table and summary match the commit record in the bucket."""
-    import json
-
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from atoll.runs.report import round_flow_name
+    from atoll.runs.report import contributions_from_markdown, round_flow_name
 
     def done() -> dict[str, Any] | None:
         found = {r.name: r for r in flow_runs(client, run_id, "atoll-round") if r.state and r.state.is_completed()}
@@ -273,16 +271,15 @@ def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int
         def recorded(fr: Any = fr) -> list[Any] | None:  # the recorder writes them just after the round
             arts = client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            return arts if any(a.type == "table" for a in arts) else None
+            return arts or None
 
-        arts = wait_for(recorded, 60, f"artifacts of {fr.name}")
-        table = next(a for a in arts if a.type == "table")
-        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        [art] = wait_for(recorded, 60, f"artifacts of {fr.name}")
+        rows = contributions_from_markdown(str(art.data))
         record = store.read_commit(n)
         assert record is not None
-        assert {r["learner"]: r["weight"] for r in rows if r["status"] == "accepted"} == {
+        assert {r["learner"]: float(r["weight"]) for r in rows if r["status"] == "accepted"} == {
             a.learner_id: round(a.weight, 6) for a in record.accepted}
         assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
-        assert any(a.type == "markdown" and f"# Round {n} of {MAX_ROUNDS}" in str(a.data) for a in arts)
+        assert art.type == "markdown" and f"# Round {n} of {MAX_ROUNDS}" in str(art.data)
 
 

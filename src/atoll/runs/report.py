@@ -43,6 +43,7 @@ __all__ = [
     "GoodputReport",
     "GoodputTracker",
     "contribution_rows",
+    "contributions_from_markdown",
     "round_markdown",
     "steps_since_sync",
     "history_table",
@@ -310,14 +311,29 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
     if goodput is not None:
         lines.append(f"| goodput so far | {goodput.line().removeprefix('goodput ')} |")
     if rows:
-        lines += ["", "## Contributions", "", "| learner | pool | tokens | steps | weight | status |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", CONTRIBUTIONS_HEADING, "", "| " + " | ".join(CONTRIBUTION_COLUMNS) + " |",
+                  "|---" * len(CONTRIBUTION_COLUMNS) + "|"]
         lines += [f"| {r.learner} | {r.pool or '-'} | {r.tokens:,} | {r.steps} | {round(r.weight, 6)} | "
                   f"{_short(r.status).replace('|', '/')} |" for r in rows]
     if goodput is not None and goodput.per_learner:
         lines += ["", "| learner | goodput so far |", "|---|---|"]
         lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
     return "\n".join(lines) + "\n"
+
+
+CONTRIBUTIONS_HEADING = "## Contributions"
+CONTRIBUTION_COLUMNS = ("learner", "pool", "tokens", "steps", "weight", "status")
+
+
+def contributions_from_markdown(md: str) -> list[dict[str, str]]:
+    """The contributions table of a round's markdown (:func:`round_markdown`) read back as one dict
+    of strings per row, keyed by :data:`CONTRIBUTION_COLUMNS`: what a script that reads a round's
+    artifact from the Prefect API gets. Empty if the round had no contributions."""
+    if CONTRIBUTIONS_HEADING not in md:
+        return []
+    block = md[md.index(CONTRIBUTIONS_HEADING):].split("\n\n")[1].splitlines()[2:]  # past header + rule
+    return [dict(zip(CONTRIBUTION_COLUMNS, (c.strip() for c in line.strip().strip("|").split("|")), strict=True))
+            for line in block if line.startswith("|")]
 
 
 def history_table(records: Iterable[CommitRecord]) -> list[str]:
