@@ -289,3 +289,38 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
     assert walker.recorded == list(range(2, 3 + extra)) and walker.errors == 0
     with get_client(sync_client=True) as client:
         assert sorted(fr.name for fr in _round_runs(client, run_id)) == [f"round-{r:06d}" for r in range(1, 3 + extra)]
+
+    # A write that fails (the bucket or the server unwell) is tried again: the rounds whose flow
+    # runs it already created keep them (no second one), and every round gets its artifact.
+    from atoll.storage.validation import TransientStorageError
+
+    with get_client(sync_client=True) as client:
+        for fr in _round_runs(client, run_id):
+            if fr.name in ("round-000004", "round-000006"):
+                client.delete_flow_run(fr.id)
+    flaky = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+                          round_run_tags=[run_tag(run_id), ROUND_TAG], retry_s=0.1)
+    real_update, failures = flaky.tracker.update, []
+
+    def update_failing_once() -> Any:
+        if not failures:
+            failures.append(1)
+            raise TransientStorageError("injected: the bucket is unwell")
+        return real_update()
+
+    flaky.tracker.update = update_failing_once  # type: ignore[method-assign]
+    flaky.start()
+    flaky.submit(4, None, seconds=0.1)
+    flaky.submit(6, None, seconds=0.1)
+    flaky.flush()
+    flaky.flush()  # the first flush may come back right after the failed attempt
+    flaky.close()
+    assert failures and flaky.errors == 1 and sorted(flaky.recorded) == [4, 6]
+    with get_client(sync_client=True) as client:
+        rounds = _round_runs(client, run_id)
+        assert sorted(fr.name for fr in rounds) == [f"round-{r:06d}" for r in range(1, 3 + extra)]
+        for fr in rounds:
+            if fr.name in ("round-000004", "round-000006"):
+                arts = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+                assert [a.type for a in arts] == ["markdown"]

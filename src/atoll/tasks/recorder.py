@@ -12,13 +12,18 @@ records of what got weight 0) from the bucket and writes, **attached to that rou
   the contributions table (learner, pool, tokens, steps, weight, accepted or why not);
 
 and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`). When it falls behind
-(rounds queue up), it reads the bucket once for the whole batch. The run's progress artifact and
+(rounds queue up), it takes them as one batch: first every round's flow run (recorded rounds),
+which needs only the commit record, then the goodput so far (every contribution record of the run
+since the last batch, read concurrently: a relaunched training run reads the whole run's), then
+the artifacts and events. A batch that fails (the server or the bucket unwell) is tried again
+after ``retry_s``, or with the next round, never dropped. The run's progress artifact and
 the ``<run>-goodput`` markdown (the whole run's goodput, per learner) are updated at most every
 ``progress_every_s`` and after the last round, not every round: one API call per round in all
 (two with recorded rounds, whose flow run the recorder creates).
 
-Nothing here is the truth (the bucket is), so a write that fails is logged and skipped; the
-training run waits for the queue to drain (``flush``) before it reports its end.
+Nothing here is the truth (the bucket is), so nothing waits for it: the training run only waits
+for the queue to drain (``flush``, bounded) before it reports its end, and rounds a killed training
+run never recorded are recorded by the next one (:meth:`RoundRecorder.backfill`).
 """
 
 from __future__ import annotations
@@ -44,13 +49,18 @@ from atoll.runs.report import (
 from atoll.storage.bucket import RunStore
 from atoll.tasks.events import emit_round_committed
 
-__all__ = ["BACKFILL_ROUNDS", "RoundRecorder", "artifact_keys", "goodput_markdown"]
+__all__ = ["BACKFILL_ROUNDS", "CACHE_LIMIT", "RoundRecorder", "artifact_keys", "goodput_markdown"]
 
 log = logging.getLogger("atoll.recorder")
 
 BACKFILL_ROUNDS = 100
 """Rounds per query when a recorded run looks, at its start, for committed rounds that have no
 flow run (:meth:`RoundRecorder.backfill`)."""
+
+
+CACHE_LIMIT = 20_000
+"""Contribution records the recorder's goodput tracker keeps in memory between batches (a chaos-soak
+round names ~40, so a run of 10^5 rounds would otherwise hold millions)."""
 
 
 def artifact_keys(run_id: str) -> dict[str, str]:
@@ -86,7 +96,7 @@ class RoundRecorder:
     def __init__(self, store: RunStore, *, run_id: str, max_rounds: int, inner_steps: int,
                  progress_artifact_id: str | None = None, progress_every_s: float = 10.0,
                  tracker: GoodputTracker | None = None, run_flow_run_id: Any = None,
-                 round_run_tags: list[str] | None = None) -> None:
+                 round_run_tags: list[str] | None = None, retry_s: float = 5.0) -> None:
         """``run_flow_run_id``: the training-run flow run, which the run-level goodput artifact is attached to.
         ``round_run_tags``: the tags of round flow runs this recorder creates itself (recorded
         rounds: a round submitted without a flow run id gets one, Completed, before its artifacts)."""
@@ -100,6 +110,8 @@ class RoundRecorder:
         self.tracker = tracker if tracker is not None else GoodputTracker(store)
         self.keys = artifact_keys(run_id)
         self.round_run_tags = list(round_run_tags) if round_run_tags is not None else None
+        self.retry_s = retry_s
+        """A failed write (server or bucket unwell) is tried again after this, or with the next round."""
         self._round_flow_id: Any = None
         self.last_goodput: GoodputReport | None = None
         self.recorded: list[int] = []
@@ -202,30 +214,42 @@ class RoundRecorder:
     def _work(self) -> None:
         from prefect.client.orchestration import get_client
 
+        retry: list[_Item] = []
         with get_client(sync_client=True) as client:  # one client (one connection) for the thread's life
             while True:
-                item = self._queue.get()
-                pending: list[Any] = [item]
+                pending: list[Any] = []
+                try:  # rounds left by a failed write are tried again after retry_s, or with the next round
+                    pending.append(self._queue.get(timeout=self.retry_s if retry else None))
+                except queue.Empty:
+                    pass
                 while True:  # everything queued meanwhile goes in one batch
                     try:
                         pending.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                batch = [i for i in pending if isinstance(i, _Item)]
+                batch = retry + [i for i in pending if isinstance(i, _Item)]
                 waiters = [i for i in pending if isinstance(i, threading.Event)]
-                if batch or waiters:
-                    self._write(client, batch, final=bool(waiters))
+                retry = self._write(client, batch, final=bool(waiters)) if batch or waiters else []
                 for w in waiters:
                     w.set()
                 if any(i is _STOP for i in pending):
                     return
 
-    def _write(self, client: Any, batch: list[_Item], *, final: bool) -> None:
+    def _write(self, client: Any, batch: list[_Item], *, final: bool) -> list[_Item]:
+        """Write ``batch``; the rounds it could not finish (to be tried again), each with the flow run
+        it got if it got one (so a retry never creates a second: the idempotency key would return
+        the same one anyway)."""
+        done: set[int] = set()
+        created: dict[int, _Item] = {}
         try:
-            self._write_with(client, batch, final=final)
+            self._write_with(client, batch, final=final, done=done, created=created)
+            return []
         except Exception as e:  # noqa: BLE001 - artifacts are for people; the bucket holds the truth
             self.errors += 1
-            log.warning(f"run {self.run_id}: could not record rounds {[i.round for i in batch]}: {e!r}")
+            left = [created.get(i.round, i) for i in batch if i.round not in done]
+            log.warning(f"run {self.run_id}: could not record rounds {[i.round for i in left]} ({e!r}); "
+                        f"trying again in {self.retry_s:g} s")
+            return left
 
     def _create_round_run(self, client: Any, item: _Item, record: Any) -> UUID:
         """The flow run of a recorded round: one API call, created Completed (the server sets the
@@ -252,20 +276,33 @@ class RoundRecorder:
         resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
         return UUID(resp.json()["id"])
 
-    def _write_with(self, client: Any, batch: list[_Item], *, final: bool) -> None:
+    def _write_with(self, client: Any, batch: list[_Item], *, final: bool, done: set[int] | None = None,
+                    created: dict[int, _Item] | None = None) -> None:
+        """Write ``batch``, noting in ``done`` each round finished (or gone) and in ``created`` each
+        one whose flow run it created."""
         from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
-        goodput = self.tracker.update() if batch or self.last_goodput is None else self.last_goodput
-        self.last_goodput = goodput
+        done = set() if done is None else done
+        created = {} if created is None else created
+
+        # First every round's flow run, which needs only its commit record: the round is then in the
+        # UI whatever comes next. Goodput needs every contribution of the run so far, which a
+        # relaunched training run must first read back (thousands of records on a long run).
+        todo = []
         for item in batch:
             record = self.store.read_commit(item.round)
             if record is None:
+                done.add(item.round)
                 continue
+            if not item.flow_run_id and self.round_run_tags is not None:
+                item = dataclasses.replace(item, flow_run_id=str(self._create_round_run(client, item, record)))
+                created[item.round] = item
+            todo.append((item, record))
+        goodput = self.tracker.update() if batch or self.last_goodput is None else self.last_goodput
+        self.last_goodput = goodput
+        for item, record in todo:
             rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
             fr = UUID(item.flow_run_id) if item.flow_run_id else None
-            if fr is None and self.round_run_tags is not None:
-                fr = self._create_round_run(client, item, record)
-                item = dataclasses.replace(item, flow_run_id=str(fr))
             md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
                                 goodput=goodput, inner_steps=self.inner_steps)
             # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
@@ -278,7 +315,10 @@ class RoundRecorder:
             emit_round_committed(self.run_id, self.store.url, record, rows, goodput=goodput,
                                  flow_run_id=item.flow_run_id)
             self.recorded.append(item.round)
+            done.add(item.round)
             self._progress_round = max(self._progress_round, item.round)
+        if len(self.tracker.cache) > CACHE_LIMIT:  # the tracker has counted them: later rounds re-read what they need
+            self.tracker.cache.clear()
         now = time.monotonic()
         due = final or now - self._last_progress >= self.progress_every_s
         if self._progress_round and self._progress_round != self._progress_written and due:
