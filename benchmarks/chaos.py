@@ -68,6 +68,7 @@ fleet each learner has its own machine and the control plane (training run, serv
 its own; on one small machine, free-running learners would otherwise take the cores the training
 run needs to close rounds (6 learners on 2 cores: ~5 s a round, where the plain runner takes 0.3 s)."""
 BUCKET = "atoll-chaos"
+PLOT_GOODPUT_AFTER_S = 60.0
 
 
 # -- the schedule -----------------------------------------------------------------------------------
@@ -509,10 +510,14 @@ def plot(results: list[ModeResult], out: Path) -> Path:
 
     fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for r in results:
-        ts = [t for t, _, _ in r.timeline if t > 0]
-        a.plot(ts, [g * 100 for t, _, g in r.timeline if t > 0], label=r.name)
-        b.plot(ts, [c for t, c, _ in r.timeline if t > 0], ".", ms=2, label=r.name, alpha=0.6)
-    a.set_ylabel("goodput so far (%)")
+        # Goodput so far is useful over available learner time: over the first seconds that window
+        # is nearly empty and the ratio meaningless (thousands of percent), so the line starts later.
+        late = [(t, g) for t, _, g in r.timeline if t >= PLOT_GOODPUT_AFTER_S]
+        a.plot([t for t, _ in late], [g * 100 for _, g in late], label=r.name)
+        b.plot([t for t, _, _ in r.timeline if t > 0], [c for t, c, _ in r.timeline if t > 0], ".", ms=2,
+               label=r.name, alpha=0.6)
+    a.set_ylim(0, 100)
+    a.set_ylabel(f"goodput so far (%, from t = {PLOT_GOODPUT_AFTER_S:g} s)")
     a.set_title("chaos soak: goodput and contributors per round (same kill schedule)")
     a.legend()
     b.set_ylabel("contributors merged")
@@ -540,7 +545,13 @@ def main(argv: list[str] | None = None) -> int:
                         "each commit; --no-record-rounds: each round a flow run executed by Prefect's engine")
     p.add_argument("--quick", action="store_true", help="3 minutes, 12 learner kills, 2 training-run kills")
     p.add_argument("--out", default="out")
+    p.add_argument("--replot", default=None, metavar="CHAOS_JSON",
+                   help="only redraw chaos.png (under --out) from a chaos.json this script wrote")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        print(f"plot: {plot([ModeResult(**r) for r in saved], Path(args.out))}")
+        return 0
     if args.quick:
         args.minutes, args.learner_kills, args.run_kills = 3.0, 12, 2
     schedule = kill_schedule(args.seed, minutes=args.minutes, learners=args.learners,
