@@ -94,11 +94,15 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path
     learners = [{"learner_id": "learner-0", "pool": "pool-a"}, {"learner_id": "learner-1", "pool": "pool-b"},
                 {"learner_id": "learner-2", "pool": "pool-b"}]
 
+    # learner-2 runs by hand (no flow run): a lease with no flow run id, heartbeating. A live
+    # process heartbeats all along, so it does so before every look: written once, it would go
+    # stale past heartbeat_timeout_s on a slow machine (this test takes ~40 s on CI's 2 cores).
+    by_hand = take_lease(store.store, "learner-2")
+
     def live() -> dict[str, Any]:
+        write_heartbeat(store.store, by_hand)
         return {s["learner_id"]: store.learner_liveness(s["learner_id"]) for s in learners}
 
-    # learner-2 runs by hand (no flow run): a lease with no flow run id, heartbeating.
-    write_heartbeat(store.store, take_lease(store.store, "learner-2"))
     fleet = LearnerFleet(run_url=url, run_id=store.manifest.run_id, learners=learners,
                          policy=HealingPolicy(relaunch_backoff_s=0.0, heartbeat_timeout_s=30.0))
     tag = run_tag(store.manifest.run_id)

@@ -3,6 +3,7 @@ known amount of CPU) and its table. The benchmark itself runs a Prefect stack fo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -71,11 +72,9 @@ def test_the_summary_takes_each_ratio_against_its_own_plain_run(overhead) -> Non
     assert line[-1] == "0.980x"
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or (__import__("os").cpu_count() or 1) < 2,
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
                     reason="needs Linux CPU affinity and two CPUs")
 def test_pinning_moves_every_thread_of_a_learner_to_cpu_0_and_the_rest_off_it(overhead) -> None:
-    import os
-
     child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
                               "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
                               "time.sleep(30)"])

@@ -305,6 +305,10 @@ def steps_since_sync(rows: Iterable[ContributionRow]) -> float | None:
     return sum(steps) / len(steps) if steps else None
 
 
+CONTRIBUTIONS_HEADING = "## Contributions"
+CONTRIBUTION_COLUMNS = ("learner", "pool", "tokens", "steps", "weight", "status")
+
+
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
                    max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None) -> str:
     """The round's summary as markdown (the round flow run's one artifact): the round, its
@@ -347,10 +351,6 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         lines += ["", "| learner | goodput so far |", "|---|---|"]
         lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
     return "\n".join(lines) + "\n"
-
-
-CONTRIBUTIONS_HEADING = "## Contributions"
-CONTRIBUTION_COLUMNS = ("learner", "pool", "tokens", "steps", "weight", "status")
 
 
 def contributions_from_markdown(md: str) -> list[dict[str, str]]:

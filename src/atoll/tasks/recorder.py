@@ -276,14 +276,12 @@ class RoundRecorder:
         resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
         return UUID(resp.json()["id"])
 
-    def _write_with(self, client: Any, batch: list[_Item], *, final: bool, done: set[int] | None = None,
-                    created: dict[int, _Item] | None = None) -> None:
+    def _write_with(self, client: Any, batch: list[_Item], *, final: bool, done: set[int],
+                    created: dict[int, _Item]) -> None:
         """Write ``batch``, noting in ``done`` each round finished (or gone) and in ``created`` each
         one whose flow run it created."""
         from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
-        done = set() if done is None else done
-        created = {} if created is None else created
 
         # First every round's flow run, which needs only its commit record: the round is then in the
         # UI whatever comes next. Goodput needs every contribution of the run so far, which a
