@@ -206,6 +206,19 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(handler=_verify)
 
+    p = sub.add_parser("prune", help="retention: delete old global state, contributions no round can use, replaced "
+                                     "learner states (and old checkpoints if asked); safe while the run trains")
+    p.add_argument("run_url")
+    p.add_argument("--keep-rounds", type=int, default=1000,
+                   help="rounds at the head whose global state stays readable (default 1000; at least 2 x P)")
+    p.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="newest complete checkpoints to keep (default: keep every checkpoint)")
+    p.add_argument("--min-age-s", type=float, default=3600.0,
+                   help="delete an unreferenced object only once it is this old (default 3600; at least 60)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(handler=_prune)
+
     p = sub.add_parser("learner", help="run one learner flow here, by hand (it joins the run from the bucket)")
     p.add_argument("run_url")
     p.add_argument("--learner-id", required=True)
@@ -373,9 +386,53 @@ def _verify(args: argparse.Namespace) -> int:
     report = store.verify(on_round=progress)
     for line in report.problems:
         print(f"  PROBLEM {line}")
+    if report.prune is not None:
+        print(f"  {report.pruned} state object(s) of rounds up to {report.prune.through_round} not checked: deleted "
+              f"on purpose by retention ({report.prune.by})")
     print(f"{report.verified} of {report.latest} round(s) verified; void slots: {report.void or 'none'}; "
           + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))
     return 0 if report.ok else 1
+
+
+def _prune(args: argparse.Namespace) -> int:
+    import getpass
+    import socket
+
+    from atoll.runs.manage import open_run
+    from atoll.storage.retention import RetentionPolicy, apply_prune, plan_prune
+
+    policy = RetentionPolicy(keep_rounds=args.keep_rounds, keep_checkpoints=args.keep_checkpoints,
+                             min_age_s=args.min_age_s)
+    options = _kv(args.storage_option) or None
+    _open_existing(args.run_url, options)  # a clear error for a URL with no run, before any write
+    store = open_run(args.run_url, options, read_only=args.dry_run)
+    policy.check(store.plan.num_fragments)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    print(f"planning retention for {store.url} (keep {policy.keep_rounds} rounds, "
+          f"{'every' if policy.keep_checkpoints is None else policy.keep_checkpoints} checkpoint(s), "
+          f"unreferenced objects older than {policy.min_age_s:.0f} s) ...", flush=True)
+    plan = plan_prune(store, policy, log=log)
+    print("\n".join(plan.table()))
+    if plan.young:
+        print(f"{plan.young} unreferenced object(s) younger than {policy.min_age_s:.0f} s kept (a writer may be "
+              f"between a payload and its record)")
+    if plan.through_round:
+        print(f"rounds 1..{plan.through_round} keep their commit records (the chain verifies) but their global state "
+              f"can no longer be read back; rounds {plan.through_round + 1}..{plan.latest} can")
+    if args.dry_run:
+        print("dry run: nothing deleted")
+        return 0
+    if not plan.deletes:
+        print("nothing to delete")
+        return 0
+    by = f"atoll prune by {getpass.getuser()}@{socket.gethostname()}"
+    record = apply_prune(store, plan, by=by, log=log)
+    print(f"deleted {len(plan.deletes)} object(s); this run's retention so far: {record.deleted_objects} "
+          f"object(s), {record.deleted_bytes / 2**20:.1f} MiB (sync/prune.json)")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:

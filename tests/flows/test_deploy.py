@@ -44,7 +44,7 @@ def deployed(prefect_harness: None) -> dict[str, str]:
 
 def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str, str]) -> None:
     assert set(deployed) == {"atoll-learner/pool-a", "atoll-learner/pool-b", "atoll-training-run/default",
-                             "atoll-supervisor/default"}
+                             "atoll-supervisor/default", "atoll-prune/default"}
     with _client() as client:
         for pool in ("pool-a", "pool-b"):
             dep = client.read_deployment_by_name(f"atoll-learner/{pool}")
@@ -71,6 +71,10 @@ def test_deploy_all_registers_one_learner_deployment_per_pool(deployed: dict[str
         [schedule] = sup.schedules
         assert schedule.schedule.interval.total_seconds() == 600 and schedule.active
         assert sup.parameters["lifetime_s"] == 570
+        # Retention: on the control pool, unscheduled (each run gets its own schedule with its run_url).
+        prune = client.read_deployment_by_name("atoll-prune/default")
+        assert prune.entrypoint == "atoll.flows.prune.prune_flow" and not prune.schedules
+        assert prune.parameter_openapi_schema["required"] == ["run_url"]
 
 
 def test_entrypoints_load() -> None:
@@ -190,9 +194,12 @@ def test_work_pool_templates_validate(prefect_harness: None, name: str, pool_typ
 
 def test_prefect_yaml_declares_the_deployments() -> None:
     body = yaml.safe_load((INFRA / "prefect.yaml").read_text())
-    deps = {d["name"]: d for d in body["deployments"]}
-    assert set(deps) == {"default", "cpu-fast", "cpu-slow", "gpu-docker", "gpu-k8s"}
-    assert deps["default"]["entrypoint"] == "atoll.flows.training.training_run"
+    # A deployment is named per flow: "default" is the training run's and retention's.
+    deps = {(d["entrypoint"].rsplit(".", 1)[1], d["name"]): d for d in body["deployments"]}
+    assert len(deps) == len(body["deployments"])
+    assert set(deps) == {("training_run", "default"), ("prune_flow", "default"),
+                         *(("learner_flow", pool) for pool in ("cpu-fast", "cpu-slow", "gpu-docker", "gpu-k8s"))}
+    deps.update({name: d for (fn, name), d in list(deps.items()) if fn == "learner_flow"})
     for pool in ("cpu-fast", "cpu-slow", "gpu-docker", "gpu-k8s"):
         assert deps[pool]["work_pool"]["name"] == pool
         assert deps[pool]["entrypoint"] == "atoll.flows.learner.learner_flow"
@@ -225,6 +232,7 @@ def test_prefect_deploy_accepts_prefect_yaml(prefect_harness: None) -> None:
         docker = client.read_deployment_by_name("atoll-learner/gpu-docker")
         assert docker.job_variables["device_requests"] == [{"count": 1, "capabilities": [["gpu"]]}]
         assert docker.job_variables["env"]["ATOLL_SECRET_BLOCK"] == "atoll-bucket"
+        assert client.read_deployment_by_name("atoll-prune/default").entrypoint == "atoll.flows.prune.prune_flow"
         train = client.read_deployment_by_name("atoll-training-run/default")
         assert train.parameter_openapi_schema["required"] == ["options"]
         assert "fleet" in train.parameter_openapi_schema["definitions"]["TrainingRunOptions"]["properties"]

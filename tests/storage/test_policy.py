@@ -105,7 +105,31 @@ def test_the_synchronizer_cannot_write_under_learner_prefixes() -> None:
             assert not _allowed(SYNC, None, key)
 
 
-def test_nobody_may_delete_outside_the_probe_area() -> None:
-    for stmt in _policy()["Statement"]:
-        if "s3:DeleteObject" in stmt["Action"] and stmt["Effect"] == "Allow":
-            assert all(r.startswith(ROOT + paths.PROBE_PREFIX) for r in stmt["Resource"])
+OPERATOR = "arn:aws:iam::ACCOUNT:role/atoll-operator"
+RETENTION_DELETES = [paths.blob_key(SHA), paths.checkpoint_model_key(100), paths.checkpoint_config_key(100),
+                     paths.contribution_key(3, 12, "l0", 24, SHA), paths.blob_key(SHA, "l0"), paths.probe_key("abc123")]
+NEVER_DELETED = [paths.commit_key(42), paths.repair_key(42, 1), paths.RUN_MANIFEST, paths.HEAD, paths.STOP,
+                 paths.PRUNE, paths.learner_state_key("l0"), paths.learner_lease_key("l0", 3),
+                 paths.learner_heartbeat_key("l0", 3), paths.sync_lease_key(2), paths.sync_heartbeat_key(2)]
+
+
+def _may(principal: str, action: str, key: str) -> bool:
+    return any(stmt["Effect"] == "Allow" and action in stmt["Action"]
+               and any(fnmatch.fnmatchcase(principal, p) for p in _principals(stmt))
+               and any(fnmatch.fnmatchcase(ROOT + key, r) for r in stmt["Resource"])
+               for stmt in _policy()["Statement"])
+
+
+def test_only_the_operator_deletes_and_only_what_retention_deletes() -> None:
+    """Learners and the synchronizer delete nothing but probe scratch; the operator (``atoll
+    prune``) deletes exactly the classes retention prunes, never the chain, leases or rejoin state."""
+    for key in RETENTION_DELETES:
+        assert _may(OPERATOR, "s3:DeleteObject", key), key
+    for key in NEVER_DELETED:
+        assert not _may(OPERATOR, "s3:DeleteObject", key), key
+    for principal in (LEARNER, SYNC):
+        for key in RETENTION_DELETES + NEVER_DELETED:
+            assert _may(principal, "s3:DeleteObject", key) == key.startswith(paths.PROBE_PREFIX), (principal, key)
+    # The operator writes its retention record and probe scratch, nothing else.
+    for key in [*LEARNER_WRITES, *SYNC_WRITES, paths.PRUNE]:
+        assert _may(OPERATOR, "s3:PutObject", key) == (key == paths.PRUNE or key.startswith(paths.PROBE_PREFIX)), key

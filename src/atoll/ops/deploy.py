@@ -31,6 +31,7 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.types.entrypoint import EntrypointType
 
 from atoll.flows.learner import learner_flow
+from atoll.flows.prune import PRUNE_FLOW_NAME, prune_flow
 from atoll.flows.supervisor import DEFAULT_TRAINING_DEPLOYMENT, supervisor
 from atoll.flows.training import training_run
 from atoll.runs.options import TrainingRunOptions
@@ -57,6 +58,7 @@ DEFAULT_POOLS: tuple[str, ...] = ("cpu-fast", "cpu-slow")
 
 TRAINING_DEPLOYMENT = DEFAULT_TRAINING_DEPLOYMENT
 SUPERVISOR_DEPLOYMENT = "atoll-supervisor/default"
+PRUNE_DEPLOYMENT = f"{PRUNE_FLOW_NAME}/default"
 
 
 def learner_job_env(threads: int = 1) -> dict[str, str]:
@@ -90,7 +92,8 @@ def deploy_all(
     supervisor_interval_s: float | None = 600.0,
     supervisor_parameters: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
-    """Register the learner deployment of every pool and the training-run deployment.
+    """Register the learner deployment of every pool, the training-run deployment, the supervisor
+    and retention (``atoll-prune/default``, unscheduled).
 
     ``env`` is added to every deployment's job environment (e.g. object-store endpoint and
     credentials for workers); ``pool_job_variables[pool]`` adds job variables per pool (image,
@@ -131,6 +134,15 @@ def deploy_all(
         description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
     ))
     out[SUPERVISOR_DEPLOYMENT] = str(dep.apply())
+    # Retention, without a schedule: each run needs its own (with its run_url), and the operator's
+    # credentials (docs/protocol.md, section 10).
+    dep = cast(RunnerDeployment, prune_flow.to_deployment(  # sync call: not a coroutine
+        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        tags=["atoll", "atoll-prune"],
+        description="atoll retention: delete what a long run no longer needs; schedule it per run with its run_url",
+    ))
+    out[PRUNE_DEPLOYMENT] = str(dep.apply())
     return out
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -440,4 +441,11 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
     ckpts = checkpoint_rounds(store)
     if ckpts:
         lines.append(f"checkpoints at rounds: {', '.join(map(str, ckpts))}")
+    pruned, why = store.read_prune_record()
+    if pruned is not None:
+        lines.append(f"retention: the global state of rounds 1..{pruned.through_round} is deleted ({pruned.by}, "
+                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(pruned.pruned_at))}; "
+                     f"{pruned.deleted_objects} objects, {pruned.deleted_bytes / 2**20:.1f} MiB so far)")
+    elif why is not None:
+        lines.append(why)
     return lines

@@ -20,12 +20,14 @@ from atoll.storage.records import (
     ContributionRecord,
     FragmentState,
     LearnerStateRecord,
+    PruneRecord,
     RunManifest,
 )
 from atoll.storage.store import ObjectStore, RetryPolicy, is_transient, redact
 from atoll.storage.validation import (
     REJECTION_KINDS,
     InvalidInput,
+    PrunedError,
     RoundOrderError,
     RunExistsError,
     RunNotFoundError,
@@ -53,6 +55,8 @@ __all__ = [
     "LeaseError",
     "Liveness",
     "ObjectStore",
+    "PruneRecord",
+    "PrunedError",
     "REJECTION_KINDS",
     "RetryPolicy",
     "RoundOrderError",

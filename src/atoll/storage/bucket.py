@@ -13,6 +13,7 @@ One run lives under one root URL. See docs/protocol.md for the layout; in short:
         blobs/sha256/<hex>.safetensors         global fragments and outer momentum
         head.json                              hint: latest committed round (never trusted alone)
         checkpoints/<round>/model.safetensors  consolidated checkpoint (+ config.json)
+        prune.json                             what retention may have deleted (atoll prune)
 
 A fragment's *version* is the number of the round that last wrote it (0 = initial), so
 ``read_global_fragment(p, v)`` is one GET of ``sync/commits/<v>.json`` plus its payload.
@@ -59,6 +60,7 @@ from atoll.storage.records import (
     KIND_CONTRIBUTION,
     KIND_HEAD,
     KIND_LEARNER_STATE,
+    KIND_PRUNE,
     KIND_RUN,
     AcceptedContribution,
     BlobRef,
@@ -66,12 +68,14 @@ from atoll.storage.records import (
     ContributionRecord,
     FragmentState,
     LearnerStateRecord,
+    PruneRecord,
     RunManifest,
 )
 from atoll.storage.store import ObjectStore, io_map
 from atoll.storage.validation import (
     InvalidInput,
     LayoutError,
+    PrunedError,
     ReadOnlyError,
     RoundOrderError,
     RunExistsError,
@@ -171,6 +175,10 @@ class VerifyReport:
     """Rounds whose slot holds something that does not verify and has no valid repair."""
     problems: list[str] = field(default_factory=list)
     """One line per problem, naming the object."""
+    pruned: int = 0
+    """State objects not checked because retention (``sync/prune.json``) may have deleted them."""
+    prune: PruneRecord | None = None
+    """The run's retention record, if it has one."""
 
     @property
     def ok(self) -> bool:
@@ -720,6 +728,9 @@ class RunStore:
         fresh = RunStore(self.store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring, read_only=True)
         report = VerifyReport()
         _ = fresh.manifest
+        report.prune, why = fresh.read_prune_record()
+        if why is not None:
+            report.problems.append(why)
         for ref in fresh.manifest.initial:
             report.check_blob(fresh, ref, "run.json initial")
         seen: set[str] = set()
@@ -735,8 +746,12 @@ class RunStore:
             if rec is None:
                 break
             report.verified += 1
-            for st in rec.state:
+            for p, st in enumerate(rec.state):
                 refs = [st.params] + ([st.momentum] if st.momentum is not None else [])
+                if report.prune is not None and report.prune.may_be_pruned(p, st.version):
+                    report.pruned += len([b for b in refs if b.sha256 not in seen])
+                    seen.update(b.sha256 for b in refs)
+                    continue  # deleted on purpose by retention, not lost
                 for blob in refs:
                     if blob.sha256 not in seen:
                         seen.add(blob.sha256)
@@ -936,6 +951,13 @@ class RunStore:
             try:
                 params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
             except InvalidInput as e:
+                pruned, _ = self.read_prune_record() if e.kind.value == "missing_payload" else (None, None)
+                if pruned is not None and pruned.may_be_pruned(p, st.version):
+                    raise PrunedError(
+                        f"the global state of round {round_} is gone: fragment {p} v{st.version} is below the "
+                        f"retention floor v{pruned.floors[p]} ({pruned.by}, rounds up to {pruned.through_round}); "
+                        f"read a later round or a consolidated checkpoint", url=self.store.key_url(
+                            paths.blob_key(st.params.sha256))) from None
                 # A destroyed state object must not stop every reader for good: fall back to the
                 # newest older version of this fragment that verifies (the same walk in every
                 # process, so they all agree), at worst version 0 from run.json. The fragment's
@@ -987,8 +1009,8 @@ class RunStore:
         rec = LearnerStateRecord(learner_id=learner_id, payload=ref, meta=meta, saved_at=time.time())
         self.store.put(paths.learner_state_key(learner_id), dump_record(KIND_LEARNER_STATE, rec.to_dict()))
 
-    def load_learner_state(self, learner_id: str) -> LearnerState | None:
-        """The learner's last saved state, or None if it never saved one."""
+    def load_learner_state_record(self, learner_id: str) -> LearnerStateRecord | None:
+        """The learner's ``state.json`` (not its payload), or None if it never saved one."""
         key = paths.learner_state_key(learner_id)
         data = self._get_capped(key, MAX_LEARNER_STATE_RECORD_BYTES)
         if data is None:
@@ -996,6 +1018,13 @@ class RunStore:
         rec = LearnerStateRecord.from_body(load_record(data, KIND_LEARNER_STATE, url=self.store.key_url(key)))
         if rec.learner_id != learner_id:
             raise InvalidInput("schema", f"state at {key} belongs to {rec.learner_id!r}", url=self.store.key_url(key))
+        return rec
+
+    def load_learner_state(self, learner_id: str) -> LearnerState | None:
+        """The learner's last saved state, or None if it never saved one."""
+        rec = self.load_learner_state_record(learner_id)
+        if rec is None:
+            return None
         tensors = bytes_to_tensors(self._read_blob_bytes(rec.payload, learner_id=learner_id))
         return LearnerState(tensors=tensors, meta=dict(rec.meta), saved_at=rec.saved_at)
 
@@ -1059,6 +1088,25 @@ class RunStore:
     def read_stop_marker(self) -> tuple[StopMarker | None, str | None]:
         """(the stop marker or None, why an existing one was ignored or None)."""
         return lifecycle.read_stop_marker(self.store)
+
+    # -- retention ---------------------------------------------------------------------------
+    def read_prune_record(self) -> tuple[PruneRecord | None, str | None]:
+        """(the run's retention record or None, why a stored one was ignored or None)."""
+        try:
+            data = self._get_capped(paths.PRUNE, MAX_HEAD_BYTES * 64)
+            if data is None:
+                return None, None
+            body = load_record(data, KIND_PRUNE, url=self.store.key_url(paths.PRUNE))
+            return PruneRecord.from_body(body, self.plan.num_fragments), None
+        except InvalidInput as e:
+            return None, f"retention record ignored: {e}"
+
+    def write_prune_record(self, record: PruneRecord) -> None:
+        """Overwrite ``sync/prune.json`` (retention writes it before it deletes anything)."""
+        self._check_writable()
+        if len(record.floors) != self.plan.num_fragments:
+            raise ValueError(f"floors must name {self.plan.num_fragments} fragments, got {len(record.floors)}")
+        self.store.put(paths.PRUNE, dump_record(KIND_PRUNE, record.to_dict()))
 
     # -- consolidated checkpoints ------------------------------------------------------------
     def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:

@@ -26,6 +26,9 @@ __all__ = [
     "join_url",
     "run_url",
     "blob_key",
+    "blobs_prefix",
+    "learner_contributions_prefix",
+    "parse_base_folder",
     "commits_prefix",
     "commit_key",
     "parse_commit_key",
@@ -37,6 +40,7 @@ __all__ = [
     "checkpoint_config_key",
     "probe_key",
     "STOP",
+    "PRUNE",
     "MAX_INCARNATION",
     "learner_leases_prefix",
     "learner_lease_key",
@@ -68,12 +72,16 @@ PROBE_PREFIX = "_probe/"
 STOP = "sync/stop.json"
 """The run's stop marker (overwritten): ``{"stopped": bool, "reason", "by", "time"}``."""
 
+PRUNE = "sync/prune.json"
+"""The run's retention record (overwritten by ``atoll prune``): which old state may be gone."""
+
 MAX_INCARNATION = 99_999_999
 """Largest lease incarnation number (8 digits, zero-padded)."""
 
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_BASE_RE = re.compile(r"^b(\d{8})$")
 
 
 def to_url(bucket: str) -> str:
@@ -190,6 +198,24 @@ def checkpoints_prefix() -> str:
 def checkpoint_model_key(round_: int) -> str:
     """``sync/checkpoints/00000100/model.safetensors`` (plain safetensors, whole model)."""
     return f"{checkpoints_prefix()}{_nonneg(round_, 'round'):0{_ROUND_DIGITS}d}/model.safetensors"
+
+
+def blobs_prefix(learner_id: str | None = None) -> str:
+    """The folder :func:`blob_key` puts a writer's payloads in."""
+    owner = SYNC_PREFIX if learner_id is None else learner_prefix(learner_id)
+    return f"{owner}blobs/sha256/"
+
+
+def learner_contributions_prefix(learner_id: str, fragment: int | None = None) -> str:
+    """``learners/<id>/contributions/`` (or its ``f<pppp>/`` folder): one folder per base version below."""
+    head = f"{learner_prefix(learner_id)}contributions/"
+    return head if fragment is None else f"{head}f{_nonneg(fragment, 'fragment'):04d}/"
+
+
+def parse_base_folder(name: str) -> int | None:
+    """Base version from a ``b<bbbbbbbb>`` folder name; None for anything else."""
+    m = _BASE_RE.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
 
 
 def checkpoint_config_key(round_: int) -> str:

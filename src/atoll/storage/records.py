@@ -23,6 +23,7 @@ __all__ = [
     "KIND_HEAD",
     "KIND_LEARNER_STATE",
     "KIND_CHECKPOINT",
+    "KIND_PRUNE",
     "BlobRef",
     "RunManifest",
     "ContributionRecord",
@@ -30,6 +31,7 @@ __all__ = [
     "AcceptedContribution",
     "CommitRecord",
     "LearnerStateRecord",
+    "PruneRecord",
 ]
 
 KIND_RUN = "atoll/run"
@@ -38,6 +40,7 @@ KIND_COMMIT = "atoll/commit"
 KIND_HEAD = "atoll/head"
 KIND_LEARNER_STATE = "atoll/learner-state"
 KIND_CHECKPOINT = "atoll/checkpoint"
+KIND_PRUNE = "atoll/prune"
 
 
 def _need(ok: bool, what: str) -> None:
@@ -375,3 +378,43 @@ class LearnerStateRecord:
             meta=_dict(body, "meta"),
             saved_at=_float(body, "saved_at"),
         )
+
+
+@dataclass(frozen=True)
+class PruneRecord:
+    """``sync/prune.json``: what retention (``atoll prune``) may have deleted. Overwritten by each
+    prune; its numbers only ever rise. Readers use it to tell "deleted on purpose" from "lost"."""
+
+    through_round: int
+    """Rounds up to this one may have lost their global state objects and contributions."""
+    floors: tuple[int, ...]
+    """Per fragment: versions below this (except version 0, in run.json) may have no state object,
+    and contributions computed against them may be gone."""
+    pruned_at: float
+    by: str
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"through_round": self.through_round, "floors": list(self.floors), "pruned_at": self.pruned_at,
+                "by": self.by, "deleted_objects": self.deleted_objects, "deleted_bytes": self.deleted_bytes}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], num_fragments: int) -> PruneRecord:
+        floors = body.get("floors")
+        _need(isinstance(floors, list) and len(floors) == num_fragments,
+              f"floors must be a list of {num_fragments} versions")
+        by = body.get("by", "")
+        _need(isinstance(by, str) and len(by) <= 256, "by must be text of at most 256 characters")
+        return cls(
+            through_round=_int(body, "through_round"),
+            floors=tuple(_int({"floor": f}, "floor") for f in (floors or [])),
+            pruned_at=_float(body, "pruned_at"),
+            by=by,
+            deleted_objects=_int(body, "deleted_objects"),
+            deleted_bytes=_int(body, "deleted_bytes"),
+        )
+
+    def may_be_pruned(self, fragment: int, version: int) -> bool:
+        """Whether ``version`` of ``fragment`` is below this record's floor (its object may be gone)."""
+        return 0 < version < self.floors[fragment]

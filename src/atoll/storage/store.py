@@ -5,8 +5,9 @@ root URL and offers exactly the operations the protocol needs:
 
 * ``get`` / ``get_or_none`` (GET, optionally capped), ``put`` (overwrite, atomic per object),
 * ``create`` (create-once: True if this call created the object, False if it already existed),
-* ``list`` (one LIST of one prefix, after invalidating fsspec's listing cache),
-* ``delete``.
+* ``list`` (one LIST of one prefix, after invalidating fsspec's listing cache), ``list_info``
+  (the same LIST with each object's size and modification time, for retention),
+* ``delete``, ``delete_many`` (batched where the backend has a bulk delete: S3's DeleteObjects).
 
 Create-once per backend: S3 ``If-None-Match: *`` and GCS ``ifGenerationMatch=0`` (through
 ``pipe_file(mode="create")``), a local folder writes a temporary file then ``os.link``\\ s it to
@@ -37,6 +38,8 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
@@ -47,7 +50,7 @@ from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
 
-__all__ = ["RetryPolicy", "ObjectStore", "NotRegularFileError", "is_transient", "redact", "io_map", "IO_THREADS",
+__all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "is_transient", "redact", "io_map", "IO_THREADS",
            "IO_THREADS_DEFAULT"]
 
 IO_THREADS_DEFAULT = 16
@@ -236,6 +239,49 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+DELETE_CHUNK = 1000
+"""Keys per bulk delete request (S3's DeleteObjects limit)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One entry of :meth:`ObjectStore.list_info`."""
+
+    name: str
+    """Last path component."""
+    is_dir: bool
+    """A prefix ("folder"), not an object."""
+    size: int
+    """Bytes (0 for a prefix)."""
+    modified_s: float | None
+    """Last modification, Unix seconds by the store's clock; None if the backend gives none."""
+
+
+ObjectInfos = list[ObjectInfo]
+"""(An alias: inside ObjectStore, ``list`` names its method.)"""
+
+
+def _modified_s(entry: Mapping[str, Any]) -> float | None:
+    """Modification time from an fsspec ``ls(detail=True)`` entry, whichever backend wrote it:
+    local ``mtime`` (float), S3 ``LastModified`` (datetime), GCS ``updated`` (ISO text), memory
+    ``created``."""
+    for name in ("mtime", "LastModified", "updated", "last_modified", "created", "timeCreated"):
+        value = entry.get(name)
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(value, str):
+            try:
+                when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+    return None
+
+
 class ObjectStore:
     """Objects under one root URL of any fsspec filesystem. Keys are ``/``-separated and relative."""
 
@@ -398,6 +444,29 @@ class ObjectStore:
         names = self._call("list", prefix, ls)
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
 
+    def list_info(self, prefix: str) -> ObjectInfos:
+        """Like :meth:`list` (one LIST, names sorted, no ``.tmp-*``), with each entry's size and
+        modification time as the backend reports it (``None`` where it reports none)."""
+        path = self.path(prefix)
+
+        def ls() -> list[dict[str, Any]]:
+            self.fs.invalidate_cache(path)
+            try:
+                return list(self.fs.ls(path, detail=True))
+            except FileNotFoundError:
+                return []
+
+        out = []
+        for entry in self._call("list", prefix, ls):
+            name = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+            if not name or name.startswith(".tmp-"):
+                continue
+            is_dir = entry.get("type") == "directory"
+            size = entry.get("size", entry.get("Size"))
+            out.append(ObjectInfo(name=name, is_dir=is_dir, size=int(size) if isinstance(size, int) and not is_dir else 0,
+                                  modified_s=None if is_dir else _modified_s(entry)))
+        return sorted(out, key=lambda o: o.name)
+
     def delete(self, key: str) -> None:
         path = self.path(key)
 
@@ -408,6 +477,42 @@ class ObjectStore:
                 pass
 
         self._call("delete", key, rm)
+
+    def remove_empty_folder(self, prefix: str) -> bool:
+        """Remove the folder ``prefix`` if it is empty (a local folder keeps one after its last
+        object is deleted; object stores have no folders: nothing to do). True if removed."""
+        if not self.is_local:
+            return False
+        try:
+            os.rmdir(self.path(prefix.rstrip("/")))
+        except OSError:  # not empty, already gone, or not a folder
+            return False
+        return True
+
+    def delete_many(self, keys: Iterable[str], *, chunk: int = DELETE_CHUNK) -> int:
+        """Delete objects (absent ones are fine), ``chunk`` keys per call: one bulk request each
+        on S3 (DeleteObjects takes up to 1,000) and GCS (a batch), one unlink each elsewhere.
+        Returns how many keys were asked for."""
+        todo = list(dict.fromkeys(keys))
+        for i in range(0, len(todo), chunk):
+            part = todo[i:i + chunk]
+            if self.is_local or self.is_memory:
+                io_map(self.delete, part)
+                continue
+            paths_ = [self.path(k) for k in part]
+
+            def rm(paths_: list[str] = paths_) -> None:
+                try:
+                    self.fs.rm(paths_)
+                except FileNotFoundError:  # one of them vanished meanwhile: the rest one by one
+                    for p in paths_:
+                        try:
+                            self.fs.rm_file(p)
+                        except FileNotFoundError:
+                            pass
+
+            self._call("delete", part[0], rm)
+        return len(todo)
 
     # -- capability probe --------------------------------------------------------------------
     def probe_create_once(self) -> None:

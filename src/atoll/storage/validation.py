@@ -25,6 +25,7 @@ __all__ = [
     "RunNotFoundError",
     "RunExistsError",
     "RoundOrderError",
+    "PrunedError",
     "ReadOnlyError",
     "LayoutError",
     "validate_id",
@@ -92,6 +93,15 @@ class LayoutError(StorageError):
 
 class RoundOrderError(StorageError):
     """A round was committed out of order (its predecessor is not committed)."""
+
+
+class PrunedError(StorageError):
+    """What was asked for was deleted on purpose by retention (``atoll prune``): an old round's
+    global state. Not bad input and not a storage fault, so it is not InvalidInput."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        self.url = url
+        super().__init__(message + (f" ({url})" if url else ""))
 
 
 def validate_id(value: object, what: str = "id") -> str:

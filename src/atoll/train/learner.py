@@ -143,6 +143,8 @@ class LearnerSummary:
     last_loss: float = float("nan")
     started_from_round: int = 0
     resumed_inner_state: bool = False
+    inner_state_lost: str = ""
+    """Why a saved inner state could not be read back (the learner rejoined with fresh optimizer state)."""
     losses: list[float] = field(default_factory=list)
     """Per-step training losses, oldest first: the most recent ``LOSS_WINDOW`` to ``2 * LOSS_WINDOW`` of
     them (trimmed in bulk, so appending stays O(1)), so a learner that runs for days holds a bounded list."""
@@ -459,7 +461,15 @@ class Learner:
             self.counters.fragments[frag].base_version = v
         self.opt = optimizer if optimizer is not None else self.recipe.inner.make(self.model.parameters())
         self.step_count, self.tokens_total = 0, 0
-        saved = store.load_learner_state(learner_id)
+        try:
+            saved = store.load_learner_state(learner_id)
+        except InvalidInput as e:
+            # Its payload is gone or damaged (a storage fault, or retention's min_age_s passed while
+            # this learner was frozen between its payload and its state.json): rejoin from the
+            # global state with fresh inner state rather than not at all.
+            self.log(f"{learner_id}: saved inner state unreadable ({e}); rejoining with fresh optimizer state")
+            self.summary.inner_state_lost = str(e)
+            saved = None
         if saved is not None:
             _load_inner_state(saved.tensors, self.model, self.opt)
             self.step_count = int(saved.meta.get("step", 0))

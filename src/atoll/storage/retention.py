@@ -1,0 +1,329 @@
+"""Retention: delete what a long run no longer needs, and nothing it does.
+
+A run left going for days writes without end: every publish adds a delta payload, every saved
+learner state a new inner-state payload (parameters and AdamW moments: three model copies),
+every round a new global fragment and its momentum, every N rounds a whole-model checkpoint. The
+bucket is the truth, so this module decides from the bucket alone what is dead:
+
+* **Global state** (``sync/blobs``): only the versions of each fragment written in the last
+  ``keep_rounds`` rounds, and the one current when that window began, stay readable. The
+  synchronizer merges against the current and the previous version of a fragment (never older:
+  ``Synchronizer.poll`` lists only those two base versions), so ``keep_rounds >= 2 P`` keeps
+  every version a merge can need. Version 0 lives in ``run.json`` and is never deleted.
+* **Contributions** (records and payloads under ``learners/<id>/``) computed against a version
+  below that floor: the synchronizer never lists them again, whatever became of them.
+* **Learner payloads** that nothing references any more: deltas of deleted contributions and
+  inner states replaced by a newer ``state.json``.
+* **Checkpoints** beyond the newest ``keep_checkpoints`` complete ones, only when asked: they are
+  the run's deliverable.
+
+Safe while the run trains: an object nothing references is deleted only once it is
+``min_age_s`` old, because every writer puts a payload *before* the record that points at it
+(a learner publishing or saving right now, a synchronizer between its payloads and its commit).
+The retention record ``sync/prune.json`` is written *before* anything is deleted, so ``atoll
+verify`` and readers can tell "deleted on purpose" from "lost" even if a prune is killed midway.
+Commit records, leases and heartbeats are never deleted: they are small, and the chain and the
+fencing need them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from atoll.storage import paths
+from atoll.storage.bucket import RunStore
+from atoll.storage.records import PruneRecord
+from atoll.storage.store import ObjectInfo, io_map
+
+__all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune", "prune_run",
+           "GLOBAL_STATE", "CONTRIBUTION", "LEARNER_PAYLOAD", "CHECKPOINT", "PROBE"]
+
+GLOBAL_STATE = "global state"
+CONTRIBUTION = "contribution record"
+LEARNER_PAYLOAD = "learner payload"
+CHECKPOINT = "checkpoint"
+PROBE = "probe scratch"
+CLASSES = (GLOBAL_STATE, CONTRIBUTION, LEARNER_PAYLOAD, CHECKPOINT, PROBE)
+
+_BLOB_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """What :func:`prune_run` keeps."""
+
+    keep_rounds: int = 1000
+    """Rounds at the head of the run whose global state stays readable (with the version of each
+    fragment current when they began). At least 2 x P: a merge needs a fragment's current and
+    previous version. Older rounds stay in the chain (their commit records are kept) but their
+    state can no longer be read back: resume, fork and export from a later round or a checkpoint."""
+
+    keep_checkpoints: int | None = None
+    """Newest complete consolidated checkpoints to keep; None keeps every checkpoint."""
+
+    min_age_s: float = 3600.0
+    """An object nothing references is deleted only once it is this old (by the store's clock):
+    it covers a writer between its payload and its record, and clock skew."""
+
+    def check(self, num_fragments: int) -> None:
+        """Raise ValueError naming the knob if this policy could delete something a run needs."""
+        if self.keep_rounds < 2 * num_fragments:
+            raise ValueError(f"keep_rounds must be at least 2 x P = {2 * num_fragments} for this run (P = "
+                             f"{num_fragments}: a merge reads each fragment's current and previous version), "
+                             f"got {self.keep_rounds}; raise keep_rounds (atoll prune --keep-rounds)")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (or unset to keep all), got "
+                             f"{self.keep_checkpoints}; raise keep_checkpoints (atoll prune --keep-checkpoints)")
+        if not self.min_age_s >= 60.0:
+            raise ValueError(f"min_age_s must be at least 60 s (a writer puts a payload before its record), "
+                             f"got {self.min_age_s}; raise min_age_s (atoll prune --min-age-s)")
+
+
+@dataclass(frozen=True)
+class PruneItem:
+    """One object to delete."""
+
+    key: str
+    what: str
+    """One of :data:`CLASSES`."""
+    size: int
+
+
+@dataclass
+class PrunePlan:
+    """What :func:`plan_prune` found; :func:`apply_prune` carries it out."""
+
+    latest: int
+    """Latest committed round when the plan was made."""
+    through_round: int
+    """Rounds up to this one lose their global state."""
+    floors: tuple[int, ...]
+    """Per fragment, the oldest version whose state stays readable."""
+    deletes: list[PruneItem] = field(default_factory=list)
+    kept: Counter[str] = field(default_factory=Counter)
+    """Objects kept, per class."""
+    kept_bytes: Counter[str] = field(default_factory=Counter)
+    young: int = 0
+    """Unreferenced objects kept only because they are younger than ``min_age_s``."""
+
+    def deleted(self, what: str) -> tuple[int, int]:
+        """(objects, bytes) this plan deletes of class ``what``."""
+        items = [d for d in self.deletes if d.what == what]
+        return len(items), sum(d.size for d in items)
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.size for d in self.deletes)
+
+    def table(self) -> list[str]:
+        """A plain-text table: per class, objects and bytes deleted and kept."""
+        lines = [f"{'what':<22}{'delete':>10}{'bytes':>12}{'keep':>10}{'bytes':>12}", "-" * 66]
+        for what in CLASSES:
+            n, b = self.deleted(what)
+            if n or self.kept[what]:
+                lines.append(f"{what:<22}{n:>10}{_size(b):>12}{self.kept[what]:>10}{_size(self.kept_bytes[what]):>12}")
+        total_kept = sum(self.kept.values())
+        lines.append(f"{'total':<22}{len(self.deletes):>10}{_size(self.bytes):>12}{total_kept:>10}"
+                     f"{_size(sum(self.kept_bytes.values())):>12}")
+        return lines
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+def _sha_of(name: str) -> str | None:
+    if not name.endswith(_BLOB_SUFFIX):
+        return None
+    sha = name[: -len(_BLOB_SUFFIX)]
+    return sha if len(sha) == 64 and all(c in "0123456789abcdef" for c in sha) else None
+
+
+def _sha16_of_record(name: str) -> str | None:
+    """``<id>.s<steps>.<sha16>.json`` -> sha16 (the record names its payload's first 16 hex digits)."""
+    if not name.endswith(".json"):
+        return None
+    parts = name[: -len(".json")].rsplit(".", 1)
+    return parts[1] if len(parts) == 2 and len(parts[1]) == 16 else None
+
+
+class _Planner:
+    def __init__(self, run: RunStore, policy: RetentionPolicy, now: float, log: Callable[[str], None]) -> None:
+        self.run, self.policy, self.now, self.log = run, policy, now, log
+        self.store = run.store
+
+    def old_enough(self, info: ObjectInfo) -> bool:
+        # Unknown age: keep (a backend that reports no time cannot prove an object is old).
+        return info.modified_s is not None and self.now - info.modified_s >= self.policy.min_age_s
+
+    def keep(self, plan: PrunePlan, what: str, info: ObjectInfo) -> None:
+        plan.kept[what] += 1
+        plan.kept_bytes[what] += info.size
+
+    def unreferenced(self, plan: PrunePlan, key: str, what: str, info: ObjectInfo) -> None:
+        if self.old_enough(info):
+            plan.deletes.append(PruneItem(key, what, info.size))
+        else:
+            plan.young += 1
+            self.keep(plan, what, info)
+
+    def plan(self) -> PrunePlan:
+        run, policy = self.run, self.policy
+        num_fragments = run.plan.num_fragments
+        policy.check(num_fragments)
+        latest = run.latest_round()
+        start = max(1, latest - policy.keep_rounds + 1)  # first round whose state stays readable
+        through = start - 1
+        # The versions current when the window began are kept too; they and every version the
+        # window's rounds wrote are what stays readable.
+        before = run._state_table(through)
+        floors = tuple(st.version for st in before)
+        kept_shas = {b.sha256 for b in run.manifest.initial}
+        kept_shas.update(ref.sha256 for st in before for ref in (st.params, st.momentum) if ref is not None)
+        for i, r in enumerate(range(start, latest + 1)):
+            rec = run.read_commit(r)
+            if rec is None:  # pragma: no cover - latest_round() said it is committed
+                continue
+            kept_shas.update(ref.sha256 for st in rec.state for ref in (st.params, st.momentum) if ref is not None)
+            if i and i % 500 == 0:
+                self.log(f"  read {i} of {latest - start + 1} commit records in the window")
+        plan = PrunePlan(latest=latest, through_round=through, floors=floors)
+        self.global_state(plan, kept_shas)
+        if policy.keep_checkpoints is not None:
+            self.checkpoints(plan)
+        learners = run.learner_ids()
+        self.log(f"  global state: {plan.deleted(GLOBAL_STATE)[0]} objects to delete; "
+                 f"looking at {len(learners)} learner(s)")
+        for part in io_map(lambda lid: self.learner(lid, floors), learners):
+            plan.deletes.extend(part.deletes)
+            plan.kept.update(part.kept)
+            plan.kept_bytes.update(part.kept_bytes)
+            plan.young += part.young
+        for info in self.store.list_info(paths.PROBE_PREFIX):
+            if not info.is_dir:
+                self.unreferenced(plan, paths.PROBE_PREFIX + info.name, PROBE, info)
+        return plan
+
+    def global_state(self, plan: PrunePlan, kept_shas: set[str]) -> None:
+        prefix = paths.blobs_prefix()
+        for info in self.store.list_info(prefix):
+            sha = _sha_of(info.name)
+            if info.is_dir or sha is None:
+                continue  # not a payload of ours: retention deletes only what it understands
+            if sha in kept_shas:
+                self.keep(plan, GLOBAL_STATE, info)
+            else:
+                # Referenced only by rounds before the window, or by nothing yet (a synchronizer
+                # between its payloads and its commit: that one is young, and kept).
+                self.unreferenced(plan, prefix + info.name, GLOBAL_STATE, info)
+
+    def checkpoints(self, plan: PrunePlan) -> None:
+        keep_n = self.policy.keep_checkpoints or 0
+        rounds = self.run.list_checkpoints()
+        folders = {r: self.store.list_info(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
+        complete = [r for r in rounds if any(i.name == "config.json" for i in folders[r])]
+        keep = set(complete[-keep_n:])
+        for r in rounds:
+            prefix = paths.checkpoints_prefix() + f"{r:08d}/"
+            for info in folders[r]:
+                if info.is_dir:
+                    continue
+                if r in keep:
+                    self.keep(plan, CHECKPOINT, info)
+                elif r in complete:  # superseded by newer complete ones: delete whatever its age
+                    plan.deletes.append(PruneItem(prefix + info.name, CHECKPOINT, info.size))
+                else:  # incomplete: being written now, or abandoned by a killed synchronizer
+                    self.unreferenced(plan, prefix + info.name, CHECKPOINT, info)
+
+    def learner(self, learner_id: str, floors: tuple[int, ...]) -> PrunePlan:
+        part = PrunePlan(latest=0, through_round=0, floors=floors)
+        kept16: set[str] = set()
+        for p, floor in enumerate(floors):
+            fprefix = paths.learner_contributions_prefix(learner_id, p)
+            for folder in self.store.list_info(fprefix):
+                base = paths.parse_base_folder(folder.name)
+                if base is None or not folder.is_dir:
+                    continue
+                bprefix = f"{fprefix}{folder.name}/"
+                for info in self.store.list_info(bprefix):
+                    if info.is_dir:
+                        continue
+                    if base < floor:  # never listed again by any synchronizer
+                        part.deletes.append(PruneItem(bprefix + info.name, CONTRIBUTION, info.size))
+                    else:
+                        self.keep(part, CONTRIBUTION, info)
+                        sha16 = _sha16_of_record(info.name)
+                        if sha16 is not None:
+                            kept16.add(sha16)
+        # The state it rejoins from (read after the listing above and before the blob listing
+        # below: a state saved meanwhile points at a blob the listing shows as young).
+        state_sha = None
+        try:
+            saved = self.run.load_learner_state_record(learner_id)
+            state_sha = saved.payload.sha256 if saved is not None else None
+        except Exception as e:  # noqa: BLE001 - an unreadable state.json: keep every blob of this learner
+            self.log(f"  {learner_id}: state.json unreadable ({e}); none of its payloads is deleted")
+            kept16.add("*")
+        bprefix = paths.blobs_prefix(learner_id)
+        for info in self.store.list_info(bprefix):
+            sha = _sha_of(info.name)
+            if info.is_dir or sha is None:
+                continue
+            if "*" in kept16 or sha == state_sha or sha[:16] in kept16:
+                self.keep(part, LEARNER_PAYLOAD, info)
+            else:
+                self.unreferenced(part, bprefix + info.name, LEARNER_PAYLOAD, info)
+        return part
+
+
+def plan_prune(run: RunStore, policy: RetentionPolicy | None = None, *, now: float | None = None,
+               log: Callable[[str], None] = lambda s: None) -> PrunePlan:
+    """Decide what retention deletes in ``run`` (reads only)."""
+    return _Planner(run, policy or RetentionPolicy(), time.time() if now is None else now, log).plan()
+
+
+def apply_prune(run: RunStore, plan: PrunePlan, *, by: str = "atoll prune",
+                log: Callable[[str], None] = lambda s: None, chunk: int = 1000) -> PruneRecord:
+    """Carry out ``plan``: write the retention record first, then delete (checkpoint configs before
+    their model files, so no checkpoint ever looks complete without its model)."""
+    old, _ = run.read_prune_record()
+    floors = tuple(max(a, b) for a, b in zip(plan.floors, old.floors, strict=True)) if old else plan.floors
+    through = max(plan.through_round, old.through_round) if old else plan.through_round
+    prior_n, prior_b = (old.deleted_objects, old.deleted_bytes) if old else (0, 0)
+    record = PruneRecord(through_round=through, floors=floors, pruned_at=time.time(), by=by,
+                         deleted_objects=prior_n, deleted_bytes=prior_b)
+    run.write_prune_record(record)
+    configs = [d for d in plan.deletes if d.key.endswith("/config.json") and d.what == CHECKPOINT]
+    config_keys = {d.key for d in configs}
+    rest = [d for d in plan.deletes if d.key not in config_keys]
+    done = 0
+    for batch in (configs, rest):
+        keys = [d.key for d in batch]
+        for i in range(0, len(keys), chunk):
+            run.store.delete_many(keys[i:i + chunk], chunk=chunk)
+            done += len(keys[i:i + chunk])
+            log(f"  deleted {done} of {len(plan.deletes)} objects")
+    # A local folder keeps an empty directory per checkpoint and per contribution base version.
+    for folder in sorted({d.key.rsplit("/", 1)[0] for d in plan.deletes if d.what in (CHECKPOINT, CONTRIBUTION)}):
+        run.store.remove_empty_folder(folder)
+    record = PruneRecord(through_round=through, floors=floors, pruned_at=record.pruned_at, by=by,
+                         deleted_objects=prior_n + len(plan.deletes), deleted_bytes=prior_b + plan.bytes)
+    run.write_prune_record(record)
+    return record
+
+
+def prune_run(run: RunStore, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
+              by: str = "atoll prune", log: Callable[[str], None] = lambda s: None) -> PrunePlan:
+    """Plan and (unless ``dry_run``) apply retention to ``run``; returns the plan carried out."""
+    plan = plan_prune(run, policy, log=log)
+    if not dry_run and plan.deletes:
+        apply_prune(run, plan, by=by, log=log)
+    return plan
+

@@ -1,0 +1,317 @@
+"""Retention (``atoll prune``) on real runs: what it deletes, what it keeps, and that the run trains on.
+
+Runs are trained by the real Learner and Synchronizer objects on the virtual clock
+(:func:`atoll.train.virtual.run_virtual`), on each backend. Objects are made "old" by planning
+with a clock two hours ahead (``now=``), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atoll.storage import ContributionRecord, PrunedError, RunStore
+from atoll.storage import paths as P
+from atoll.storage.paths import to_url
+from atoll.storage.retention import (
+    CHECKPOINT,
+    CONTRIBUTION,
+    GLOBAL_STATE,
+    LEARNER_PAYLOAD,
+    RetentionPolicy,
+    apply_prune,
+    plan_prune,
+)
+from atoll.train.recipe import smoke_recipe
+from atoll.train.run import create_run
+from atoll.train.virtual import run_virtual
+from conftest import Backend
+
+LATER = 2 * 3600.0  # plan "two hours from now": everything written so far is old enough
+
+
+def _train(store: RunStore, rounds: int) -> None:
+    """About ``rounds`` more rounds (two per round's worth of tokens with K = 1 and P = 2)."""
+    from atoll.train.run import load_recipe
+
+    recipe = load_recipe(store)
+    per_round = sum(s.batch_size for s in recipe.learners) * 64 * store.config.inner_steps
+    run_virtual(store, token_budget=max(1, rounds // 2) * per_round)
+    # The virtual driver keeps inner state in memory; save it the way a learner process does, twice
+    # (each save writes a new payload: the first one is replaced).
+    import torch
+
+    for i, spec in enumerate(recipe.learners):
+        for step in (1, 2):
+            store.save_learner_state(spec.learner_id, {"adamw.w.exp_avg": torch.full((64,), float(i + step))},
+                                     {"step": step})
+
+
+def _recipe(checkpoint_every: int = 4) -> tuple[Any, Any]:
+    config, recipe = smoke_recipe(3, max_rounds=100_000)
+    return config, dataclasses.replace(recipe, checkpoint_every_rounds=checkpoint_every)
+
+
+def _new_run(url: str) -> RunStore:
+    return create_run(url, *_recipe())
+
+
+def _init(store: RunStore) -> RunStore:
+    """What create_run does, through a store the backend fixture opened (the GCS emulator needs its
+    open options)."""
+    from atoll.core.fragments import plan_fragments
+
+    config, recipe = _recipe()
+    model = recipe.model_factory()()
+    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
+    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
+                   extra={"recipe": recipe.to_dict()})
+    recipe.data.corpus()
+    return store
+
+
+def _keys(store: RunStore, prefix: str = "") -> set[str]:
+    """Every object under ``prefix`` (a walk with the store's own LISTs)."""
+    out: set[str] = set()
+    for info in store.store.list_info(prefix):
+        key = prefix + info.name
+        if info.is_dir:
+            out |= _keys(store, key + "/")
+        else:
+            out.add(key)
+    return out
+
+
+def _contribution_keys(store: RunStore) -> set[str]:
+    return {k for k in _keys(store, P.LEARNERS_PREFIX) if "/contributions/" in k}
+
+
+def test_prune_keeps_what_training_needs_and_the_run_trains_on(tmp_path: Path) -> None:
+    url = to_url(str(tmp_path / "run"))
+    store = _new_run(url)
+    _train(store, 40)
+    run = RunStore.open(url)
+    latest = run.latest_round()
+    assert latest >= 30
+    before = _keys(run)
+    policy = RetentionPolicy(keep_rounds=6, keep_checkpoints=2)
+    plan = plan_prune(run, policy, now=time.time() + LATER)
+    for what in (GLOBAL_STATE, CONTRIBUTION, LEARNER_PAYLOAD, CHECKPOINT):
+        assert plan.deleted(what)[0] > 0, what
+    assert plan.through_round == latest - 6 and len(plan.floors) == 2
+    assert {d.key for d in plan.deletes} <= before
+    record = apply_prune(run, plan, by="test")
+    after = _keys(run)
+    assert after == before - {d.key for d in plan.deletes} | {P.PRUNE}
+    assert record.deleted_objects == len(plan.deletes) and record.deleted_bytes == plan.bytes > 0
+
+    fresh = RunStore.open(url)
+    # Every commit record is still there and the chain verifies; deleted state is reported as such.
+    assert all(P.commit_key(r) in after for r in range(1, latest + 1))
+    report = fresh.verify()
+    assert report.ok, report.problems
+    assert report.verified == latest and report.pruned > 0 and report.prune == record
+    # The head and the window read back; an old round is a clear error, not silently version 0.
+    assert fresh.read_global_state().round == latest
+    assert fresh.read_global_state(plan.through_round + 1).restored == {}
+    with pytest.raises(PrunedError, match="retention floor"):
+        fresh.read_global_state(2)
+    # Two complete checkpoints are left, the newest ones, and they load.
+    ckpts = fresh.list_checkpoints()
+    assert len(ckpts) == 2 and ckpts[-1] == max(int(k.split("/")[2]) for k in before if "/checkpoints/" in k)
+    assert fresh.load_checkpoint(ckpts[-1])
+    # Every learner still rejoins from its saved inner state.
+    for lid in fresh.learner_ids():
+        assert fresh.load_learner_state(lid) is not None
+    # No contribution below a floor is left, and every one at or above it kept its payload.
+    for key in _contribution_keys(fresh):
+        fragment, base = int(key.split("/f")[1][:4]), int(key.split("/b")[1][:8])
+        assert base >= plan.floors[fragment], key
+        rec = fresh._read_contribution_record(key)
+        assert isinstance(rec, ContributionRecord) and fresh.load_contribution(rec).delta
+
+    # The run trains on: learners rejoin, rounds merge contributions, the chain still verifies.
+    _train(fresh, 12)
+    resumed = RunStore.open(url)
+    assert resumed.latest_round() > latest
+    new = resumed.history(latest + 1)
+    assert sum(len(r.accepted) for r in new) >= len(new) and all(r.updated for r in new)
+    report = resumed.verify()
+    assert report.ok and report.verified == resumed.latest_round(), report.problems
+
+    # A second prune only moves forward: floors never go down, counts add up.
+    again = plan_prune(resumed, policy, now=time.time() + LATER)
+    second = apply_prune(resumed, again, by="test")
+    assert all(a >= b for a, b in zip(second.floors, record.floors, strict=True))
+    assert second.deleted_objects == record.deleted_objects + len(again.deletes)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run trained once, in a local folder (training on moto or the emulator takes 10x longer)."""
+    root = tmp_path_factory.mktemp("trained") / "run"
+    _train(_init(RunStore.open(to_url(str(root)))), 12)
+    return root
+
+
+def _copy_to(root: Path, store: RunStore) -> None:
+    """Every object of the local run at ``root``, byte for byte, into ``store`` (written now: new
+    modification times, which is what the age guard looks at)."""
+    from atoll.storage.store import io_map
+
+    files = [f for f in root.rglob("*") if f.is_file() and not f.name.startswith(".tmp-")]
+    io_map(lambda f: store.store.put(f.relative_to(root).as_posix(), f.read_bytes()), files)
+
+
+def test_prune_on_every_backend_keeps_young_objects_and_dry_run_deletes_nothing(
+        backend: Backend, trained_run: Path) -> None:
+    url = backend.new_url()
+    _copy_to(trained_run, backend.open(url))
+    run = backend.open(url)
+    latest = run.latest_round()
+    before = _keys(run)
+    # Every backend reports when an object was written (the age guard depends on it).
+    infos = run.store.list_info(P.blobs_prefix())
+    assert infos and all(i.modified_s is not None and abs(i.modified_s - time.time()) < 600 for i in infos)
+
+    # Planned now, nothing unreferenced is old enough: only contributions no round can list (and
+    # superseded complete checkpoints) go; every payload stays.
+    policy = RetentionPolicy(keep_rounds=4, keep_checkpoints=1)
+    now_plan = plan_prune(run, policy)
+    assert now_plan.deleted(GLOBAL_STATE)[0] == now_plan.deleted(LEARNER_PAYLOAD)[0] == 0
+    assert now_plan.young > 0
+    assert {d.what for d in now_plan.deletes} <= {CONTRIBUTION, CHECKPOINT}
+
+    later = plan_prune(run, policy, now=time.time() + LATER)
+    assert later.deleted(GLOBAL_STATE)[0] > 0 and later.deleted(LEARNER_PAYLOAD)[0] > 0
+    assert _keys(run) == before  # planning reads only
+    apply_prune(run, later, by="test")
+    fresh = backend.open(url, fresh=True)
+    assert _keys(fresh) == before - {d.key for d in later.deletes} | {P.PRUNE}
+    report = fresh.verify()
+    assert report.ok and report.verified == latest and report.pruned > 0, report.problems
+    assert fresh.read_global_state().round == latest
+    for lid in fresh.learner_ids():
+        assert fresh.load_learner_state(lid) is not None
+
+
+def test_policy_errors_name_the_knob(tmp_path: Path) -> None:
+    url = to_url(str(tmp_path / "run"))
+    run = _new_run(url)  # P = 2
+    with pytest.raises(ValueError, match=r"at least 2 x P = 4.*--keep-rounds"):
+        plan_prune(run, RetentionPolicy(keep_rounds=3))
+    with pytest.raises(ValueError, match="--keep-checkpoints"):
+        plan_prune(run, RetentionPolicy(keep_checkpoints=0))
+    with pytest.raises(ValueError, match="--min-age-s"):
+        plan_prune(run, RetentionPolicy(min_age_s=5.0))
+    # A run with fewer rounds than the window: nothing of its state goes.
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    assert plan.through_round == 0 and plan.floors == (0, 0) and plan.deletes == []
+
+
+def test_a_prune_killed_midway_leaves_a_run_that_verifies_and_a_rerun_finishes(tmp_path: Path) -> None:
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 20)
+    run = RunStore.open(url)
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    assert len(plan.deletes) > 10
+    real = run.store.delete_many
+    calls = []
+
+    def dies(keys: Any, **kw: Any) -> int:  # the process dies after its first batch of deletes
+        if calls:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(keys, **kw)
+
+    run.store.delete_many = dies  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        apply_prune(run, plan, chunk=5, by="test")
+    # The retention record went first: nothing deleted so far reads as lost.
+    report = RunStore.open(url).verify()
+    assert report.ok and report.pruned > 0, report.problems
+    rerun = RunStore.open(url)
+    rest = plan_prune(rerun, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    assert 0 < len(rest.deletes) == len(plan.deletes) - 5
+    apply_prune(rerun, rest, by="test")
+    assert plan_prune(RunStore.open(url), RetentionPolicy(keep_rounds=4), now=time.time() + LATER).deletes == []
+
+
+def test_junk_and_unreadable_records_are_left_alone(tmp_path: Path) -> None:
+    """Retention deletes only what it understands: an odd name, or the payloads of a learner whose
+    state.json cannot be read, stay; a damaged retention record is reported by verify, not trusted."""
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 16)
+    run = RunStore.open(url)
+    junk = ["sync/blobs/sha256/not-a-sha.safetensors", "learners/learner-0/blobs/sha256/README",
+            "learners/learner-0/contributions/f0000/bogus/x.json"]
+    for key in junk:
+        run.store.put(key, b"junk")
+    run.store.put(P.learner_state_key("learner-1"), b"{not json")
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    deleted = {d.key for d in plan.deletes}
+    assert not deleted & set(junk)
+    assert not any(k.startswith("learners/learner-1/blobs/") for k in deleted)
+    assert any(k.startswith("learners/learner-0/blobs/") for k in deleted)
+    apply_prune(run, plan, by="test")
+    run.store.put(P.PRUNE, b'{"schema": "atoll/prune", "schema_version": 3, "floors": "all"}')
+    report = RunStore.open(url).verify()
+    assert not report.ok and any("retention record ignored" in p for p in report.problems)
+    assert report.prune is None
+
+
+def test_a_learner_whose_saved_state_is_gone_rejoins_with_fresh_inner_state(tmp_path: Path) -> None:
+    """Its state.json names a payload that is gone (a learner frozen between the two writes for
+    longer than min_age_s, or a storage fault): it rejoins from the global state and says why."""
+    from atoll.train.learner import Learner
+
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 4)
+    run = RunStore.open(url)
+    saved = run.load_learner_state_record("learner-0")
+    assert saved is not None
+    run.store.delete(P.blob_key(saved.payload.sha256, "learner-0"))
+    lines: list[str] = []
+    learner = Learner(RunStore.open(url), "learner-0", log=lines.append)
+    assert "missing_payload" in learner.summary.inner_state_lost and not learner.summary.resumed_inner_state
+    assert any("rejoining with fresh optimizer state" in line for line in lines)
+    assert learner.start_round == run.latest_round()
+
+
+def test_atoll_prune_cli_dry_run_then_prune_then_verify_and_status(tmp_path: Path, capsys: Any) -> None:
+    import os
+
+    from atoll.cli import main
+
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 12)
+    root = tmp_path / "run"
+    old = time.time() - LATER  # written two hours ago, by the store's own clock (file mtimes)
+    for f in root.rglob("*"):
+        os.utime(f, (old, old))
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+
+    assert main(["prune", url, "--keep-rounds", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "global state" in out and "learner payload" in out and "dry run: nothing deleted" in out
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == files
+
+    assert main(["prune", url, "--keep-rounds", "3"]) == 2
+    assert "--keep-rounds" in capsys.readouterr().err
+
+    assert main(["prune", url, "--keep-rounds", "4", "--keep-checkpoints", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted" in out and "sync/prune.json" in out
+    left = sorted(p for p in root.rglob("*") if p.is_file())
+    assert len(left) < len(files) and len(list((root / "sync" / "checkpoints").iterdir())) == 1
+
+    assert main(["verify", url]) == 0
+    assert "deleted on purpose by retention" in capsys.readouterr().out
+    assert main(["status", url]) == 0
+    assert "retention: the global state of rounds 1.." in capsys.readouterr().out
+    assert main(["prune", url, "--keep-rounds", "4"]) == 0
+    assert "nothing to delete" in capsys.readouterr().out
