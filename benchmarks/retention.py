@@ -8,8 +8,10 @@ and write checkpoints) trains ``--rounds`` rounds in a local folder. Meanwhile, 
 seconds, this script prunes it the way ``atoll prune`` does (``--keep-rounds``, two checkpoints,
 ``--min-age-s``, the real clock: the run is live, so young objects must survive) and records the
 bucket's size. "Without retention" is the size now plus every byte deleted so far: what the folder
-would hold had nobody pruned it. At the end: one last prune, ``atoll verify`` on the chain, and the
-contributors per round before and after the first prune (the run must keep merging everyone).
+would hold had nobody pruned it. At the end: one last prune as of ``--min-age-s`` later (the run has
+exited, no writer is in flight: the size a long run's bucket settles to), ``atoll verify`` on the
+chain, and the contributors per round before and after the first prune (the run must keep merging
+everyone).
 
 Prints a table and writes ``retention.png`` (bucket size over time, both lines).
 """
@@ -36,7 +38,7 @@ def folder_bytes(root: Path) -> tuple[int, int]:
     return sum(sizes), len(sizes)
 
 
-def plot(rows: list[dict], out: Path) -> Path:
+def plot(rows: list[dict], out: Path, *, settled_mib: float, every_s: float, min_age_s: float) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,9 +48,11 @@ def plot(rows: list[dict], out: Path) -> Path:
     t = [r["t_s"] for r in rows]
     ax.plot(t, [r["without_mib"] for r in rows], "o--", label="without retention")
     ax.plot(t, [r["with_mib"] for r in rows], "o-", label="with retention (atoll prune)")
+    ax.plot([t[-1]], [settled_mib], "s", color="C2",
+            label=f"with retention, once the last writes are {min_age_s:.0f} s old")
     ax.set_xlabel("seconds of training")
     ax.set_ylabel("bucket size (MiB)")
-    ax.set_title("a live run's bucket, pruned every few seconds")
+    ax.set_title(f"a live run's bucket, pruned every {every_s:.0f} s")
     ax.legend()
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
@@ -57,11 +61,11 @@ def plot(rows: list[dict], out: Path) -> Path:
     return path
 
 
-def prune_once(url: str, policy: RetentionPolicy) -> tuple[int, int, float, int]:
+def prune_once(url: str, policy: RetentionPolicy, *, now: float | None = None) -> tuple[int, int, float, int]:
     """(objects, bytes deleted, seconds, latest round) of one plan + apply on a fresh handle."""
     t0 = time.perf_counter()
     run = RunStore.open(url)
-    plan = plan_prune(run, policy)
+    plan = plan_prune(run, policy, now=now)
     if plan.deletes:
         apply_prune(run, plan, by="benchmarks/retention.py")
     return len(plan.deletes), plan.bytes, time.perf_counter() - t0, plan.latest
@@ -123,11 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     if proc.returncode != 0:
         print(f"the run exited {proc.returncode}: {(work / 'run.err').read_text()[-2000:]}", file=sys.stderr)
         return 1
+    # Once the run has ended no writer is in flight, and an hour later its last objects are as old
+    # as min_age_s: what a long run's bucket settles to (the window, two checkpoints, each learner's
+    # state), whatever its length.
+    n, b, _, _ = prune_once(url, policy, now=time.time() + args.min_age_s)
+    deleted_objects += n
+    deleted_bytes += b
+    settled, settled_objects = folder_bytes(root)
     report = RunStore.open(url).verify()
     history = RunStore.open(url).history()
     split = first_prune_round or len(history)
     before = [len(r.accepted) for r in history if r.round <= split]
     after = [len(r.accepted) for r in history if r.round > split]
+    # What a wrongly deleted object would cause: a base version or a payload a round could not read.
+    harmed = sum(1 for r in history for why in r.rejected.values() if why.kind.value in ("unknown_base", "missing_payload"))
     last = rows[-1]
     print()
     print(f"run: demo preset, {args.learners} learners, {len(history)} rounds in {last['t_s']:.0f} s; prune every "
@@ -138,16 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         ("bucket at the end without retention (MiB)", f"{last['without_mib']:.1f}"),
         ("bucket at the end with retention (MiB)", f"{last['with_mib']:.1f}"),
         ("ratio without / with", f"{last['without_mib'] / max(last['with_mib'], 1e-9):.1f}x"),
+        ("  objects younger than min age were kept: the run is live", ""),
+        (f"bucket once its last objects are {args.min_age_s:.0f} s old (MiB)", f"{settled / 2**20:.1f}"),
+        ("  objects in it", f"{settled_objects}"),
+        ("ratio without / settled", f"{(settled + deleted_bytes) / max(settled, 1):.1f}x"),
         ("objects deleted in all", f"{deleted_objects}"),
         ("prune wall s per call, median / max", f"{statistics.median(prune_s):.2f} / {max(prune_s):.2f}"),
         ("contributors per round before the first prune (mean)", f"{statistics.fmean(before):.2f}" if before else "-"),
         ("contributors per round after it (mean)", f"{statistics.fmean(after):.2f}" if after else "-"),
+        ("rejections unknown_base / missing_payload (goal 0)", f"{harmed}"),
         ("chain verifies (atoll verify)", "yes" if report.ok else f"NO: {report.problems[:3]}"),
         ("state objects not checked (deleted on purpose)", f"{report.pruned}"),
     ):
         print(f"{name:<52}{value:>16}")
-    print(f"plot: {plot(rows, Path(args.out))}")
-    return 0 if report.ok else 1
+    print(f"plot: {plot(rows, Path(args.out), settled_mib=settled / 2**20, every_s=args.every_s, min_age_s=args.min_age_s)}")
+    return 0 if report.ok and not harmed else 1
 
 
 if __name__ == "__main__":
