@@ -196,8 +196,7 @@ class _Planner:
                 self.log(f"  read {i} of {latest - start + 1} commit records in the window")
         plan = PrunePlan(latest=latest, through_round=through, floors=floors)
         self.global_state(plan, kept_shas)
-        if policy.keep_checkpoints is not None:
-            self.checkpoints(plan)
+        self.checkpoints(plan)
         learners = run.learner_ids()
         self.log(f"  global state: {plan.deleted(GLOBAL_STATE)[0]} objects to delete; "
                  f"looking at {len(learners)} learner(s)")
@@ -225,11 +224,16 @@ class _Planner:
                 self.unreferenced(plan, prefix + info.name, GLOBAL_STATE, info)
 
     def checkpoints(self, plan: PrunePlan) -> None:
-        keep_n = self.policy.keep_checkpoints or 0
         rounds = self.run.list_checkpoints()
         folders = {r: self.store.list_info(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
+        if self.policy.keep_checkpoints is None:  # keep every one (counted, for the table)
+            for r in rounds:
+                for info in folders[r]:
+                    if not info.is_dir:
+                        self.keep(plan, CHECKPOINT, info)
+            return
         complete = [r for r in rounds if any(i.name == "config.json" for i in folders[r])]
-        keep = set(complete[-keep_n:])
+        keep = set(complete[-self.policy.keep_checkpoints:])
         for r in rounds:
             prefix = paths.checkpoints_prefix() + f"{r:08d}/"
             for info in folders[r]:
