@@ -315,3 +315,37 @@ def test_atoll_prune_cli_dry_run_then_prune_then_verify_and_status(tmp_path: Pat
     assert "retention: the global state of rounds 1.." in capsys.readouterr().out
     assert main(["prune", url, "--keep-rounds", "4"]) == 0
     assert "nothing to delete" in capsys.readouterr().out
+
+
+def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
+    """A local writer (a hostile learner on a shared file system) links folders of its prefix to
+    somewhere outside the run: retention lists nothing through them and deletes nothing there."""
+    import os
+
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 16)
+    root = tmp_path / "run"
+    outside = tmp_path / "outside"
+    (outside / "f0000" / "b00000000").mkdir(parents=True)
+    (outside / "sha256").mkdir()
+    victims = [outside / "f0000" / "b00000000" / "evil.s0000000001.0123456789abcdef.json",
+               outside / "sha256" / (("ab" * 32) + ".safetensors")]
+    for f in victims:
+        f.write_bytes(b"precious")
+    evil = root / "learners" / "evil"
+    evil.mkdir()
+    os.symlink(outside, evil / "contributions")  # contributions/f0000/b00000000/ leads out
+    os.symlink(outside, evil / "blobs")  # blobs/sha256/<sha>.safetensors leads out
+    os.symlink(outside / "f0000", root / "sync" / "checkpoints" / "00000001")
+    old = time.time() - LATER
+    for f in [*root.rglob("*"), *outside.rglob("*")]:
+        os.utime(f, (old, old), follow_symlinks=False)
+    run = RunStore.open(url)
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
+    assert plan.deletes and not any("/evil/" in d.key or d.key.startswith("sync/checkpoints/00000001/")
+                                    for d in plan.deletes)
+    apply_prune(run, plan, by="test")
+    assert all(f.read_bytes() == b"precious" for f in victims)
+    with pytest.raises(Exception, match="symlink out of the run folder"):
+        run.store.delete(f"learners/evil/blobs/sha256/{'ab' * 32}.safetensors")
+    assert victims[1].exists()

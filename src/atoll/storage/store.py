@@ -187,7 +187,7 @@ class NotRegularFileError(StorageError):
 
     def __init__(self, url: str, what: str) -> None:
         self.url, self.what = url, what
-        super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to read it")
+        super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to touch it")
 
 
 def _file_kind(mode: int) -> str:
@@ -448,6 +448,8 @@ class ObjectStore:
         """Like :meth:`list` (one LIST, names sorted, no ``.tmp-*``), with each entry's size and
         modification time as the backend reports it (``None`` where it reports none)."""
         path = self.path(prefix)
+        if self.is_local and not self._inside_root(path):
+            return []  # a folder that is (or sits under) a link out of the run: never listed, never pruned
 
         def ls() -> list[dict[str, Any]]:
             self.fs.invalidate_cache(path)
@@ -467,8 +469,15 @@ class ObjectStore:
                                   modified_s=None if is_dir else _modified_s(entry)))
         return sorted(out, key=lambda o: o.name)
 
+    def _inside_root(self, path: str) -> bool:
+        """Local: whether ``path``, with every link on the way resolved, stays inside the run folder."""
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        return os.path.commonpath([real, root]) == root
+
     def delete(self, key: str) -> None:
         path = self.path(key)
+        if self.is_local and not self._inside_root(os.path.dirname(path)):
+            raise NotRegularFileError(self.key_url(key), "its folder is a symlink out of the run folder: not deleted")
 
         def rm() -> None:
             try:
