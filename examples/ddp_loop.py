@@ -71,6 +71,9 @@ def main() -> None:
     same = all(torch.equal(gathered[0], t) for t in gathered)
     print(f"rank {rank}: exit {learner.exit_reason}, steps {learner.step_count}, "
           f"aligned {learner.summary.aligned}, ranks identical: {same}", flush=True)
+    # Tear down only once every rank is past its last collective: a rank that destroys the gloo
+    # group while its peer is still using it can abort ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     if not same:
         raise SystemExit(1)
