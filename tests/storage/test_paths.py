@@ -37,3 +37,13 @@ def test_join_url_never_uses_pathlib_semantics():
     assert paths.join_url("s3://bucket/prefix/", "/a/", "b.json") == "s3://bucket/prefix/a/b.json"
     assert paths.join_url("memory://x", "") == "memory://x"
     assert paths.run_url("gs://b/runs", "exp-1") == "gs://b/runs/exp-1"
+
+
+def test_blob_and_contribution_names_parse_back() -> None:
+    sha = "ab" * 32
+    assert paths.parse_blob_name(paths.blob_key(sha, "l0").rsplit("/", 1)[1]) == sha
+    assert paths.parse_contribution_sha16(paths.contribution_key(3, 12, "l0", 24, sha).rsplit("/", 1)[1]) == sha[:16]
+    for junk in ("README", sha, f"{sha}.json", "x.safetensors", f"{'AB' * 32}.safetensors"):
+        assert paths.parse_blob_name(junk) is None, junk
+    for junk in ("x.json", "l0.s1.0123.json", "l0.s1.0123456789abcdeg.json", "0123456789abcdef.json", "a.b"):
+        assert paths.parse_contribution_sha16(junk) is None, junk

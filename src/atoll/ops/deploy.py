@@ -113,9 +113,11 @@ def deploy_all(
         ))
         out[f"{LEARNER_FLOW_NAME}/{pool}"] = str(dep.apply())
     control = control_pool or pools[0]
+    # The control plane (training run, supervisor, retention): one CPU thread, the same job variables.
+    control_jv = {**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}
     dep = cast(RunnerDeployment, training_run.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        job_variables=control_jv,
         tags=["atoll", "atoll-training-run"],
         description="atoll training run: the synchronizer; one outer-round flow run per round",
     ))
@@ -128,7 +130,7 @@ def deploy_all(
     params.update(dict(supervisor_parameters or {}))
     dep = cast(RunnerDeployment, supervisor.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        job_variables=control_jv,
         tags=["atoll", "atoll-supervisor"],
         parameters=params, interval=supervisor_interval_s,
         description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
@@ -138,7 +140,7 @@ def deploy_all(
     # credentials (docs/protocol.md, section 10).
     dep = cast(RunnerDeployment, prune_flow.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}},
+        job_variables=control_jv,
         tags=["atoll", "atoll-prune"],
         description="atoll retention: delete what a long run no longer needs; schedule it per run with its run_url",
     ))

@@ -27,6 +27,8 @@ __all__ = [
     "run_url",
     "blob_key",
     "blobs_prefix",
+    "parse_blob_name",
+    "parse_contribution_sha16",
     "learner_contributions_prefix",
     "parse_base_folder",
     "commits_prefix",
@@ -81,6 +83,7 @@ MAX_INCARNATION = 99_999_999
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA16_RE = re.compile(r"^[0-9a-f]{16}$")
 _BASE_RE = re.compile(r"^b(\d{8})$")
 
 
@@ -204,6 +207,20 @@ def blobs_prefix(learner_id: str | None = None) -> str:
     """The folder :func:`blob_key` puts a writer's payloads in."""
     owner = SYNC_PREFIX if learner_id is None else learner_prefix(learner_id)
     return f"{owner}blobs/sha256/"
+
+
+def parse_blob_name(name: str) -> str | None:
+    """sha256 from a payload's file name (``<hex>.safetensors``, as :func:`blob_key` names it); None otherwise."""
+    sha = name.removesuffix(".safetensors")
+    return sha if sha != name and _SHA_RE.match(sha) else None
+
+
+def parse_contribution_sha16(name: str) -> str | None:
+    """The payload's first 16 hex digits from a contribution record's file name
+    (``<id>.s<steps>.<sha16>.json``, as :func:`contribution_key` names it); None otherwise."""
+    stem = name.removesuffix(".json")
+    sha16 = stem.rsplit(".", 1)[-1]
+    return sha16 if stem != name and "." in stem and _SHA16_RE.match(sha16) else None
 
 
 def learner_contributions_prefix(learner_id: str, fragment: int | None = None) -> str:

@@ -38,7 +38,7 @@ from atoll.storage.bucket import RunStore
 from atoll.storage.records import PruneRecord
 from atoll.storage.store import ObjectInfo, io_map
 
-__all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune", "prune_run",
+__all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune",
            "GLOBAL_STATE", "CONTRIBUTION", "LEARNER_PAYLOAD", "CHECKPOINT", "PROBE"]
 
 GLOBAL_STATE = "global state"
@@ -48,12 +48,9 @@ CHECKPOINT = "checkpoint"
 PROBE = "probe scratch"
 CLASSES = (GLOBAL_STATE, CONTRIBUTION, LEARNER_PAYLOAD, CHECKPOINT, PROBE)
 
-_BLOB_SUFFIX = ".safetensors"
-
-
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
-    """What :func:`prune_run` keeps."""
+    """What retention (:func:`plan_prune`) keeps."""
 
     keep_rounds: int = 1000
     """Rounds at the head of the run whose global state stays readable (with the version of each
@@ -139,21 +136,6 @@ def _size(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
-def _sha_of(name: str) -> str | None:
-    if not name.endswith(_BLOB_SUFFIX):
-        return None
-    sha = name[: -len(_BLOB_SUFFIX)]
-    return sha if len(sha) == 64 and all(c in "0123456789abcdef" for c in sha) else None
-
-
-def _sha16_of_record(name: str) -> str | None:
-    """``<id>.s<steps>.<sha16>.json`` -> sha16 (the record names its payload's first 16 hex digits)."""
-    if not name.endswith(".json"):
-        return None
-    parts = name[: -len(".json")].rsplit(".", 1)
-    return parts[1] if len(parts) == 2 and len(parts[1]) == 16 else None
-
-
 class _Planner:
     def __init__(self, run: RunStore, policy: RetentionPolicy, now: float, log: Callable[[str], None]) -> None:
         self.run, self.policy, self.now, self.log = run, policy, now, log
@@ -213,7 +195,7 @@ class _Planner:
     def global_state(self, plan: PrunePlan, kept_shas: set[str]) -> None:
         prefix = paths.blobs_prefix()
         for info in self.store.list_info(prefix):
-            sha = _sha_of(info.name)
+            sha = paths.parse_blob_name(info.name)
             if info.is_dir or sha is None:
                 continue  # not a payload of ours: retention deletes only what it understands
             if sha in kept_shas:
@@ -226,14 +208,9 @@ class _Planner:
     def checkpoints(self, plan: PrunePlan) -> None:
         rounds = self.run.list_checkpoints()
         folders = {r: self.store.list_info(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
-        if self.policy.keep_checkpoints is None:  # keep every one (counted, for the table)
-            for r in rounds:
-                for info in folders[r]:
-                    if not info.is_dir:
-                        self.keep(plan, CHECKPOINT, info)
-            return
         complete = [r for r in rounds if any(i.name == "config.json" for i in folders[r])]
-        keep = set(complete[-self.policy.keep_checkpoints:])
+        keep_n = self.policy.keep_checkpoints
+        keep = set(rounds) if keep_n is None else set(complete[-keep_n:])  # None: every one (counted)
         for r in rounds:
             prefix = paths.checkpoints_prefix() + f"{r:08d}/"
             for info in folders[r]:
@@ -263,24 +240,24 @@ class _Planner:
                         part.deletes.append(PruneItem(bprefix + info.name, CONTRIBUTION, info.size))
                     else:
                         self.keep(part, CONTRIBUTION, info)
-                        sha16 = _sha16_of_record(info.name)
+                        sha16 = paths.parse_contribution_sha16(info.name)
                         if sha16 is not None:
                             kept16.add(sha16)
         # The state it rejoins from (read after the listing above and before the blob listing
         # below: a state saved meanwhile points at a blob the listing shows as young).
-        state_sha = None
+        state_sha, keep_all = None, False
         try:
             saved = self.run.load_learner_state_record(learner_id)
             state_sha = saved.payload.sha256 if saved is not None else None
         except Exception as e:  # noqa: BLE001 - an unreadable state.json: keep every blob of this learner
             self.log(f"  {learner_id}: state.json unreadable ({e}); none of its payloads is deleted")
-            kept16.add("*")
+            keep_all = True
         bprefix = paths.blobs_prefix(learner_id)
         for info in self.store.list_info(bprefix):
-            sha = _sha_of(info.name)
+            sha = paths.parse_blob_name(info.name)
             if info.is_dir or sha is None:
                 continue
-            if "*" in kept16 or sha == state_sha or sha[:16] in kept16:
+            if keep_all or sha == state_sha or sha[:16] in kept16:
                 self.keep(part, LEARNER_PAYLOAD, info)
             else:
                 self.unreferenced(part, bprefix + info.name, LEARNER_PAYLOAD, info)
@@ -321,13 +298,4 @@ def apply_prune(run: RunStore, plan: PrunePlan, *, by: str = "atoll prune",
                          deleted_objects=prior_n + len(plan.deletes), deleted_bytes=prior_b + plan.bytes)
     run.write_prune_record(record)
     return record
-
-
-def prune_run(run: RunStore, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
-              by: str = "atoll prune", log: Callable[[str], None] = lambda s: None) -> PrunePlan:
-    """Plan and (unless ``dry_run``) apply retention to ``run``; returns the plan carried out."""
-    plan = plan_prune(run, policy, log=log)
-    if not dry_run and plan.deletes:
-        apply_prune(run, plan, by=by, log=log)
-    return plan
 
