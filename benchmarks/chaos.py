@@ -212,7 +212,7 @@ class MotoProcess:
         import subprocess
         import urllib.request
 
-        from atoll.ops.stack import free_port
+        from atoll.ops.procs import free_port
 
         port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
@@ -279,10 +279,9 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     from atoll.ops.stack import LocalStack
     from atoll.runs.manage import open_run
     from atoll.runs.options import FleetOptions, TrainingRunOptions
-    from atoll.storage.lifecycle import FAULT_ARMED_ENV, FAULT_HOLD_ENV, FAULT_SIGNAL_DIR_ENV
+    from atoll.storage.liveness import FAULT_ARMED_ENV, FAULT_HOLD_ENV, FAULT_SIGNAL_DIR_ENV
     from atoll.storage.store import StorageFaults
-    from atoll.tasks.learners import run_tag
-    from atoll.tasks.queries import read_flow_runs_paged
+    from atoll.tasks.queries import read_flow_runs_paged, run_tag
 
     marker = uuid.uuid4().hex
     run_id = f"chaos-{'lockstep' if lockstep else 'decoupled'}-{marker[:6]}"

@@ -119,7 +119,7 @@ class CpuSampler:
         self._thread.join()
 
     def _sample(self) -> dict[int, tuple[str, float]]:
-        from atoll.ops.stack import descendants
+        from atoll.ops.procs import descendants
 
         out: dict[int, tuple[str, float]] = {}
         holders: dict[int, str] = {}
@@ -274,7 +274,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     from atoll.ops.deploy import deploy_all, start_training
     from atoll.ops.stack import LocalStack
     from atoll.runs.options import TrainingRunOptions
-    from atoll.tasks.learners import run_tag
+    from atoll.tasks.queries import run_tag
 
     name = f"prefect-{database}" + ("-nested" if nest_rounds else "") + ("-recorded" if record_rounds else "")
     url = to_url(str(bucket / name))

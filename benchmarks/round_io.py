@@ -43,7 +43,7 @@ def moto_server() -> tuple[object, str, dict]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from atoll.ops.stack import free_port
+    from atoll.ops.procs import free_port
 
     for name in ("werkzeug", "moto"):
         logging.getLogger(name).setLevel(logging.CRITICAL)

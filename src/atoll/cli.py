@@ -54,7 +54,7 @@ def _simulate(args: argparse.Namespace) -> int:
     import time
 
     from atoll.sim.presets import load_scenario, paper_scenario, scenario_from_mapping
-    from atoll.sim.report import format_grid, format_results, run_grid, write_report
+    from atoll.sim.scenarios import format_grid, format_results, run_grid, write_report
 
     t0 = time.perf_counter()
     scenario = paper_scenario()
@@ -474,7 +474,7 @@ def _stop(args: argparse.Namespace) -> int:
         return 0
     from prefect.client.orchestration import get_client
 
-    from atoll.tasks.learners import run_tag
+    from atoll.tasks.queries import run_tag
     from atoll.tasks.stop import cancel_flow_runs_of_run
 
     try:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from atoll.runs.healing import HealingPolicy
-from atoll.tasks.learners import LearnerFleet, learner_tag, pool_tag, run_tag
+from atoll.tasks.fleet import LearnerFleet, learner_tag, pool_tag, run_tag
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,7 +89,7 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path
     from prefect.states import Cancelled, Crashed, Running
 
     from atoll.runs.manage import open_run, prepare_run
-    from atoll.storage.lifecycle import take_lease, write_heartbeat
+    from atoll.storage.liveness import take_lease, write_heartbeat
     from atoll.storage.paths import to_url
 
     url = to_url(str(tmp_path / "run-f"))

@@ -14,8 +14,8 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.states import Completed, Failed, Scheduled, State
 
 from atoll.runs.healing import HealingAction, HealingPolicy
-from atoll.tasks import learners as learners_mod
-from atoll.tasks.learners import LearnerFleet, learner_tag, run_tag
+from atoll.tasks import fleet as learners_mod
+from atoll.tasks.fleet import LearnerFleet, learner_tag, run_tag
 
 
 class FakeClock:

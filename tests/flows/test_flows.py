@@ -11,8 +11,7 @@ from atoll.runs.manage import open_run, prepare_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
 from atoll.runs.report import GoodputTracker, contributions_from_markdown, round_flow_name, run_status
 from atoll.storage.paths import to_url
-from atoll.tasks.learners import run_tag
-from atoll.tasks.queries import SEGMENT_RUN_TAG
+from atoll.tasks.queries import SEGMENT_RUN_TAG, run_tag
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -205,8 +205,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 
-    from atoll.tasks.learners import run_tag
-    from atoll.tasks.queries import ROUND_TAG, SEGMENT_RUN_TAG
+    from atoll.tasks.queries import ROUND_TAG, SEGMENT_RUN_TAG, run_tag
 
     from .test_flows import _round_runs
 

@@ -21,7 +21,6 @@ from atoll.runs.report import round_flow_name, slug
 from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
 from atoll.storage.paths import to_url
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER
-from atoll.tasks.learners import run_tag
 from atoll.tasks.queries import (
     HANDED_OVER_TAG,
     SEGMENT_OF_TAG,
@@ -29,6 +28,7 @@ from atoll.tasks.queries import (
     SEGMENT_TAG,
     TRAINING_FLOW_NAME,
     read_flow_runs_paged,
+    run_tag,
 )
 from atoll.train.local import LocalRun
 

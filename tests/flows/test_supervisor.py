@@ -15,9 +15,9 @@ import pytest
 from atoll.runs.manage import open_run, prepare_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
-from atoll.storage.lifecycle import take_lease, write_heartbeat
+from atoll.storage.liveness import take_lease, write_heartbeat
 from atoll.storage.paths import to_url
-from atoll.tasks.learners import learner_tag, run_tag
+from atoll.tasks.queries import learner_tag, run_tag
 
 from .test_deploy import _client, deployed  # noqa: F401 - the fixture
 

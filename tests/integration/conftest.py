@@ -17,7 +17,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from atoll.ops.stack import free_port  # noqa: E402
+from atoll.ops.procs import free_port  # noqa: E402
 
 S3_BUCKET = "atoll-it"
 

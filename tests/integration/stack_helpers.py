@@ -14,7 +14,7 @@ import pytest
 from atoll.ops import observe
 from atoll.storage.codec import load_record
 from atoll.storage.records import KIND_CONTRIBUTION
-from atoll.tasks.learners import run_tag
+from atoll.tasks.queries import run_tag
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -36,7 +36,7 @@ from atoll.ops.observe import alive, live_copies, pid_state
 from atoll.ops.stack import LocalStack
 from atoll.runs.manage import open_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.tasks.learners import run_tag
+from atoll.tasks.queries import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 

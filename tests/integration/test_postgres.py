@@ -27,10 +27,11 @@ import pytest
 
 from atoll.ops.deploy import deploy_all, start_training
 from atoll.ops.postgres import LocalPostgres, PostgresNotFound, find_postgres_bin
-from atoll.ops.stack import LocalStack, free_port
+from atoll.ops.procs import free_port
+from atoll.ops.stack import LocalStack
 from atoll.runs.manage import open_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.tasks.learners import run_tag
+from atoll.tasks.queries import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 

@@ -31,7 +31,7 @@ from atoll.sim.fleet import (
 )
 from atoll.sim.planner import encoded_bytes, plan
 from atoll.sim.presets import PAPER_COSTS, load_scenario, paper_costs, paper_scenario
-from atoll.sim.report import dp_renewal, run_fleet, run_heterogeneous
+from atoll.sim.scenarios import dp_renewal, run_fleet, run_heterogeneous
 
 HOUR = 3600.0
 DAY = 24 * HOUR

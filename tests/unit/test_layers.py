@@ -91,3 +91,64 @@ def test_every_package_has_a_layer() -> None:
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages == set(RANK) - {"cli"}, f"packages without a layer: {packages - set(RANK)}"
 
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """atoll module -> the atoll modules it imports (anywhere in it, functions included)."""
+    names = {_module_name(p) for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for path in _modules():
+        own = _module_name(path)
+        edges = graph.setdefault(own, set())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = ".".join(path.relative_to(SRC.parent).with_suffix("").parts[: -node.level])
+                    base = f"{pkg}.{base}" if base else pkg
+                # ``from atoll.x import y`` imports module atoll.x.y when there is one
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+            else:
+                continue
+            for module in targets:
+                while module and module not in names:
+                    module = module.rpartition(".")[0]
+                if module and module != own and not _is_package(module):
+                    edges.add(module)
+    return graph
+
+
+def test_no_import_circle() -> None:
+    """No two modules import each other, directly or around a loop (a package's __init__ aside)."""
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                loop = path[path.index(nxt):] + [nxt]
+                raise AssertionError(f"import circle: {' -> '.join(loop)} (move what both need into a module "
+                                     "both can import)")
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state and not _is_package(node):
+            visit(node)
+
+
+def _is_package(module: str) -> bool:
+    return (SRC.parent / module.replace(".", "/") / "__init__.py").exists()

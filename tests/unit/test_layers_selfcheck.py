@@ -67,3 +67,15 @@ def test_a_tree_that_follows_the_rules_passes(tree) -> None:
     layers.test_core_imports_only_torch_and_stdlib()
     for path in sorted(src.rglob("*.py")):
         layers.test_imports_point_down(path)
+
+
+def test_an_import_circle_fails_and_names_the_loop(tree) -> None:
+    tree({"ops/a.py": "from atoll.ops.b import g\n", "ops/b.py": "def g():\n    from atoll.ops import a\n",
+          "ops/c.py": "from atoll.ops import a\n"})
+    with pytest.raises(AssertionError, match=r"import circle: atoll\.ops\.a -> atoll\.ops\.b -> atoll\.ops\.a"):
+        layers.test_no_import_circle()
+
+
+def test_modules_that_import_one_way_pass_the_circle_check(tree) -> None:
+    tree({"ops/a.py": "from atoll.ops.b import g\n", "ops/b.py": "import os\n", "ops/c.py": "from atoll.ops import a, b\n"})
+    layers.test_no_import_circle()

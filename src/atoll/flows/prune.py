@@ -23,7 +23,7 @@ from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.manage import open_run
 from atoll.runs.report import slug
 from atoll.storage.retention import RetentionPolicy
-from atoll.tasks.retention import apply_retention, plan_retention, retention_markdown
+from atoll.tasks.prune import apply_retention, plan_retention, retention_markdown
 
 __all__ = ["prune_flow", "PRUNE_FLOW_NAME"]
 

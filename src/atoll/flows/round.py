@@ -36,8 +36,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import ROUND_STALLED, emit, run_resource
-from atoll.tasks.learners import watch_learners
-from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict
+from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict, watch_learners
 from atoll.train.synchronizer import RoundSummary
 
 __all__ = ["outer_round", "recorded_round", "ROUND_FLOW"]

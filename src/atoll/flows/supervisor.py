@@ -44,13 +44,14 @@ from atoll.runs.supervision import (
     TrainingRunObservation,
     decide_training_run,
 )
-from atoll.tasks.learners import liveness_age_s, run_tag
+from atoll.tasks.fleet import liveness_age_s
 from atoll.tasks.queries import (
     DEFAULT_TRAINING_DEPLOYMENT,
     HANDED_OVER_TAG,
     TRAINING_FLOW_NAME,
     read_flow_runs_paged,
     run_id_of,
+    run_tag,
 )
 from atoll.tasks.stop import cancel_flow_runs_of_run, mark_stopped_and_wait
 from atoll.train.run import load_recipe

@@ -22,7 +22,7 @@ event ``atoll.run.handed-over``. A run that commits its last round (or is stoppe
 ``atoll.run.finished``.
 
 Lifecycle: the training run tags its own flow run with the run, takes the synchronizer's lease
-(a newer training run of the same run fences it: it stops with :class:`~atoll.train.lifecycle.Fenced`)
+(a newer training run of the same run fences it: it stops with :class:`~atoll.train.lease.Fenced`)
 and heartbeats in ``sync/`` while it polls; the supervisor (:mod:`atoll.flows.supervisor`) reads
 that heartbeat to relaunch a crashed or zombie training run. A run marked stopped in the bucket
 (``atoll stop``) makes it end at once, Completed, with ``stopped: True``.
@@ -51,7 +51,6 @@ from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import last_val_loss, round_flow_name
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER, emit, run_resource
-from atoll.tasks.learners import run_tag, watch_learners
 from atoll.tasks.queries import (
     DEFAULT_TRAINING_DEPLOYMENT,
     HANDED_OVER_TAG,
@@ -60,9 +59,11 @@ from atoll.tasks.queries import (
     SEGMENT_RUN_TAG,
     SEGMENT_TAG,
     flow_id,
+    run_tag,
 )
 from atoll.tasks.recorder import artifact_keys
-from atoll.train.lifecycle import Fenced, RunStopped
+from atoll.tasks.rounds import watch_learners
+from atoll.train.lease import Fenced, RunStopped
 
 __all__ = ["training_run", "WATCH_EVERY_ROUNDS"]
 

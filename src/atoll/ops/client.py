@@ -13,7 +13,8 @@ from prefect.settings import PREFECT_UI_URL
 
 from atoll.flows.training import training_run
 from atoll.ops.deploy import deploy_all, start_training
-from atoll.ops.stack import LocalStack, free_port
+from atoll.ops.procs import free_port
+from atoll.ops.stack import LocalStack
 from atoll.runs.manage import new_run_url, open_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import last_val_loss

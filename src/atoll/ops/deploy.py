@@ -35,8 +35,7 @@ from atoll.flows.prune import PRUNE_FLOW_NAME, prune_flow
 from atoll.flows.supervisor import DEFAULT_TRAINING_DEPLOYMENT, supervisor
 from atoll.flows.training import training_run
 from atoll.runs.options import TrainingRunOptions
-from atoll.tasks.learners import pool_tag
-from atoll.tasks.queries import LEARNER_FLOW_NAME
+from atoll.tasks.queries import LEARNER_FLOW_NAME, pool_tag
 
 __all__ = [
     "DEFAULT_POOLS",

@@ -16,7 +16,7 @@ from typing import Any
 
 from atoll.storage import paths
 from atoll.storage.codec import load_record
-from atoll.storage.lifecycle import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
+from atoll.storage.liveness import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
 
 __all__ = ["processes_with", "pid_state", "live_copies", "alive"]
 

@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from atoll.ops.procs import descendants, free_port
+
 __all__ = ["LocalPostgres", "PostgresError", "PostgresNotFound", "find_postgres_bin", "normalize_database_url",
            "run_as_user"]
 
@@ -219,7 +221,6 @@ class LocalPostgres:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> LocalPostgres:
-        from atoll.ops.stack import free_port
 
         self.bin_dir = self.bin_dir or find_postgres_bin()
         self.run_as = run_as_user()
@@ -300,7 +301,6 @@ class LocalPostgres:
         except subprocess.TimeoutExpired:
             done = False
         if not done and pid is not None:
-            from atoll.ops.stack import descendants
 
             for p in [pid, *descendants(pid)]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.ops.postgres import LocalPostgres, normalize_database_url
+from atoll.ops.procs import descendants, free_port, kill_quietly, signal_group
 
 __all__ = ["LocalStack", "free_port", "prefect_env", "descendants", "QUIET_PREFECT_ENV"]
 
@@ -37,18 +37,6 @@ QUIET_PREFECT_ENV: dict[str, str] = {
 }
 """Settings every process of the local stack gets: no telemetry, fast worker polling."""
 
-
-def free_port(preferred: int | None = None) -> int:
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                pass
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prefect_env(api_url: str | None = None, home: str | os.PathLike[str] | None = None,
@@ -191,9 +179,9 @@ class LocalStack:
         # Flow processes may run in sessions of their own: find them through the process tree.
         children = [pid for p in self.workers.values() for pid in descendants(p.pid)]
         for pid in children:
-            _kill(pid, signal.SIGTERM)
+            kill_quietly(pid, signal.SIGTERM)
         for p in procs:
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in procs:
             try:
@@ -201,9 +189,9 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 pass
         for pid in children:
-            _kill(pid, signal.SIGKILL)
+            kill_quietly(pid, signal.SIGKILL)
         for p in procs:  # whatever is left, in every group, goes now
-            _signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
         if self.postgres is not None:  # after the server: it holds connections until it exits
@@ -223,42 +211,7 @@ class LocalStack:
         self.stop()
 
 
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(sig)
 
-
-def _kill(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux /proc; elsewhere: none)."""
-    parent: dict[int, int] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    out: list[int] = []
-    frontier = [pid]
-    while frontier:
-        cur = frontier.pop()
-        kids = [c for c, pp in parent.items() if pp == cur]
-        out += kids
-        frontier += kids
-    return out
 
 
 def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "cpu-slow"),

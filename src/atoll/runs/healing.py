@@ -1,7 +1,7 @@
 """The learner-healing policy: what to do about one learner, as a pure function of what was observed.
 
 The training run keeps every learner of its run alive as one long-lived, top-level flow run on the
-learner's work pool. Each time it looks (``atoll.tasks.learners.LearnerFleet``) it observes, per
+learner's work pool. Each time it looks (``atoll.tasks.fleet.LearnerFleet``) it observes, per
 learner, two independent things and asks :func:`decide_learner` what to do, with a reason:
 
 * **Prefect's view**: the learner's newest flow run (its state type, how long it has been running,

@@ -12,7 +12,7 @@ from atoll.storage.bucket import (
     RunStore,
 )
 from atoll.storage.codec import SCHEMA_VERSION, sha256_hex
-from atoll.storage.lifecycle import Heartbeat, Lease, LeaseError, Liveness, StopMarker
+from atoll.storage.liveness import Heartbeat, Lease, LeaseError, Liveness, StopMarker
 from atoll.storage.records import (
     AcceptedContribution,
     BlobRef,

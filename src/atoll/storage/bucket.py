@@ -39,7 +39,7 @@ from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
-from atoll.storage import lifecycle, paths
+from atoll.storage import liveness, paths
 from atoll.storage.codec import (
     LAYOUT_SCHEMA_VERSION,
     bytes_to_encoded,
@@ -53,7 +53,7 @@ from atoll.storage.codec import (
     tensors_to_bytes,
 )
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
-from atoll.storage.lifecycle import SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
+from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
@@ -907,7 +907,7 @@ class RunStore:
         )
         data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self.keyring.key(SYNCHRONIZER_KEY_ID)))
         key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
-        lifecycle.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
+        liveness.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
         if self.store.create(key, data):
             self._commit_sha[round_] = sha256_hex(data)
             self._remember(record)
@@ -1028,31 +1028,31 @@ class RunStore:
         tensors = bytes_to_tensors(self._read_blob_bytes(rec.payload, learner_id=learner_id))
         return LearnerState(tensors=tensors, meta=dict(rec.meta), saved_at=rec.saved_at)
 
-    # -- liveness: leases, heartbeats, stop marker (atoll.storage.lifecycle) --------------------
+    # -- liveness: leases, heartbeats, stop marker (atoll.storage.liveness) --------------------
     def take_learner_lease(self, learner_id: str, *, flow_run_id: str | None = None) -> Lease:
         """Take the next incarnation of ``learner_id`` (create-once ``learners/<id>/leases/<n>.json``,
         n = newest + 1; a lost race tries the next number). Every older incarnation is fenced from
-        now on. Raises :class:`~atoll.storage.lifecycle.LeaseError` if no number could be taken."""
+        now on. Raises :class:`~atoll.storage.liveness.LeaseError` if no number could be taken."""
         validate_id(learner_id, "learner id")
         self._check_writable()
-        return lifecycle.take_lease(self.store, learner_id, flow_run_id=flow_run_id)
+        return liveness.take_lease(self.store, learner_id, flow_run_id=flow_run_id)
 
     def take_synchronizer_lease(self, *, flow_run_id: str | None = None) -> Lease:
         """Take the next incarnation of the synchronizer (``sync/leases/<n>.json``)."""
         self._check_writable()
-        return lifecycle.take_lease(self.store, SYNCHRONIZER_HOLDER, flow_run_id=flow_run_id)
+        return liveness.take_lease(self.store, SYNCHRONIZER_HOLDER, flow_run_id=flow_run_id)
 
     def write_heartbeat(self, lease: Lease, *, status: str = "alive", reason: str = "",
                         step: int | None = None, round: int | None = None) -> Heartbeat:
         """Overwrite the heartbeat of ``lease``'s incarnation (``status`` "alive" or "exited")."""
         self._check_writable()
-        return lifecycle.write_heartbeat(self.store, lease, status=status, reason=reason, step=step, round=round)
+        return liveness.write_heartbeat(self.store, lease, status=status, reason=reason, step=step, round=round)
 
     def learner_liveness(self, learner_id: str) -> Liveness:
         """The learner's newest lease and its heartbeat (one LIST, two GETs; unusable objects are
         ignored and named in ``problems``)."""
         validate_id(learner_id, "learner id")
-        return lifecycle.read_liveness(self.store, learner_id)
+        return liveness.read_liveness(self.store, learner_id)
 
     def learners_liveness(self, learner_ids: Iterable[str]) -> dict[str, Liveness]:
         """:meth:`learner_liveness` of each, concurrently (a fleet watch reads every learner's)."""
@@ -1060,25 +1060,25 @@ class RunStore:
         return dict(zip(ids, io_map(self.learner_liveness, ids), strict=True))
 
     def synchronizer_liveness(self) -> Liveness:
-        return lifecycle.read_liveness(self.store, SYNCHRONIZER_HOLDER)
+        return liveness.read_liveness(self.store, SYNCHRONIZER_HOLDER)
 
     def current_incarnation(self, learner_id: str) -> int:
         """The learner's newest lease number (one LIST); 0 = never leased."""
         validate_id(learner_id, "learner id")
-        return lifecycle.newest_incarnation(self.store, learner_id)
+        return liveness.newest_incarnation(self.store, learner_id)
 
     def current_synchronizer_incarnation(self) -> int:
-        return lifecycle.newest_incarnation(self.store, SYNCHRONIZER_HOLDER)
+        return liveness.newest_incarnation(self.store, SYNCHRONIZER_HOLDER)
 
     def mark_stopped(self, reason: str, by: str) -> StopMarker:
         """Write ``sync/stop.json`` with ``stopped: true``: learners and the synchronizer exit."""
         self._check_writable()
-        return lifecycle.write_stop_marker(self.store, stopped=True, reason=reason, by=by)
+        return liveness.write_stop_marker(self.store, stopped=True, reason=reason, by=by)
 
     def clear_stopped(self, *, reason: str = "cleared", by: str = "") -> StopMarker:
         """Overwrite the stop marker with ``stopped: false`` (nothing is ever deleted)."""
         self._check_writable()
-        return lifecycle.write_stop_marker(self.store, stopped=False, reason=reason, by=by)
+        return liveness.write_stop_marker(self.store, stopped=False, reason=reason, by=by)
 
     def stop_marker(self) -> StopMarker | None:
         """The stop marker; None if there is none or it is unusable (use :meth:`read_stop_marker`
@@ -1087,7 +1087,7 @@ class RunStore:
 
     def read_stop_marker(self) -> tuple[StopMarker | None, str | None]:
         """(the stop marker or None, why an existing one was ignored or None)."""
-        return lifecycle.read_stop_marker(self.store)
+        return liveness.read_stop_marker(self.store)
 
     # -- retention ---------------------------------------------------------------------------
     def read_prune_record(self) -> tuple[PruneRecord | None, str | None]:

@@ -33,10 +33,10 @@ from atoll.runs.manage import RunInfo, open_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import GoodputTracker
 from atoll.storage.bucket import RunStore
-from atoll.storage.lifecycle import SYNCHRONIZER_HOLDER, Lease
-from atoll.tasks.learners import LearnerFleet
+from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease
+from atoll.tasks.fleet import LearnerFleet
 from atoll.tasks.recorder import RoundRecorder
-from atoll.train.lifecycle import LeaseKeeper
+from atoll.train.lease import LeaseKeeper
 from atoll.train.run import make_evaluator
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 

@@ -28,7 +28,8 @@ from prefect.client.schemas.sorting import FlowRunSort
 
 __all__ = ["PAGE_SIZE", "read_flow_runs_paged", "newest_first", "flow_id", "ACTIVE_STATE_TYPES", "TRAINING_FLOW_NAME",
            "ROUND_FLOW_NAME", "LEARNER_FLOW_NAME", "SUPERVISOR_FLOW_NAME", "RUN_TAG_PREFIX", "run_id_of",
-           "DEFAULT_TRAINING_DEPLOYMENT", "ROUND_TAG", "SEGMENT_RUN_TAG", "SEGMENT_TAG", "SEGMENT_OF_TAG", "HANDED_OVER_TAG"]
+           "DEFAULT_TRAINING_DEPLOYMENT", "ROUND_TAG", "SEGMENT_RUN_TAG", "SEGMENT_TAG", "SEGMENT_OF_TAG", "HANDED_OVER_TAG",
+           "run_tag", "learner_tag", "pool_tag"]
 
 PAGE_SIZE = 200
 """Rows per API call when paging. ``$ATOLL_QUERY_PAGE_SIZE`` overrides it (tests use a small page so a
@@ -110,3 +111,16 @@ def run_id_of(flow_run: FlowRun) -> str | None:
         if t.startswith(RUN_TAG_PREFIX):
             return t[len(RUN_TAG_PREFIX):]
     return None
+
+
+def run_tag(run_id: str) -> str:
+    """The tag every flow run of a run carries (training run, rounds, learners)."""
+    return f"{RUN_TAG_PREFIX}{run_id}"
+
+
+def learner_tag(learner_id: str) -> str:
+    return f"atoll-learner:{learner_id}"
+
+
+def pool_tag(pool: str) -> str:
+    return f"atoll-pool:{pool}"

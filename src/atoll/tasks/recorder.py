@@ -159,8 +159,7 @@ class RoundRecorder:
         from prefect.client.orchestration import get_client
 
         from atoll.runs.report import round_flow_name
-        from atoll.tasks.learners import run_tag
-        from atoll.tasks.queries import ROUND_FLOW_NAME, read_flow_runs_paged
+        from atoll.tasks.queries import ROUND_FLOW_NAME, read_flow_runs_paged, run_tag
 
         missing: list[int] = []
         hi = latest_round

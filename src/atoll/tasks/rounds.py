@@ -1,5 +1,6 @@
-"""The tasks of one outer round: await the quorum, merge and commit (its artifacts are written
-off the critical path by the run's :class:`~atoll.tasks.recorder.RoundRecorder`).
+"""The tasks a training run runs: await the quorum, merge and commit one outer round (its artifacts
+are written off the critical path by the run's :class:`~atoll.tasks.recorder.RoundRecorder`), and watch the
+run's learner flow runs (:class:`~atoll.tasks.fleet.LearnerFleet`).
 
 Each task takes the run's :class:`~atoll.tasks.context.RunContext` (owned by the training-run
 process; it holds the synchronizer, reloadable from the bucket, and the goodput tracker) plus a
@@ -28,6 +29,7 @@ from atoll.tasks.recorder import artifact_keys
 from atoll.train.synchronizer import RoundPoll, RoundSummary
 
 __all__ = [
+    "watch_learners",
     "await_quorum",
     "merge_and_commit",
     "artifact_keys",
@@ -86,3 +88,16 @@ def merge_and_commit(ctx: RunContext, poll: RoundPoll) -> dict[str, Any]:
     summary = ctx.synchronizer(next_round=poll.round).close(poll)
     task_logger("atoll.rounds").info(summary.line())
     return summary_dict(summary)
+
+
+@task(name="watch-learners", cache_policy=NO_CACHE, persist_result=False)
+def watch_learners(ctx: RunContext) -> list[dict[str, Any]]:
+    """Adopt / launch / relaunch the run's learner flow runs; returns what it did per learner."""
+    if ctx.fleet is None:
+        return []
+    sync = ctx.synchronizer()
+    store = ctx.store
+    liveness = store.learners_liveness(s["learner_id"] for s in ctx.fleet.learners)
+    marker = store.stop_marker()
+    return [a.as_dict() for a in ctx.fleet.reconcile(liveness=liveness, finished=sync.finished,
+                                                     stopped=marker is not None and marker.stopped)]

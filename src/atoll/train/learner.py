@@ -17,7 +17,7 @@ Read top to bottom, this is the whole of what a learner does:
 5. Every ``save_every_steps`` it saves its inner state for rejoin; it stops once the run has
    committed its last round.
 
-Its life in the bucket (:mod:`atoll.train.lifecycle`): :func:`run_learner` first takes the
+Its life in the bucket (:mod:`atoll.train.lease`): :func:`run_learner` first takes the
 learner's next lease (fencing any older copy), then builds the learner (so it loads the state the
 old copy left), tags every contribution with its incarnation and heartbeats while the loop makes
 progress. It exits by itself when the run is finished or stopped (``sync/stop.json``), when no
@@ -59,7 +59,7 @@ from atoll.train.device import (
     fragment_to_host,
     resolve_device,
 )
-from atoll.train.lifecycle import LeaseKeeper, sigterm_flag
+from atoll.train.lease import LeaseKeeper, sigterm_flag
 from atoll.train.model import loss_fn
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
@@ -151,7 +151,7 @@ class LearnerSummary:
     incarnation: int = 0
     """The lease incarnation this process held (0: no lease)."""
     exit_reason: str = ""
-    """Why run_learner returned: one of :data:`atoll.train.lifecycle.EXIT_REASONS`."""
+    """Why run_learner returned: one of :data:`atoll.train.lease.EXIT_REASONS`."""
     exit_detail: str = ""
     """The same, for people ("fenced by incarnation 4", "stopped by alice: ...")."""
 

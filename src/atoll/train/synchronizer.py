@@ -24,8 +24,8 @@ merged, and it is no sign of life). The newest lease is read with one LIST per l
 
 Once it holds a lease (:meth:`Synchronizer.hold_lease`, which :func:`run_synchronizer` does),
 every :meth:`Synchronizer.poll` also heartbeats (at most every ``heartbeat_interval_s``) and
-raises :class:`~atoll.train.lifecycle.RunStopped` if the run's stop marker says stopped, or
-:class:`~atoll.train.lifecycle.Fenced` if a newer synchronizer took a lease.
+raises :class:`~atoll.train.lease.RunStopped` if the run's stop marker says stopped, or
+:class:`~atoll.train.lease.Fenced` if a newer synchronizer took a lease.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, Me
 from atoll.core.weights import impossible_counters, max_steps_since
 from atoll.storage.bucket import RunStore
 from atoll.storage.integrity import IntegrityError
-from atoll.storage.lifecycle import Lease
+from atoll.storage.liveness import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.train.device import fragment_to_device, fragment_to_host, resolve_device
-from atoll.train.lifecycle import Fenced, RunStopped
+from atoll.train.lease import Fenced, RunStopped
 from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "merge_on_device", "run_synchronizer"]

@@ -1,7 +1,7 @@
 """A process's life in the bucket: hold a lease, heartbeat while making progress, and notice when
 to exit (a newer incarnation fenced us, the run was stopped, no commit for too long, SIGTERM).
 
-The storage half (lease, heartbeat and stop records) is :mod:`atoll.storage.lifecycle`; this
+The storage half (lease, heartbeat and stop records) is :mod:`atoll.storage.liveness`; this
 module is what a learner or synchronizer process does with it:
 
 * :class:`LeaseKeeper` is a background thread: every ``interval_s`` it checks for a newer lease
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from atoll.storage.bucket import RunStore
-from atoll.storage.lifecycle import Lease, StopMarker
+from atoll.storage.liveness import Lease, StopMarker
 
 __all__ = [
     "EXIT_REASONS",

@@ -1,4 +1,4 @@
-"""Leases, heartbeats and the stop marker in the bucket (atoll.storage.lifecycle), on a local
+"""Leases, heartbeats and the stop marker in the bucket (atoll.storage.liveness), on a local
 folder and on moto's S3 server: create-once incarnations under races, liveness as the bucket
 says it, hostile objects ignored with a reason, read-only handles, and the fault hook."""
 
@@ -16,7 +16,7 @@ import torch
 from storage_helpers import counters, fragment_delta, init_run, plant_contribution
 
 from atoll.storage import RunStore, paths
-from atoll.storage import lifecycle as lc
+from atoll.storage import liveness as lc
 from atoll.storage.codec import dump_record
 from atoll.storage.records import KIND_CONTRIBUTION, ContributionRecord
 from atoll.storage.validation import ReadOnlyError

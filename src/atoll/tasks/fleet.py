@@ -18,10 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
@@ -36,10 +34,7 @@ from atoll.runs.healing import (
 )
 from atoll.tasks.events import LEARNER_RELAUNCHED, emit, learner_resource
 from atoll.tasks.logs import task_logger
-from atoll.tasks.queries import LEARNER_FLOW_NAME, RUN_TAG_PREFIX, read_flow_runs_paged
-
-if TYPE_CHECKING:
-    from atoll.tasks.context import RunContext
+from atoll.tasks.queries import LEARNER_FLOW_NAME, learner_tag, pool_tag, read_flow_runs_paged, run_tag
 
 __all__ = [
     "LEARNER_FLOW_NAME",
@@ -50,20 +45,7 @@ __all__ = [
     "pool_tag",
     "learner_deployment_name",
     "liveness_age_s",
-    "watch_learners",
 ]
-
-
-def run_tag(run_id: str) -> str:
-    return f"{RUN_TAG_PREFIX}{run_id}"
-
-
-def learner_tag(learner_id: str) -> str:
-    return f"atoll-learner:{learner_id}"
-
-
-def pool_tag(pool: str) -> str:
-    return f"atoll-pool:{pool}"
 
 
 def learner_deployment_name(pool: str, deployments: Mapping[str, str] | None = None) -> str:
@@ -211,16 +193,3 @@ class LearnerFleet:
                 actions.append(LearnerAction(lid, decision.action, run_id, state, pool, decision.reason))
         self.history.extend(a for a in actions if a.action not in (HealingAction.ADOPTED, HealingAction.FINISHED))
         return actions
-
-
-@task(name="watch-learners", cache_policy=NO_CACHE, persist_result=False)
-def watch_learners(ctx: RunContext) -> list[dict[str, Any]]:
-    """Adopt / launch / relaunch the run's learner flow runs; returns what it did per learner."""
-    if ctx.fleet is None:
-        return []
-    sync = ctx.synchronizer()
-    store = ctx.store
-    liveness = store.learners_liveness(s["learner_id"] for s in ctx.fleet.learners)
-    marker = store.stop_marker()
-    return [a.as_dict() for a in ctx.fleet.reconcile(liveness=liveness, finished=sync.finished,
-                                                     stopped=marker is not None and marker.stopped)]

@@ -1,5 +1,5 @@
 """A learner's and the synchronizer's life in the bucket: leases, fencing, heartbeats, stop,
-orphan timeout and SIGTERM (atoll.train.lifecycle, run_learner, Synchronizer.hold_lease).
+orphan timeout and SIGTERM (atoll.train.lease, run_learner, Synchronizer.hold_lease).
 
 In-process tests drive the synchronizer and run_learner (in a thread) on a folder bucket; the
 process test starts real learner processes (``python -m atoll.train.local learner``) and sends
@@ -22,7 +22,7 @@ from atoll.storage import RunStore
 from atoll.storage.paths import to_url
 from atoll.storage.records import ContributionRecord
 from atoll.train.learner import LearnerOptions, LearnerSummary, run_learner
-from atoll.train.lifecycle import Fenced, LeaseKeeper, RunStopped, sigterm_flag
+from atoll.train.lease import Fenced, LeaseKeeper, RunStopped, sigterm_flag
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
