@@ -21,8 +21,9 @@ Rows (every label carries its outer and inner settings):
     themselves, next to atoll's sync DiLoCo row with the plain mean.
   * decoupled K=1+grace (RDA, token-weighted): its inner lr is swept the same way.
   * sync DiLoCo (K=M, P=1, plain mean) at the same H and inner lr; sync DiLoCo with H=1.
-  * decoupled K=1 without the grace window; decoupled with the pre-fix learner (lr schedule on
-    each learner's own step counter, contiguous data shards): the before rows of issue 15.
+  * decoupled K=1 without the grace window; decoupled with the own-step learner (lr schedule on
+    each learner's own step counter, contiguous data shards): what the run-progress schedule and
+    interleaved shards are worth.
 
 Columns: merged/rd is contributions merged per round; "merged work" is the share of the learners'
 fragment-token work (tokens x fragment size) that was merged into the global model (the rest
@@ -309,7 +310,7 @@ def main() -> int:
     ap.add_argument("--rows", default="",
                     help="rows beyond the two sweeps, at every seed: bare, bare-sync (sync DiLoCo in plain PyTorch), sync "
                          "(same merge and outer step as the decoupled rows), sync-mean, sync-h1, nograce, prefix "
-                         "(pre-fix learner)")
+                         "(own-step learner: lr schedule on each learner's own steps, contiguous shards)")
     ap.add_argument("--rows-first-seed", default="prefix,sync,nograce,sync-mean",
                     help="rows run at the first seed only (same choices)")
     ap.add_argument("--rows-late", default="bare,bare-sync,sync-h1",
@@ -416,7 +417,7 @@ def main() -> int:
                     run(key, label_of("diloco", c, dp_lr), seed,
                         lambda s: run_diloco(a, model, spec_for(s), c, dp_lr, s, root, rounds_cache=rounds_cache))
                 elif key == "prefix":
-                    run(key, label_of("diloco", c, inner_lr, ", PRE-FIX learner: own-step lr schedule, contiguous shards"),
+                    run(key, label_of("diloco", c, inner_lr, ", own-step learner: lr schedule on its own steps, contiguous shards"),
                         seed, lambda s: run_diloco(a, model, spec_for(s, "contiguous"), c, inner_lr, s, root,
                                                    schedule="steps", rounds_cache=rounds_cache))
                 else:
