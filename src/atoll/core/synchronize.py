@@ -109,6 +109,82 @@ class MergeWorkspace:
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
+class _RoundBuffers:
+    """Where one round writes its fragment-sized intermediates.
+
+    The round's math asks this object for an output buffer at each step and gets views of the
+    caller's :class:`MergeWorkspace`, or None without one (the math then allocates fresh tensors,
+    with the same values bit for bit). Each re-anchored contribution and each older base of a
+    round gets a buffer of its own; the counters that name them live here, not in the math.
+    """
+
+    def __init__(self, workspace: MergeWorkspace | None, like: Tensors) -> None:
+        self._workspace = workspace
+        self._like = like
+        self._grads = 0
+        self._anchors = 0
+
+    def _views(self, role: str) -> dict[str, torch.Tensor] | None:
+        return None if self._workspace is None else self._workspace.views(role, self._like)
+
+    def reanchored(self, count: int) -> tuple[list[dict[str, torch.Tensor]] | None, dict[str, torch.Tensor] | None]:
+        """Buffers for ``count`` outer gradients against one older base, and for that base's
+        re-anchoring term ``current - base`` (written off the CPU only)."""
+        if self._workspace is None:
+            return None, None
+        grads = [self._workspace.views(f"grad.{self._grads + i}", self._like) for i in range(count)]
+        self._grads += count
+        anchor = self._workspace.views(f"anchor.{self._anchors}", self._like)
+        self._anchors += 1
+        return grads, anchor
+
+    def update(self, optimizer: NesterovOuterOptimizer) -> dict[str, torch.Tensor] | None:
+        """Buffers for the merged update Delta."""
+        if self._workspace is None or optimizer.momentum:
+            return self._views("update")
+        # mu = 0: the update becomes the momentum buffer, so it must not live in the workspace;
+        # the optimizer's own buffer of that name is reused when it has one.
+        return {n: b for n, b in optimizer.buffers.items()
+                if n in self._like and b.shape == self._like[n].shape and b.dtype == torch.float32
+                and b.device == self._like[n].device and b.is_contiguous()}
+
+    def step(self) -> dict[str, torch.Tensor] | None:
+        """Buffers for the outer step ``lr * (Delta + mu * b)`` on its way to the new parameters."""
+        return self._views("step")
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A contribution re-anchored to the current version, with its outer gradient's norms."""
+
+    contribution: FragmentContribution
+    grad: dict[str, torch.Tensor]
+    """v = Theta(current) - theta_learner."""
+
+    tensor_norms: dict[str, float]
+    """L2 norm of each tensor of v."""
+
+    norm: float
+    """L2 norm of v as a whole."""
+
+
+@dataclass(frozen=True)
+class _Weighed:
+    """What the weighing step leaves for the merge."""
+
+    accepted: list[_Measured]
+    """Contributions with a weight > 0, in the order they were given."""
+
+    weights: list[float]
+    """Their normalised weights, in the same order."""
+
+    norms: dict[str, float]
+    """L2 norm of every contribution whose outer gradient is finite (outliers included)."""
+
+    rejected: dict[str, Rejection]
+    """Contributions that got weight 0 here, with the reason."""
+
+
 def _tensor_norms(t: Tensors) -> dict[str, float]:
     return {n: float(torch.linalg.vector_norm(v.float())) for n, v in t.items()}
 
@@ -143,15 +219,36 @@ def synchronize_fragment(
     fresh buffers; ``out`` (fp32 tensors of ``current``'s layout, aliasing no input, e.g. a
     retired version of this fragment) receives the new parameters. Neither changes a value: the
     operations and their order are the same, bit for bit.
+
+    The round, step by step: validate (what can be re-anchored at all), re-anchor (each
+    contribution's outer gradient against the current version), weigh (norms, outliers, the
+    weighting rule), merge, outer step. Where each step writes is :class:`_RoundBuffers`' business.
     """
-    rejected: dict[str, Rejection] = {}
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    counters: dict[str, Counters] = {}
-    norms: dict[str, float] = {}
-    tensor_norms: dict[str, dict[str, float]] = {}
-    # Theta(current) - Theta(b), once per base version (not once per contribution); zero, and
-    # skipped, for contributions computed against the current version itself.
+    buffers = _RoundBuffers(workspace, current)
+    valid, invalid = _validate(current, bases, contributions)
+    grads = _reanchor(current, bases, valid, buffers)
+    weighed = _weigh(valid, grads, weighting=weighting, outlier_norm_ratio=outlier_norm_ratio)
+    if not weighed.accepted:
+        return None
+    update, factors, radii = _merge(weighed, rule=merge, embedding_names=embedding_names,
+                                    rda_embeddings=rda_embeddings, out=buffers.update(optimizer))
+    # RDA's last pass (scaling the direction to the radius) is fused into the outer step's pass.
+    new_params = optimizer.step(current, update, out=out, scale=factors, scratch=buffers.step())
+    return FragmentRoundResult(
+        new_params=new_params,
+        update=update,
+        weights={m.contribution.key: w for m, w in zip(weighed.accepted, weighed.weights, strict=True)},
+        rejected={**invalid, **weighed.rejected},
+        norms=weighed.norms,
+        update_norm=_update_norm(update, radii),
+    )
+
+
+def _validate(current: Tensors, bases: Mapping[int, Tensors], contributions: Sequence[FragmentContribution],
+              ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
+    """Contributions that can be re-anchored (in the order given), and why each other one cannot."""
     valid: list[FragmentContribution] = []
+    rejected: dict[str, Rejection] = {}
     seen: set[str] = set()
     for c in contributions:
         if c.key in seen:
@@ -161,8 +258,7 @@ def synchronize_fragment(
         if why is not None:
             rejected[c.key] = why
             continue
-        base = bases.get(c.base_version)
-        if base is None:
+        if bases.get(c.base_version) is None:
             rejected[c.key] = Rejection(RejectionKind.UNKNOWN_BASE,
                                         f"base version {c.base_version} of this fragment is not available")
             continue
@@ -172,74 +268,72 @@ def synchronize_fragment(
             rejected[c.key] = Rejection(RejectionKind.LAYOUT, str(e))
             continue
         valid.append(c)
-    # Outer gradients, one base version at a time: Theta(current) - Theta(b) once per version
-    # (not once per contribution; on the CPU with a workspace it never leaves the cache); nothing
-    # for contributions computed against the current version itself (v is their delta).
+    return valid, rejected
+
+
+def _reanchor(current: Tensors, bases: Mapping[int, Tensors], valid: Sequence[FragmentContribution],
+              buffers: _RoundBuffers) -> list[dict[str, torch.Tensor]]:
+    """Each contribution's outer gradient v = (Theta(current) - Theta(b)) + delta, in ``valid``'s order.
+
+    One base version at a time: Theta(current) - Theta(b) once per version (not once per
+    contribution; on the CPU with a workspace it never leaves the cache); nothing for
+    contributions computed against the current version itself (v is their delta)."""
     by_base: dict[int, list[FragmentContribution]] = {}
     for c in valid:
         by_base.setdefault(c.base_version, []).append(c)
-    vs: dict[str, dict[str, torch.Tensor]] = {}
-    reanchored = older = 0
+    grads: dict[str, dict[str, torch.Tensor]] = {}
     for version, group in by_base.items():
         base = bases[version]
-        outs = anchor_out = None
-        if workspace is not None and base is not current:
-            outs = [workspace.views(f"grad.{reanchored + i}", current) for i in range(len(group))]
-            reanchored += len(group)
-            anchor_out = workspace.views(f"anchor.{older}", current)  # used off the CPU only
-            older += 1
-        for c, v in zip(group, outer_gradients(current, base, [c.delta for c in group], out=outs,
-                                               anchor_out=anchor_out), strict=True):
-            vs[c.key] = v
-    for c in valid:
-        v = vs[c.key]
+        outs, anchor_out = buffers.reanchored(len(group)) if base is not current else (None, None)
+        deltas = [c.delta for c in group]
+        for c, v in zip(group, outer_gradients(current, base, deltas, out=outs, anchor_out=anchor_out), strict=True):
+            grads[c.key] = v
+    return [grads[c.key] for c in valid]
+
+
+def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torch.Tensor]], *,
+           weighting: str, outlier_norm_ratio: float | None) -> _Weighed:
+    """Weight 0 for non-finite outer gradients and norm outliers; the ``weighting`` rule for the rest."""
+    measured: list[_Measured] = []
+    rejected: dict[str, Rejection] = {}
+    for c, v in zip(valid, grads, strict=True):
         per_tensor = _tensor_norms(v)
         n = _total(per_tensor)
         if not math.isfinite(n):
             rejected[c.key] = Rejection(RejectionKind.NON_FINITE, "outer gradient has NaN/Inf values")
             continue
-        grads[c.key], counters[c.key], norms[c.key], tensor_norms[c.key] = v, c.counters, n, per_tensor
-
-    if outlier_norm_ratio is not None and len(norms) >= 3:
-        median = statistics.median(norms.values())
-        for key, n in list(norms.items()):
-            if median > 0 and n > outlier_norm_ratio * median:
-                rejected[key] = Rejection(RejectionKind.OUTLIER,
-                                          f"norm {n:.3g} > {outlier_norm_ratio:g} x median {median:.3g}")
-                del grads[key], counters[key]
-
-    w = contribution_weights(counters, rule=weighting)
+        measured.append(_Measured(contribution=c, grad=v, tensor_norms=per_tensor, norm=n))
+    outliers = _outliers(measured, outlier_norm_ratio)
+    rejected.update(outliers)
+    kept = [m for m in measured if m.contribution.key not in outliers]
+    w = contribution_weights({m.contribution.key: m.contribution.counters for m in kept}, rule=weighting)
     rejected.update(w.rejected)
-    keys = [k for k in grads if k in w.weights]
-    if not keys:
-        return None
-    update_out: dict[str, torch.Tensor] | None = None
-    if workspace is not None:
-        update_out = workspace.views("update", current)
-        if not optimizer.momentum:  # mu = 0: the update becomes the momentum buffer, so it must not
-            # live in the workspace; the optimizer's own buffer of that name is reused when it has one.
-            update_out = {n: b for n, b in optimizer.buffers.items()
-                          if n in current and b.shape == current[n].shape and b.dtype == torch.float32
-                          and b.device == current[n].device and b.is_contiguous()}
-    update, factors, radii = merge_fragment_unscaled(
-        [grads[k] for k in keys],
-        [w.weights[k] for k in keys],
-        rule=merge,
-        embedding_names=embedding_names,
-        rda_embeddings=rda_embeddings,
-        norms=[tensor_norms[k] for k in keys],
-        out=update_out,
-    )
-    # RDA's last pass (scaling the direction to the radius) is fused into the outer step's pass.
-    new_params = optimizer.step(current, update, out=out, scale=factors,
-                                scratch=workspace.views("step", current) if workspace is not None else None)
-    return FragmentRoundResult(
-        new_params=new_params,
-        update=update,
-        weights={k: w.weights[k] for k in keys},
-        rejected=rejected,
-        norms=norms,
-        # An RDA tensor's norm is its radius (the weighted mean of the norms): no pass over it.
-        update_norm=_total({n: radii[n] if n in radii else float(torch.linalg.vector_norm(u))
-                            for n, u in update.items()}),
-    )
+    accepted = [m for m in kept if m.contribution.key in w.weights]
+    return _Weighed(accepted=accepted, weights=[w.weights[m.contribution.key] for m in accepted],
+                    norms={m.contribution.key: m.norm for m in measured}, rejected=rejected)
+
+
+def _outliers(measured: Sequence[_Measured], ratio: float | None) -> dict[str, Rejection]:
+    """Contributions whose norm exceeds ``ratio`` times the round's median (with 3 or more to compare)."""
+    if ratio is None or len(measured) < 3:
+        return {}
+    median = statistics.median(m.norm for m in measured)
+    if not median > 0:
+        return {}
+    return {m.contribution.key: Rejection(RejectionKind.OUTLIER,
+                                          f"norm {m.norm:.3g} > {ratio:g} x median {median:.3g}")
+            for m in measured if m.norm > ratio * median}
+
+
+def _merge(weighed: _Weighed, *, rule: str, embedding_names: Collection[str], rda_embeddings: bool,
+           out: Tensors | None) -> tuple[dict[str, torch.Tensor], dict[str, float | None], dict[str, float]]:
+    """The accepted outer gradients merged by ``rule``, RDA's last pass left to the outer step
+    (see :func:`atoll.core.merge.merge_fragment_unscaled`); the norms measured while weighing are reused."""
+    return merge_fragment_unscaled([m.grad for m in weighed.accepted], weighed.weights, rule=rule,
+                                   embedding_names=embedding_names, rda_embeddings=rda_embeddings,
+                                   norms=[m.tensor_norms for m in weighed.accepted], out=out)
+
+
+def _update_norm(update: Tensors, radii: Mapping[str, float]) -> float:
+    """L2 norm of Delta; an RDA tensor's norm is its radius (the weighted mean of the norms): no pass over it."""
+    return _total({n: radii[n] if n in radii else float(torch.linalg.vector_norm(u)) for n, u in update.items()})
