@@ -232,6 +232,48 @@ def _validate(arrivals: Iterable[Arrival]) -> tuple[list[Arrival], list[tuple[Ar
     return valid, rejected
 
 
+@dataclass(frozen=True)
+class _RoundView:
+    """What every rule of :func:`decide_round` looks at: the clock, who is live, what is valid."""
+
+    now_s: float
+    opened_at_s: float
+    live: frozenset[str]
+    policy: QuorumPolicy
+    grace_s: float
+    valid: tuple[Arrival, ...]
+    """Valid contributions, in arrival order."""
+
+    rejected: tuple[tuple[Arrival, Rejection], ...]
+    """Contributions rule 1 turned away."""
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Live learners with no valid contribution yet."""
+        return tuple(sorted(self.live - {a.learner_id for a in self.valid}))
+
+
+@dataclass(frozen=True)
+class _Quorum:
+    """The grace rule's cut once K valid contributions are in."""
+
+    quorum_at_s: float
+    """When the K-th valid contribution arrived."""
+
+    close_at_s: float
+    """``quorum_at_s + grace``: the instant the round closes by the grace rule."""
+
+    in_window: tuple[Arrival, ...]
+    """Valid contributions that arrived by ``close_at_s``."""
+
+    late: tuple[Arrival, ...]
+    """Valid contributions that arrived after it."""
+
+    def rejected(self, r: _RoundView) -> tuple[tuple[Arrival, Rejection], ...]:
+        """Rule 1's rejections and the late ones, each late one with how late it was."""
+        return r.rejected + tuple((a, _late_reason(a, self.close_at_s)) for a in self.late)
+
+
 def decide_round(
     *,
     now_s: float,
@@ -253,93 +295,110 @@ def decide_round(
        contributions that arrived after that instant are rejected as late even if the caller
        polled late, so the outcome does not depend on polling jitter.
     """
-    live = set(live_learners)
-    grace = grace_window_s(policy, timings)
     valid, rejected = _validate(arrivals)
-    contributed = {a.learner_id for a in valid}
-    waiting = tuple(sorted(live - contributed))
-    k = policy.min_quorum
+    r = _RoundView(now_s=now_s, opened_at_s=opened_at_s, live=frozenset(live_learners), policy=policy,
+                   grace_s=grace_window_s(policy, timings), valid=tuple(valid), rejected=tuple(rejected))
+    if len(r.valid) < policy.min_quorum:
+        return _below_quorum(r)
+    q = _quorum(r)
+    if r.live and r.live <= {a.learner_id for a in q.in_window}:
+        return _close_early(r, q)
+    if now_s >= q.close_at_s:
+        return _close_after_grace(r, q)
+    return _wait_in_grace(r, q)
 
-    if len(valid) < k:
-        waited = now_s - opened_at_s
-        if policy.max_wait_s is not None and waited >= policy.max_wait_s and valid:
-            return QuorumDecision(
-                close=True,
-                accepted=tuple(valid),
-                rejected=tuple(rejected),
-                reason=(
-                    f"deadline: {waited:.1f}s >= max_wait_s={policy.max_wait_s:g}s with "
-                    f"{len(valid)}/{k} contributions; closing below quorum"
-                ),
-                grace_s=grace,
-                quorum_at_s=None,
-                close_at_s=now_s,
-                waiting_for=waiting,
-            )
-        recheck = now_s + policy.poll_interval_s
-        if policy.max_wait_s is not None and valid:
-            recheck = min(recheck, max(now_s, opened_at_s + policy.max_wait_s))
-        note = "" if len(live) >= k else f"; only {len(live)} live learner(s) for K={k}"
-        return QuorumDecision(
-            close=False,
-            accepted=(),
-            rejected=tuple(rejected),
-            reason=f"waiting for quorum: {len(valid)}/{k} contributions{note}",
-            grace_s=grace,
-            quorum_at_s=None,
-            close_at_s=None,
-            recheck_at_s=recheck,
-            waiting_for=waiting,
-        )
 
-    quorum_at = valid[k - 1].arrived_at_s
-    close_at = quorum_at + grace
-    in_window = [a for a in valid if a.arrived_at_s <= close_at]
-    late = [a for a in valid if a.arrived_at_s > close_at]
-    in_ids = {a.learner_id for a in in_window}
-
-    if live and live <= in_ids:
-        # Early close: nobody else is coming, waiting longer only wastes the slack.
+def _below_quorum(r: _RoundView) -> QuorumDecision:
+    """Rule 2: wait for K valid contributions, or close with what is valid once ``max_wait_s`` passed."""
+    policy, k = r.policy, r.policy.min_quorum
+    waited = r.now_s - r.opened_at_s
+    if policy.max_wait_s is not None and waited >= policy.max_wait_s and r.valid:
         return QuorumDecision(
             close=True,
-            accepted=tuple(in_window),
-            rejected=tuple(rejected) + tuple((a, _late_reason(a, close_at)) for a in late),
-            reason=f"every live learner contributed ({len(in_window)}/{len(live)}); closing early",
-            grace_s=grace,
-            quorum_at_s=quorum_at,
-            close_at_s=min(close_at, max(a.arrived_at_s for a in in_window)),
-            waiting_for=(),
-        )
-
-    if now_s >= close_at:
-        waiting = tuple(sorted(live - in_ids))
-        return QuorumDecision(
-            close=True,
-            accepted=tuple(in_window),
-            rejected=tuple(rejected) + tuple((a, _late_reason(a, close_at)) for a in late),
+            accepted=r.valid,
+            rejected=r.rejected,
             reason=(
-                f"quorum {k} reached at +{quorum_at - opened_at_s:.2f}s, grace {grace:.2f}s over: "
-                f"{len(in_window)} in, {len(waiting)} live learner(s) not in time"
+                f"deadline: {waited:.1f}s >= max_wait_s={policy.max_wait_s:g}s with "
+                f"{len(r.valid)}/{k} contributions; closing below quorum"
             ),
-            grace_s=grace,
-            quorum_at_s=quorum_at,
-            close_at_s=close_at,
-            waiting_for=waiting,
+            grace_s=r.grace_s,
+            quorum_at_s=None,
+            close_at_s=r.now_s,
+            waiting_for=r.waiting,
         )
-
+    recheck = r.now_s + policy.poll_interval_s
+    if policy.max_wait_s is not None and r.valid:
+        recheck = min(recheck, max(r.now_s, r.opened_at_s + policy.max_wait_s))
+    note = "" if len(r.live) >= k else f"; only {len(r.live)} live learner(s) for K={k}"
     return QuorumDecision(
         close=False,
         accepted=(),
-        rejected=tuple(rejected),
+        rejected=r.rejected,
+        reason=f"waiting for quorum: {len(r.valid)}/{k} contributions{note}",
+        grace_s=r.grace_s,
+        quorum_at_s=None,
+        close_at_s=None,
+        recheck_at_s=recheck,
+        waiting_for=r.waiting,
+    )
+
+
+def _quorum(r: _RoundView) -> _Quorum:
+    """Rule 4's cut: the K-th valid arrival plus the grace window."""
+    quorum_at = r.valid[r.policy.min_quorum - 1].arrived_at_s
+    close_at = quorum_at + r.grace_s
+    return _Quorum(quorum_at_s=quorum_at, close_at_s=close_at,
+                   in_window=tuple(a for a in r.valid if a.arrived_at_s <= close_at),
+                   late=tuple(a for a in r.valid if a.arrived_at_s > close_at))
+
+
+def _close_early(r: _RoundView, q: _Quorum) -> QuorumDecision:
+    """Rule 3: nobody else is coming, waiting longer only wastes the slack."""
+    return QuorumDecision(
+        close=True,
+        accepted=q.in_window,
+        rejected=q.rejected(r),
+        reason=f"every live learner contributed ({len(q.in_window)}/{len(r.live)}); closing early",
+        grace_s=r.grace_s,
+        quorum_at_s=q.quorum_at_s,
+        close_at_s=min(q.close_at_s, max(a.arrived_at_s for a in q.in_window)),
+        waiting_for=(),
+    )
+
+
+def _close_after_grace(r: _RoundView, q: _Quorum) -> QuorumDecision:
+    """Rule 4, the grace window is over: close with what arrived in it."""
+    waiting = tuple(sorted(r.live - {a.learner_id for a in q.in_window}))
+    return QuorumDecision(
+        close=True,
+        accepted=q.in_window,
+        rejected=q.rejected(r),
         reason=(
-            f"quorum {k} reached ({len(valid)} in); grace window open for "
-            f"{close_at - now_s:.2f}s more, waiting for {len(waiting)} live learner(s)"
+            f"quorum {r.policy.min_quorum} reached at +{q.quorum_at_s - r.opened_at_s:.2f}s, "
+            f"grace {r.grace_s:.2f}s over: {len(q.in_window)} in, {len(waiting)} live learner(s) not in time"
         ),
-        grace_s=grace,
-        quorum_at_s=quorum_at,
-        close_at_s=close_at,
-        recheck_at_s=min(close_at, now_s + policy.poll_interval_s),
+        grace_s=r.grace_s,
+        quorum_at_s=q.quorum_at_s,
+        close_at_s=q.close_at_s,
         waiting_for=waiting,
+    )
+
+
+def _wait_in_grace(r: _RoundView, q: _Quorum) -> QuorumDecision:
+    """Rule 4, the grace window is still open: look again when it ends (or at the next poll)."""
+    return QuorumDecision(
+        close=False,
+        accepted=(),
+        rejected=r.rejected,
+        reason=(
+            f"quorum {r.policy.min_quorum} reached ({len(r.valid)} in); grace window open for "
+            f"{q.close_at_s - r.now_s:.2f}s more, waiting for {len(r.waiting)} live learner(s)"
+        ),
+        grace_s=r.grace_s,
+        quorum_at_s=q.quorum_at_s,
+        close_at_s=q.close_at_s,
+        recheck_at_s=min(q.close_at_s, r.now_s + r.policy.poll_interval_s),
+        waiting_for=r.waiting,
     )
 
 
