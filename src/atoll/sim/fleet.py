@@ -325,6 +325,85 @@ class Schedule:
         return float(np.sum(self.run_end - self.run_start))
 
 
+class _ElasticIsland:
+    """The state :func:`elastic_schedule` carries from event to event, and what each event does to it.
+
+    The island alternates between training (from ``run_from``) and reconfiguring (until
+    ``stall_end``); ``stall_end > run_from`` means a reconfiguration is pending or in progress.
+    Every training interval it closes is appended to ``run_start`` / ``run_end`` / ``run_chips``.
+    """
+
+    def __init__(self, chips: float, costs: CostModel, failures: int) -> None:
+        self.chips = float(chips)
+        self.reconfig_s = costs.reconfig_s
+        self.readmit_window_s = costs.readmit_window_s
+        self.slice_chips = float(min(costs.slice_chips, chips))
+        self.max_out = max(1, math.ceil(chips / self.slice_chips))  # slices counted out, at most
+        self.status = bytearray(failures)  # per failed slice: 0 out (not back yet), 1 back and waiting, 2 re-admitted
+        self.waiting: list[int] = []
+        self.out = 0
+        self.cap = float(chips)  # chips the island trains on between reconfigurations
+        self.stall_end = -math.inf  # the island trains while t >= stall_end
+        self.run_from = 0.0
+        self.timeouts: list[tuple[float, int]] = []  # (deadline, slice) for returns that found it training
+        self.run_start: list[float] = []
+        self.run_end: list[float] = []
+        self.run_chips: list[float] = []
+        self.stalls = 0
+        self.readmit_stalls = 0
+
+    def stall(self, t: float, *, readmit: bool) -> None:
+        """Close the training interval at ``t`` and start a reconfiguration (one of its own for a
+        returned slice when ``readmit``)."""
+        self.run_start.append(self.run_from)
+        self.run_end.append(t)
+        self.run_chips.append(self.cap)
+        self.stall_end = t + self.reconfig_s
+        self.run_from = t  # marks "stall pending" (stall_end > run_from)
+        self.stalls += 1
+        if readmit:
+            self.readmit_stalls += 1
+
+    def readmit(self) -> None:
+        """A reconfiguration ends: every slice that is back rejoins, and the island's size follows."""
+        for s in self.waiting:
+            self.status[s] = 2
+        self.out -= len(self.waiting)
+        self.waiting.clear()
+        self.cap = max(0.0, self.chips - self.slice_chips * min(self.out, self.max_out))
+
+    def fail(self, t: float, stalled: bool) -> None:
+        """A slice fails; a reconfiguration in progress takes it in, else one starts."""
+        self.out += 1
+        if not stalled:
+            self.stall(t, readmit=False)
+
+    def slice_back(self, t: float, s: int, stalled: bool) -> None:
+        """Slice ``s`` is back in service: it waits for a reconfiguration (at most the window)."""
+        self.status[s] = 1
+        self.waiting.append(s)
+        if not stalled:
+            if self.readmit_window_s <= 0:
+                self.stall(t, readmit=True)
+            else:
+                self.timeouts.append((t + self.readmit_window_s, s))
+
+    def window_over(self, t: float, s: int, stalled: bool) -> None:
+        """Slice ``s`` has waited the whole window: if no reconfiguration took it in, start one."""
+        if self.status[s] == 1 and not stalled:
+            self.stall(t, readmit=True)
+
+    def schedule(self, horizon_s: float) -> Schedule:
+        """The timeline up to ``horizon_s`` (empty intervals dropped)."""
+        if not (self.stall_end > self.run_from):  # training at the horizon
+            self.run_start.append(self.run_from)
+            self.run_end.append(horizon_s)
+            self.run_chips.append(self.cap)
+        rs, re_, rc = np.asarray(self.run_start), np.asarray(self.run_end), np.asarray(self.run_chips)
+        keep = re_ > rs
+        return Schedule(self.chips, horizon_s, rs[keep], re_[keep], rc[keep], self.stalls, self.readmit_stalls)
+
+
 def elastic_schedule(
     times_s: np.ndarray,
     recovery_s: np.ndarray,
@@ -342,101 +421,47 @@ def elastic_schedule(
       that is back).
     * Between reconfigurations the island trains on ``chips - slice_chips x (slices out)``
       (never below 0); at most ``chips / slice_chips`` slices are counted out.
+
+    Events are taken in time order (a reconfiguration's end first, then a failure, a return, a
+    window's end); :class:`_ElasticIsland` says what each does.
     """
     T = float(horizon_s)
-    e = costs.reconfig_s
-    W = costs.readmit_window_s
-    S = float(min(costs.slice_chips, chips))
-    max_out = max(1, math.ceil(chips / S))
     f = np.asarray(times_s, dtype=float).tolist()
     n = len(f)
     ready_t = np.asarray(times_s, dtype=float) + np.asarray(recovery_s, dtype=float)
     order = np.argsort(ready_t, kind="stable")
     ready = ready_t[order].tolist()
     ready_id = order.tolist()
-    status = bytearray(n)  # 0 out (not back yet), 1 back and waiting, 2 re-admitted
-    waiting: list[int] = []
+    island = _ElasticIsland(chips, costs, n)
+    timeouts = island.timeouts
     inf = math.inf
-
-    run_start: list[float] = []
-    run_end: list[float] = []
-    run_chips: list[float] = []
-    stalls = readmit_stalls = 0
-    out = 0
-    cap = float(chips)
-    stall_end = -inf  # the island trains while t >= stall_end
-    run_from = 0.0
     i = j = ti = 0  # next failure, next return, next window timeout (in return order)
-    timeouts: list[tuple[float, int]] = []  # (deadline, slice) for returns that found it training
-
     while True:
         tf = f[i] if i < n else inf
         tr = ready[j] if j < n else inf
         tt = timeouts[ti][0] if ti < len(timeouts) else inf
-        ts = stall_end if stall_end > run_from else inf  # a pending stall end
+        ts = island.stall_end if island.stall_end > island.run_from else inf  # a pending stall end
         t = min(tf, tr, tt, ts)
         if t >= T:
             break
         if ts == t:  # the reconfiguration ends: re-admit every slice that is back
-            for s in waiting:
-                status[s] = 2
-            out -= len(waiting)
-            waiting.clear()
-            cap = max(0.0, chips - S * min(out, max_out))
-            run_from = t
+            island.readmit()
+            island.run_from = t
             continue
-        stalled = t < stall_end
+        stalled = t < island.stall_end
         if tf == t:
             i += 1
-            out += 1
-            if not stalled:
-                run_start.append(run_from)
-                run_end.append(t)
-                run_chips.append(cap)
-                stall_end = t + e
-                run_from = t  # marks "stall pending" (stall_end > run_from)
-                stalls += 1
+            island.fail(t, stalled)
         elif tr == t:
-            s = ready_id[j]
             j += 1
-            status[s] = 1
-            waiting.append(s)
-            if not stalled:
-                if W <= 0:
-                    run_start.append(run_from)
-                    run_end.append(t)
-                    run_chips.append(cap)
-                    stall_end = t + e
-                    run_from = t
-                    stalls += 1
-                    readmit_stalls += 1
-                else:
-                    timeouts.append((t + W, s))
+            island.slice_back(t, ready_id[j - 1], stalled)
         else:
-            s = timeouts[ti][1]
             ti += 1
-            if status[s] == 1 and not stalled:
-                run_start.append(run_from)
-                run_end.append(t)
-                run_chips.append(cap)
-                stall_end = t + e
-                run_from = t
-                stalls += 1
-                readmit_stalls += 1
-        if e <= 0 and stall_end == run_from:  # zero-length reconfigurations: end them at once
-            for s in waiting:
-                status[s] = 2
-            out -= len(waiting)
-            waiting.clear()
-            cap = max(0.0, chips - S * min(out, max_out))
-            stall_end = -inf
-    if not (stall_end > run_from):  # training at the horizon
-        run_start.append(run_from)
-        run_end.append(T)
-        run_chips.append(cap)
-    rs, re_, rc = np.asarray(run_start), np.asarray(run_end), np.asarray(run_chips)
-    keep = re_ > rs
-    return Schedule(float(chips), T, rs[keep], re_[keep], rc[keep], stalls, readmit_stalls)
+            island.window_over(t, timeouts[ti - 1][1], stalled)
+        if costs.reconfig_s <= 0 and island.stall_end == island.run_from:
+            island.readmit()  # zero-length reconfigurations: end them at once
+            island.stall_end = -inf
+    return island.schedule(T)
 
 
 def simulate_elastic_dp(trace: FailureTrace, costs: CostModel) -> SystemResult:
