@@ -1,4 +1,4 @@
-"""Hostile-bucket suite (issue 10): no single object can stop, steer or destroy a run.
+"""Hostile-bucket suite: no single object can stop, steer or destroy a run.
 
 Every attack runs on a local folder and on moto's S3 server against a real run (smoke recipe):
 real :class:`Learner` objects and the real :class:`Synchronizer` on a fake clock, driven
@@ -325,8 +325,6 @@ def test_put_over_head(run: HostileRun) -> None:
 def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun, request: pytest.FixtureRequest) -> None:
     """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
     sync/commits/, then must still see every later commit."""
-    if not run.backend.local:
-        pass  # (was a strict xfail: fixed)
     run.put(paths.HEAD, b"\x00garbage{")
     restarted = Learner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
     run.learners[1] = restarted
@@ -413,8 +411,6 @@ def test_garbage_in_repairs(run: HostileRun) -> None:
 
 def test_folder_in_repairs(run: HostileRun, request: pytest.FixtureRequest) -> None:
     """A folder (on S3: a prefix) under sync/repairs/ of a void round."""
-    if run.backend.local:
-        pass  # (was a strict xfail: fixed)
     r = run.sync.round + 1
     run.put(paths.repairs_prefix(r) + "junk/r0001.json", b"[]")
     run.put(paths.commit_key(r), b"\x00\x01 void")
@@ -696,7 +692,7 @@ def test_two_copies_of_a_learner_publish_the_same_fragment(run: HostileRun) -> N
 
 
 def test_committed_blobs_are_out_of_a_learners_reach(run: HostileRun) -> None:
-    """Issue 10's first finding: a learner that PUTs over a committed state blob under its own
+    """A learner that PUTs over a committed state blob under its own
     prefix changes nothing (committed state lives under sync/); a PUT under sync/blobs/ (which
     the bucket policy forbids) is detected by verify() naming the object."""
     rec: CommitRecord = run.before[-1]
