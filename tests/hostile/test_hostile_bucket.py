@@ -322,7 +322,7 @@ def test_put_over_head(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun, request: pytest.FixtureRequest) -> None:
+def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun) -> None:
     """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
     sync/commits/, then must still see every later commit."""
     run.put(paths.HEAD, b"\x00garbage{")
@@ -409,7 +409,7 @@ def test_garbage_in_repairs(run: HostileRun) -> None:
     run.still_readable(run.before)
 
 
-def test_folder_in_repairs(run: HostileRun, request: pytest.FixtureRequest) -> None:
+def test_folder_in_repairs(run: HostileRun) -> None:
     """A folder (on S3: a prefix) under sync/repairs/ of a void round."""
     r = run.sync.round + 1
     run.put(paths.repairs_prefix(r) + "junk/r0001.json", b"[]")
