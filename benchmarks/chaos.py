@@ -277,8 +277,8 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
 
     from atoll.ops.deploy import deploy_all, start_supervisor, start_training
     from atoll.ops.stack import LocalStack
-    from atoll.runs.manage import open_run
     from atoll.runs.options import FleetOptions, TrainingRunOptions
+    from atoll.storage.bucket import RunStore
     from atoll.storage.liveness import FAULT_ARMED_ENV, FAULT_HOLD_ENV, FAULT_SIGNAL_DIR_ENV
     from atoll.storage.store import StorageFaults
     from atoll.tasks.queries import read_flow_runs_paged, run_tag
@@ -288,7 +288,7 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     url = f"s3://{BUCKET}/{run_id}"
     options = s3_options(endpoint)
     make_run(url, options, learners=args.learners, lockstep=lockstep)
-    store = open_run(url, options)
+    store = RunStore.open(url, options)
     learner_ids = [f"learner-{i}" for i in range(args.learners)]
     slug = "lockstep" if lockstep else "decoupled"
     fault_dir = root / f"{slug}-faults"

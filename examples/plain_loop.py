@@ -100,7 +100,7 @@ def create(url: str, learners: int, rounds: int, *, lockstep: bool = False, mode
     recipe = Recipe(model=factory, context_tokens=CONTEXT, max_rounds=rounds, eval_every_rounds=0, save_every_steps=10,
                     learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH, ranks=ranks if i == 0 else 1)
                                    for i in range(learners)))
-    atoll.create_run_for(url, model if model is not None else char_lm(), config, recipe)
+    atoll.create_run(url, config, recipe, model=model if model is not None else char_lm())
     print(f"created {url}")
 
 

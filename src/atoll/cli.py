@@ -345,9 +345,9 @@ def _train(args: argparse.Namespace) -> int:
         check_run(source)
         marker = source.stop_marker()
         if marker is not None and marker.stopped and args.fork_round is None:
-            from atoll.runs.manage import open_run
+            from atoll.storage.bucket import RunStore
 
-            open_run(args.run_url, common["storage_options"]).clear_stopped()
+            RunStore.open(args.run_url, common["storage_options"]).clear_stopped()
             print(f"the run was stopped ({marker.reason}); cleared", flush=True)
 
     from atoll.ops.client import launch_training
@@ -365,10 +365,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _open_existing(run_url: str, storage_options: dict[str, str] | None) -> RunStore:
     """The run at ``run_url``, opened read-only (no write, not even the create-once probe)."""
-    from atoll.runs.manage import open_run
+    from atoll.storage.bucket import RunStore
     from atoll.storage.validation import RunNotFoundError
 
-    store = open_run(run_url, storage_options, read_only=True)
+    store = RunStore.open(run_url, storage_options, read_only=True)
     if not store.exists():
         raise RunNotFoundError(f"no run at {run_url} (no run.json)")
     return store
@@ -398,14 +398,14 @@ def _prune(args: argparse.Namespace) -> int:
     import getpass
     import socket
 
-    from atoll.runs.manage import open_run
+    from atoll.storage.bucket import RunStore
     from atoll.storage.retention import RetentionPolicy, apply_prune, plan_prune
 
     policy = RetentionPolicy(keep_rounds=args.keep_rounds, keep_checkpoints=args.keep_checkpoints,
                              min_age_s=args.min_age_s)
     options = _kv(args.storage_option) or None
     _open_existing(args.run_url, options)  # a clear error for a URL with no run, before any write
-    store = open_run(args.run_url, options, read_only=args.dry_run)
+    store = RunStore.open(args.run_url, options, read_only=args.dry_run)
     policy.check(store.plan.num_fragments)
 
     def log(line: str) -> None:
@@ -457,12 +457,12 @@ def _stop(args: argparse.Namespace) -> int:
     import getpass
     import socket
 
-    from atoll.runs.manage import open_run
+    from atoll.storage.bucket import RunStore
     from atoll.tasks.stop import mark_stopped_and_wait
 
     storage_options = _kv(args.storage_option) or None
     _open_existing(args.run_url, storage_options)  # a one-line error if there is no run there
-    store = open_run(args.run_url, storage_options)
+    store = RunStore.open(args.run_url, storage_options)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     print(f"marking {store.url} stopped ({args.reason}); learners save and exit within seconds", flush=True)
     report = mark_stopped_and_wait(store, reason=args.reason, by=by, grace_s=args.grace_s)

@@ -163,9 +163,8 @@ def test_a_write_through_a_read_only_bucket_is_one_line(run_dir: Path, writes_re
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Were a command to write (here: status forced through the write probe), the refusal is a
     one-line error, not a traceback."""
-    from atoll.runs import manage
-
-    monkeypatch.setattr(manage, "open_run", lambda url, opts=None, read_only=False: RunStore.open(url, opts))
+    writable = RunStore.open
+    monkeypatch.setattr(RunStore, "open", staticmethod(lambda url, opts=None, read_only=False: writable(url, opts)))
     rc, _, err = _main(["status", str(run_dir)], capsys)
     _assert_one_line_error(rc, err, "PermissionError", "read-only bucket")
     assert writes_refused  # the probe was attempted, and refused

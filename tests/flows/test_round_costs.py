@@ -240,10 +240,10 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
 
     # A second recorder of the same run (a relaunched training run that adopted round 1) gets the
     # same flow run back: one flow run per round, whoever records it.
-    from atoll.runs.manage import open_run
+    from atoll.storage.bucket import RunStore
     from atoll.tasks.recorder import RoundRecorder
 
-    again = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    again = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                           round_run_tags=[run_tag(run_id), ROUND_TAG])
     again.submit(1, None, seconds=0.1)
     again.flush()
@@ -281,7 +281,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
         for fr in _round_runs(client, run_id):
             if fr.name != "round-000001":
                 client.delete_flow_run(fr.id)
-    walker = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    walker = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                            round_run_tags=[run_tag(run_id), ROUND_TAG])
     assert walker.backfill(2 + extra, window=2) == list(range(2, 3 + extra))
     walker.flush()
@@ -297,7 +297,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
         for fr in _round_runs(client, run_id):
             if fr.name in ("round-000004", "round-000006"):
                 client.delete_flow_run(fr.id)
-    flaky = RoundRecorder(open_run(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    flaky = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                           round_run_tags=[run_tag(run_id), ROUND_TAG], retry_s=0.1)
     real_update, failures = flaky.tracker.update, []
 

@@ -34,8 +34,8 @@ import pytest
 from atoll.ops.deploy import deploy_all, learner_job_env, start_supervisor, start_training
 from atoll.ops.observe import alive, live_copies, pid_state
 from atoll.ops.stack import LocalStack
-from atoll.runs.manage import open_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
+from atoll.storage.bucket import RunStore
 from atoll.tasks.queries import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
@@ -90,7 +90,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
     recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners],
                                "eval_every_rounds": 1000})
     create_run(url, config, recipe, storage_options=s3.storage_options)
-    store = open_run(url, s3.storage_options)
+    store = RunStore.open(url, s3.storage_options)
     fault_dir = tmp_path / "fault"
     fault_dir.mkdir()
     env = {**s3.env, "ATOLL_IT_MARKER": marker, "ATOLL_QUERY_PAGE_SIZE": PAGE_SIZE}

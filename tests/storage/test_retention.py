@@ -61,17 +61,8 @@ def _new_run(url: str) -> RunStore:
 
 
 def _init(store: RunStore) -> RunStore:
-    """What create_run does, through a store the backend fixture opened (the GCS emulator needs its
-    open options)."""
-    from atoll.core.fragments import plan_fragments
-
-    config, recipe = _recipe()
-    model = recipe.model_factory()()
-    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
-    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
-                   extra={"recipe": recipe.to_dict()})
-    recipe.data.corpus()
-    return store
+    """A new run through a store the backend fixture opened (the GCS emulator needs its open options)."""
+    return create_run(store, *_recipe())
 
 
 def _keys(store: RunStore, prefix: str = "") -> set[str]:

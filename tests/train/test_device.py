@@ -16,10 +16,11 @@ from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.synchronize import FragmentContribution, synchronize_fragment
 from atoll.core.weights import Counters
 from atoll.storage.bucket import RunStore
+from atoll.storage.paths import to_url
 from atoll.train.device import DeviceError, fragment_to_host, resolve_device
 from atoll.train.learner import Learner
-from atoll.train.local import create_run, to_url
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
+from atoll.train.run import create_run
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions, merge_on_device
 
 

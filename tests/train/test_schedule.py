@@ -9,9 +9,10 @@ import pytest
 
 import atoll.train.virtual as virtual
 from atoll.core.config import ConfigError
+from atoll.storage.paths import to_url
 from atoll.train.learner import Learner
-from atoll.train.local import create_run, to_url
 from atoll.train.recipe import InnerOptimConfig, LearnerSpec, Recipe, lr_at_step, smoke_recipe
+from atoll.train.run import create_run
 from atoll.train.virtual import run_virtual
 
 

@@ -26,7 +26,6 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
-from atoll.runs.manage import open_run
 from atoll.runs.report import slug
 from atoll.storage.bucket import RunStore
 from atoll.train.hook import run_command
@@ -95,7 +94,7 @@ def learner_flow(
     logger = get_run_logger()
     if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
-    store = open_run(run_url, storage_options)
+    store = RunStore.open(run_url, storage_options)
     recipe = load_recipe(store)
     _, spec = recipe.learner(learner_id)
     logger.info(f"{learner_id}: pid {os.getpid()} on {socket.gethostname()}, pool {spec.pool}, run {store.url}")

@@ -36,7 +36,6 @@ from prefect.deployments import run_deployment
 from prefect.states import Crashed
 
 from atoll.runs.healing import ATOLL_CANCEL_PREFIX
-from atoll.runs.manage import open_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.supervision import (
     SupervisionAction,
@@ -44,6 +43,7 @@ from atoll.runs.supervision import (
     TrainingRunObservation,
     decide_training_run,
 )
+from atoll.storage.bucket import RunStore
 from atoll.tasks.fleet import liveness_age_s
 from atoll.tasks.queries import (
     DEFAULT_TRAINING_DEPLOYMENT,
@@ -89,7 +89,7 @@ def observe(fr: FlowRun, group: list[FlowRun], options: TrainingRunOptions, poli
     """Prefect's view of the newest training-run flow run ``fr`` joined with the run's bucket."""
     state = fr.state.type.value if fr.state is not None else None
     message = (fr.state.message or "") if fr.state is not None else ""
-    store = open_run(options.target_url or "", options.storage_options)
+    store = RunStore.open(options.target_url or "", options.storage_options)
     latest = store.latest_round()
     finished = latest >= load_recipe(store).max_rounds
     marker = store.stop_marker()
@@ -156,7 +156,7 @@ def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 
             new = relaunch(client, newest, options, rid, len(group))
             verdict.launched = new.name
         if decision.stop:
-            store = open_run(options.target_url, options.storage_options)
+            store = RunStore.open(options.target_url, options.storage_options)
             report = mark_stopped_and_wait(store, reason="training run cancelled in the Prefect UI",
                                            by="atoll-supervisor", grace_s=stop_grace_s, log=log)
             cancelled = cancel_flow_runs_of_run(client, run_tag(rid), reason="run stopped")

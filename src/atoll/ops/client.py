@@ -15,9 +15,10 @@ from atoll.flows.training import training_run
 from atoll.ops.deploy import deploy_all, start_training
 from atoll.ops.procs import free_port
 from atoll.ops.stack import LocalStack
-from atoll.runs.manage import new_run_url, open_run
+from atoll.runs.manage import new_run_url
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import last_val_loss
+from atoll.storage.bucket import RunStore
 
 __all__ = ["launch_training", "follow", "run_demo"]
 
@@ -33,7 +34,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
             state = (fr.state.name or "?") if fr.state else "?"
             final = fr.state is not None and fr.state.is_final()
             if run_url and (final or time.monotonic() - last_print >= every_s):
-                store = open_run(run_url, storage_options, read_only=True)
+                store = RunStore.open(run_url, storage_options, read_only=True)
                 if store.exists():
                     latest = store.latest_round()
                     if latest > shown:
@@ -48,7 +49,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
             time.sleep(poll_s)
     loss = None
     if run_url:
-        store = open_run(run_url, storage_options, read_only=True)
+        store = RunStore.open(run_url, storage_options, read_only=True)
         if store.exists() and store.latest_round():
             latest = store.latest_round()
             loss = last_val_loss(store.history(max(1, latest - 64), latest))
@@ -97,7 +98,7 @@ def run_demo(directory: str | Path = "out/demo", *, learners: int = 4, rounds: i
             fr = start_training(options, flow_run_name=run_url.rsplit("/", 1)[-1])
             print(f"training run: {stack.ui_url}/runs/flow-run/{fr.id}\nbucket: {run_url}", flush=True)
             state, loss = follow(fr.id, run_url)
-        store = open_run(run_url, read_only=True)
+        store = RunStore.open(run_url, read_only=True)
         print("\n".join([
             "",
             f"demo finished: training run {state} in {time.monotonic() - t0:.0f}s",

@@ -1,4 +1,5 @@
-"""Creating, continuing and forking runs in the bucket (no Prefect import: the CLI uses it too).
+"""Which run a training run trains: a new one, the one it continues, or a fork (no Prefect import:
+the CLI uses it too). This module picks; :func:`atoll.train.run.create_run` creates.
 
 * **new**: a preset (``demo``, ``smoke``) or a config file becomes a run at ``run_url``.
 * **continue** (resume): a run that exists at ``run_url`` simply carries on from its last
@@ -24,7 +25,7 @@ from atoll.storage.paths import join_url, to_url
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
 from atoll.train.run import create_run, load_recipe
 
-__all__ = ["RunInfo", "prepare_run", "fork_run", "load_config_file", "new_run_url", "open_run"]
+__all__ = ["RunInfo", "load_config_file", "new_run_url", "prepare_run"]
 
 
 @dataclass
@@ -46,15 +47,6 @@ class RunInfo:
     @property
     def finished(self) -> bool:
         return self.latest_round >= self.max_rounds
-
-
-def open_run(run_url: str, storage_options: Mapping[str, Any] | None = None, *,
-             read_only: bool = False) -> RunStore:
-    """Open a run. ``read_only=True`` writes nothing, not even the create-once probe (``atoll
-    status``, the source of a fork, a run that is only looked at): it works on a read-only folder
-    or with read-only credentials."""
-    opts = dict(storage_options or {}) or None
-    return RunStore.open(to_url(run_url), opts, read_only=read_only)
 
 
 def new_run_url(bucket: str, name: str | None = None) -> str:
@@ -108,47 +100,32 @@ def prepare_run(
     storage_options: Mapping[str, Any] | None = None,
 ) -> RunInfo:
     """Create, continue or fork a run; returns its :class:`RunInfo`. Idempotent: calling it again
-    (a restarted training run) continues what the first call created."""
+    (a restarted training run) continues what the first call created. Picks what the run starts
+    from; :func:`~atoll.train.run.create_run` creates it."""
     opts = dict(storage_options or {}) or None
     if resume_from and fork_round is None:
         if run_url and to_url(run_url) != to_url(resume_from):
             raise ValueError("resume_from without fork_round continues that run; give no other run_url "
                              "(or give fork_round to fork it into run_url)")
-        store = open_run(resume_from, opts, read_only=True)  # the synchronizer opens it for writing
+        store = RunStore.open(resume_from, opts, read_only=True)  # the synchronizer opens it for writing
         if not store.exists():
             raise FileNotFoundError(f"no run at {resume_from} to resume")
         return _info(store, "continued")
     if not run_url:
         raise ValueError("run_url is required (or resume_from to continue an existing run)")
-    store = open_run(run_url, opts)
+    store = RunStore.open(run_url, opts)
     if store.exists():
         return _info(store, "continued")
     if resume_from:
-        return fork_run(resume_from, run_url, fork_round=int(fork_round or 0), rounds=rounds, storage_options=opts)
+        source = RunStore.open(resume_from, opts, read_only=True)  # a fork never writes to its source
+        if not source.exists():
+            raise FileNotFoundError(f"no run at {resume_from} to fork")
+        recipe = load_recipe(source)
+        recipe = recipe.replace(max_rounds=rounds) if rounds else recipe
+        store = create_run(store, source.config, recipe, fork_from=source, fork_round=int(fork_round or 0))
+        return _info(store, "forked")
     config, recipe = load_config_file(config_path) if config_path else _preset(preset, learners, rounds)
     if config_path and rounds:
         recipe = recipe.replace(max_rounds=rounds)
-    store = create_run(to_url(run_url), config, recipe, storage_options=opts)
+    store = create_run(store, config, recipe)
     return _info(store, "created")
-
-
-def fork_run(source_url: str, run_url: str, *, fork_round: int, rounds: int = 0,
-             storage_options: Mapping[str, Any] | None = None) -> RunInfo:
-    """A new run at ``run_url`` from the global state of round ``fork_round`` (0 = latest) of ``source_url``."""
-    src = open_run(source_url, storage_options, read_only=True)  # a fork never writes to its source
-    if not src.exists():
-        raise FileNotFoundError(f"no run at {source_url} to fork")
-    latest = src.latest_round()
-    at = latest if fork_round <= 0 else fork_round
-    if at > latest:
-        raise ValueError(f"cannot fork {source_url} at round {at}: only {latest} rounds are committed")
-    state = src.read_global_state(at)
-    recipe = load_recipe(src)
-    if rounds:
-        recipe = recipe.replace(max_rounds=rounds)
-    dst = open_run(run_url, storage_options)
-    dst.init_run(src.config, src.plan, state.params,
-                 extra={"recipe": recipe.to_dict(), "forked_from": {"url": src.url, "run_id": src.manifest.run_id,
-                                                                     "round": at}})
-    recipe.data.corpus()
-    return _info(dst, "forked")

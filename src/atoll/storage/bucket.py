@@ -200,7 +200,8 @@ class CheckpointInfo:
 
 
 class RunStore:
-    """One run in a bucket. Open with :meth:`open`; create the run once with :meth:`init_run`.
+    """One run in a bucket. Open with :meth:`open`. :meth:`init_run` writes a new run's manifest and
+    version-0 weights (storage knows no models: :func:`atoll.train.run.create_run` builds them).
 
     Thread-compatible: one instance may be shared by threads that do not write the same round.
     """
@@ -234,8 +235,11 @@ class RunStore:
         keyring: Keyring | None = None,
         read_only: bool = False,
     ) -> RunStore:
-        """Open the run rooted at ``url``; credentials come from ``storage_options`` or fsspec's
-        usual sources (environment, config files).
+        """Open the run rooted at ``url``: the one way to open a run, for every layer (a new run
+        is then created by :func:`atoll.train.run.create_run`). A local path becomes an absolute
+        ``file://`` URL, so the run's URL means the same to every process it is handed to.
+        Credentials come from ``storage_options`` or fsspec's usual sources (environment, config
+        files).
 
         ``check_create_once`` runs the capability probe (two creates of one scratch object; the
         second must be refused) and raises :class:`UnsafeStoreError` if the store does not refuse
@@ -248,7 +252,7 @@ class RunStore:
         for ``atoll status``, ``verify`` and the source of a fork.
         """
         if store is None:
-            store = ObjectStore.open(url, storage_options, retry=retry)
+            store = ObjectStore.open(paths.to_url(url), storage_options, retry=retry)
         if check_create_once and not unsafe_allow_overwrite and not read_only:
             store.probe_create_once()
         return cls(store, max_payload_bytes=max_payload_bytes,

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from atoll.runs.manage import RunInfo, open_run
+from atoll.runs.manage import RunInfo
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.report import GoodputTracker
 from atoll.storage.bucket import RunStore
@@ -58,7 +58,7 @@ class RunContext:
         """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
         self.info = info
         self.options = options
-        self.store: RunStore = open_run(info.run_url, options.storage_options)
+        self.store: RunStore = RunStore.open(info.run_url, options.storage_options)
         self.tracker = GoodputTracker(self.store)
         self.fleet: LearnerFleet | None = None
         if options.fleet.manage:

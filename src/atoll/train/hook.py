@@ -28,7 +28,8 @@ the loop (or a framework callback) checks :attr:`LearnerHook.should_exit` instea
 
 Entering the block **overwrites the model's weights** with the run's latest global state (and the
 optimizer's state with this learner's saved state, on rejoin): the bucket is the truth, the
-model's own initialisation is only used when the run is created (:func:`create_run_for`).
+model's own initialisation is only used when the run is created
+(:func:`atoll.create_run <atoll.train.run.create_run>` with ``model=``).
 
 Under ``torch.distributed`` (the user's own DDP: ``join`` sees an initialized default group of
 more than one rank) the ranks form one island: rank 0 does all the bucket I/O and, after each
@@ -46,41 +47,17 @@ from typing import Any
 
 import torch
 
-from atoll.core.config import DilocoConfig
-from atoll.core.fragments import plan_fragments
 from atoll.storage.bucket import RunStore
 from atoll.train.island import broadcast_fragments, die_with_parent
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSession, LearnerSummary
-from atoll.train.recipe import Recipe
 
-__all__ = ["LearnerHook", "create_run_for", "join"]
+__all__ = ["LearnerHook", "join"]
 
 ENV_RUN_URL = "ATOLL_RUN_URL"
 ENV_LEARNER_ID = "ATOLL_LEARNER_ID"
 ENV_FLOW_RUN_ID = "ATOLL_FLOW_RUN_ID"
 """What the learner flow sets for a user's command (:mod:`atoll.flows.learner`): ``join()``
 without a run URL or learner id reads them, so one script serves every learner."""
-
-
-def create_run_for(url: str, model: torch.nn.Module, config: DilocoConfig, recipe: Recipe, *,
-                   storage_options: Mapping[str, Any] | None = None) -> RunStore:
-    """Create a run whose fragment plan and version-0 weights come from ``model`` itself (a user's
-    model that atoll cannot build: the recipe's ``model`` is then informational, the synchronizer
-    never builds it unless the recipe asks for evaluation).
-
-    ``recipe.learners`` must still list every learner (ids, batch sizes and ``context_tokens``
-    bound the tokens a step may claim). The synchronizer evaluates the global model with the
-    recipe's model factory and data (next-token loss: the model maps token ids [B, T] to logits
-    [B, T, V]); if atoll cannot build or run your model, set ``recipe.eval_batches = 0``.
-    """
-    recipe.check(config)
-    module = getattr(model, "module", None)
-    model = module if isinstance(module, torch.nn.Module) else model
-    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
-    store = RunStore.open(url, storage_options)
-    store.init_run(config, plan, {n: p.detach().cpu() for n, p in model.named_parameters()},
-                   extra={"recipe": recipe.to_dict()})
-    return store
 
 
 class LearnerHook:

@@ -1,4 +1,5 @@
-"""A run as the training code sees it: create one from a recipe, read its recipe back, evaluate it.
+"""A run as the training code sees it: create one (the only place a run is created), read its
+recipe back, evaluate it.
 
 Everything here is Prefect-free and rebuilds from the run URL alone (the recipe, config and
 initial weights live in ``run.json`` and the bucket), so a learner process, the synchronizer, a
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from atoll.core.config import DilocoConfig
-from atoll.core.fragments import plan_fragments
+from atoll.core.fragments import FragmentPlan, plan_fragments
 from atoll.storage.bucket import RunStore
 from atoll.train import data as data_mod
 from atoll.train.recipe import Recipe
@@ -70,17 +71,61 @@ class TokenBounds:
         return cls(per_learner=per, largest=max(per.values()))
 
 
-def create_run(url: str, config: DilocoConfig, recipe: Recipe, *,
+def create_run(run: str | RunStore, config: DilocoConfig, recipe: Recipe, *,
+               model: torch.nn.Module | None = None, fork_from: RunStore | None = None, fork_round: int = 0,
                storage_options: Mapping[str, Any] | None = None) -> RunStore:
-    """Create a new run in the bucket: frozen config, fragment plan, version-0 weights, recipe."""
+    """The one way to create a run: its frozen config, fragment plan, version-0 weights and recipe
+    go to the bucket at ``run`` (a URL, or a :class:`RunStore` already opened), create-once
+    (:class:`~atoll.storage.validation.RunExistsError` if a run is there).
+
+    Where the fragment plan and the version-0 weights come from:
+
+    * by default, the model the recipe builds (a preset, a config file);
+    * ``model``: a user's own model instance (a DDP wrapper is unwrapped), for a model atoll cannot
+      build (``atoll.join``): the recipe's ``model`` is then informational, the synchronizer never
+      builds it unless the recipe asks for evaluation;
+    * ``fork_from``: the committed global state of round ``fork_round`` (0: the latest) of another
+      run, and that run's plan; ``run.json`` records where it came from. The source is only read.
+
+    ``recipe.learners`` must list every learner (ids, batch sizes and ``context_tokens`` bound the
+    tokens a step may claim). The synchronizer evaluates the global model with the recipe's model
+    factory and data (next-token loss: the model maps token ids [B, T] to logits [B, T, V]); if
+    atoll cannot build or run a user's model, set ``recipe.eval_batches = 0``.
+    """
     recipe.check(config)
-    model = recipe.model_factory()()
-    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
-    store = RunStore.open(url, storage_options)
-    store.init_run(config, plan, {n: p.detach() for n, p in model.named_parameters()},
-                   extra={"recipe": recipe.to_dict()})
-    recipe.data.corpus()  # materialize the token cache once, before learners race to build it
+    if model is not None and fork_from is not None:
+        raise ValueError("a run starts from a model or from a fork, not both")
+    extra: dict[str, Any] = {"recipe": recipe.to_dict()}
+    if fork_from is not None:
+        plan, params, extra["forked_from"] = _fork_point(fork_from, fork_round)
+    else:
+        plan, params = _initial_state(model if model is not None else recipe.model_factory()(), config)
+    store = run if isinstance(run, RunStore) else RunStore.open(run, storage_options)
+    store.init_run(config, plan, params, extra=extra)
+    if model is None:  # atoll's learners read the recipe's corpus (a user's loop brings its own data):
+        recipe.data.corpus()  # materialize the token cache once, before learners race to build it
     return store
+
+
+def _initial_state(model: torch.nn.Module, config: DilocoConfig) -> tuple[FragmentPlan, dict[str, torch.Tensor]]:
+    """The fragment plan and version-0 weights of ``model`` (of the module inside a DDP wrapper)."""
+    module = getattr(model, "module", None)
+    model = module if isinstance(module, torch.nn.Module) else model
+    plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
+    return plan, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def _fork_point(source: RunStore, fork_round: int) -> tuple[FragmentPlan, Mapping[str, torch.Tensor], dict[str, Any]]:
+    """The plan, the global weights of round ``fork_round`` (0: the latest) of ``source``, and the
+    provenance that ``run.json`` records."""
+    if not source.exists():
+        raise FileNotFoundError(f"no run at {source.url} to fork")
+    latest = source.latest_round()
+    at = latest if fork_round <= 0 else fork_round
+    if at > latest:
+        raise ValueError(f"cannot fork {source.url} at round {at}: only {latest} rounds are committed")
+    state = source.read_global_state(at)
+    return source.plan, state.params, {"url": source.url, "run_id": source.manifest.run_id, "round": at}
 
 
 def make_evaluator(store: RunStore) -> Evaluate:
