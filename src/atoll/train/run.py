@@ -95,11 +95,13 @@ def create_run(run: str | RunStore, config: DilocoConfig, recipe: Recipe, *,
     recipe.check(config)
     if model is not None and fork_from is not None:
         raise ValueError("a run starts from a model or from a fork, not both")
+    if fork_round and fork_from is None:
+        raise ValueError("fork_round without fork_from: give the run to fork")
     extra: dict[str, Any] = {"recipe": recipe.to_dict()}
     if fork_from is not None:
         plan, params, extra["forked_from"] = _fork_point(fork_from, fork_round)
     else:
-        plan, params = _initial_state(model if model is not None else recipe.model_factory()(), config)
+        plan, params = _initial_state(_unwrapped(model) if model is not None else recipe.model_factory()(), config)
     store = run if isinstance(run, RunStore) else RunStore.open(run, storage_options)
     store.init_run(config, plan, params, extra=extra)
     if model is None:  # atoll's learners read the recipe's corpus (a user's loop brings its own data):
@@ -107,10 +109,14 @@ def create_run(run: str | RunStore, config: DilocoConfig, recipe: Recipe, *,
     return store
 
 
-def _initial_state(model: torch.nn.Module, config: DilocoConfig) -> tuple[FragmentPlan, dict[str, torch.Tensor]]:
-    """The fragment plan and version-0 weights of ``model`` (of the module inside a DDP wrapper)."""
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a user's DDP wrapper (its parameter names are those the learners see)."""
     module = getattr(model, "module", None)
-    model = module if isinstance(module, torch.nn.Module) else model
+    return module if isinstance(module, torch.nn.Module) else model
+
+
+def _initial_state(model: torch.nn.Module, config: DilocoConfig) -> tuple[FragmentPlan, dict[str, torch.Tensor]]:
+    """The fragment plan and version-0 weights of ``model``."""
     plan = plan_fragments(model, num_fragments=config.num_fragments, inner_steps=config.inner_steps)
     return plan, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
