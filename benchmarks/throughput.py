@@ -62,7 +62,7 @@ from atoll.storage.paths import to_url
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import resolve_device
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.model import count_parameters, loss_fn
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step
 from atoll.train.run import create_run
@@ -192,11 +192,11 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
     learners = {}
     for background in (True, False) if not args.hook_only else ():
         url, recipe = make_run(root / ("bg" if background else "fg"), args)
-        learners[background] = Learner(RunStore.open(url), "learner-0", log=lambda _: None,
+        learners[background] = RecipeLearner(RunStore.open(url), "learner-0", log=lambda _: None,
                                        publish_in_background=background)
         bare = bare or BareLoop(recipe, device, args.autocast)
 
-    def stepper(learner: Learner) -> Callable[[], int]:
+    def stepper(learner: RecipeLearner) -> Callable[[], int]:
         def step() -> int:
             before = learner.tokens_total
             learner.step()
@@ -284,7 +284,7 @@ def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps:
         torch.cuda.set_device(torch.device(dev))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        learner = Learner(RunStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank, world=world,
+        learner = RecipeLearner(RunStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank, world=world,
                           lockstep=False, publish_in_background=rank == 0)
         learner.forward_model = DistributedDataParallel(
             learner.model, device_ids=[learner.device.index] if learner.device.type == "cuda" else None)

@@ -26,7 +26,7 @@ from atoll.storage import RunStore, paths
 from atoll.storage.records import CommitRecord
 from atoll.storage.store import NotRegularFileError, ObjectStore
 from atoll.train import synchronizer as sync_mod
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import RoundSummary, Synchronizer
@@ -47,7 +47,7 @@ class _Clock:
 def _build(root: Path, rounds: int = 4) -> str:
     config, recipe = smoke_recipe(2, max_rounds=1000)
     store = create_run(str(root), config.replace(initial_grace_s=0.0), recipe)
-    learners = [Learner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    learners = [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
     clock = _Clock()
     sync = Synchronizer(RunStore.open(store.url), clock=clock)
     seen = 0

@@ -13,7 +13,8 @@ from atoll.storage.paths import to_url
 from atoll.storage.validation import RoundOrderError, TransientStorageError
 from atoll.tasks.context import RunContext
 from atoll.tasks.rounds import await_quorum, merge_and_commit
-from atoll.train.learner import LearnerOptions, run_learner
+from atoll.train.inner import run_learner
+from atoll.train.learner import LearnerOptions
 from atoll.train.synchronizer import RoundPoll
 
 pytestmark = pytest.mark.timeout(180)

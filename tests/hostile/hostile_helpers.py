@@ -20,7 +20,7 @@ from atoll.storage.codec import dump_record, sha256_hex, tensors_to_bytes
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, Keyring, seal
 from atoll.storage.paths import join_url, to_url
 from atoll.storage.records import KIND_COMMIT, KIND_CONTRIBUTION, CommitRecord
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import RoundSummary, Synchronizer
@@ -105,7 +105,7 @@ class HostileRun:
             self.keys = {SYNCHRONIZER_KEY_ID: SYNC_KEY, **{lid: learner_key(lid) for lid in HONEST}}
         self.store = backend.open()  # the rogue writer's handle (no keys) and the test's reader
         self.learners = [
-            Learner(backend.open(keyring=Keyring({lid: self.keys[lid]})) if keyed else self.store, lid,
+            RecipeLearner(backend.open(keyring=Keyring({lid: self.keys[lid]})) if keyed else self.store, lid,
                     log=lambda _: None)
             for lid in HONEST
         ]

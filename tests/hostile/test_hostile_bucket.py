@@ -33,7 +33,7 @@ from atoll.storage.integrity import IntegrityError, seal
 from atoll.storage.records import KIND_COMMIT, KIND_HEAD, CommitRecord
 from atoll.storage.store import NotRegularFileError
 from atoll.storage.validation import InvalidInput, validate_id
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.synchronizer import MAX_TIMING_S, RoundSummary
 
 PRE_ROUNDS = 2
@@ -326,7 +326,7 @@ def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun
     """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
     sync/commits/, then must still see every later commit."""
     run.put(paths.HEAD, b"\x00garbage{")
-    restarted = Learner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
+    restarted = RecipeLearner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
     run.learners[1] = restarted
     run._seen[id(restarted)] = restarted.start_round
     start = run.sync.round
@@ -678,7 +678,7 @@ def test_two_synchronizers_race_on_the_same_round(run: HostileRun) -> None:
 def test_two_copies_of_a_learner_publish_the_same_fragment(run: HostileRun) -> None:
     """A second incarnation of learner-0 (a copy that did not die) publishes beside the first:
     at most one contribution of learner-0 is merged per round, the others are recorded."""
-    twin = Learner(run.backend.open(fresh=True), "learner-0", log=lambda _: None)
+    twin = RecipeLearner(run.backend.open(fresh=True), "learner-0", log=lambda _: None)
     run.learners.append(twin)
     run._seen[id(twin)] = run.sync.round
     done = run.goes_on(4)

@@ -258,7 +258,7 @@ def test_junk_and_unreadable_records_are_left_alone(tmp_path: Path) -> None:
 def test_a_learner_whose_saved_state_is_gone_rejoins_with_fresh_inner_state(tmp_path: Path) -> None:
     """Its state.json names a payload that is gone (a learner frozen between the two writes for
     longer than min_age_s, or a storage fault): it rejoins from the global state and says why."""
-    from atoll.train.learner import Learner
+    from atoll.train.inner import RecipeLearner
 
     url = to_url(str(tmp_path / "run"))
     _train(_new_run(url), 4)
@@ -267,7 +267,7 @@ def test_a_learner_whose_saved_state_is_gone_rejoins_with_fresh_inner_state(tmp_
     assert saved is not None
     run.store.delete(P.blob_key(saved.payload.sha256, "learner-0"))
     lines: list[str] = []
-    learner = Learner(RunStore.open(url), "learner-0", log=lines.append)
+    learner = RecipeLearner(RunStore.open(url), "learner-0", log=lines.append)
     assert "missing_payload" in learner.summary.inner_state_lost and not learner.summary.resumed_inner_state
     assert any("rejoining with fresh optimizer state" in line for line in lines)
     assert learner.start_round == run.latest_round()

@@ -18,7 +18,8 @@ from atoll.core.weights import Counters
 from atoll.storage.bucket import RunStore
 from atoll.storage.paths import to_url
 from atoll.train.device import DeviceError, fragment_to_host, resolve_device
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
+from atoll.train.publisher import BackgroundOutbox
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions, merge_on_device
@@ -77,10 +78,10 @@ def test_cuda_without_cuda_names_the_knob(no_accelerator: None) -> None:
 def test_learner_device_comes_from_the_recipe_or_the_launch(tmp_path: Path, no_accelerator: None) -> None:
     store = _run(tmp_path, device="cuda")
     with pytest.raises(DeviceError, match=r"LearnerSpec.device of learner-0.*'cuda' but CUDA is not available"):
-        Learner(store, "learner-0", log=lambda _: None)
+        RecipeLearner(store, "learner-0", log=lambda _: None)
     with pytest.raises(DeviceError, match=r"LearnerOptions.device, the learner flow's `device` parameter"):
-        Learner(store, "learner-0", log=lambda _: None, device="cuda:0")
-    learner = Learner(store, "learner-0", log=lambda _: None, device="auto")  # the launch overrides the recipe
+        RecipeLearner(store, "learner-0", log=lambda _: None, device="cuda:0")
+    learner = RecipeLearner(store, "learner-0", log=lambda _: None, device="auto")  # the launch overrides the recipe
     assert learner.device == torch.device("cpu")
     assert all(p.device.type == "cpu" for p in learner.model.parameters())
 
@@ -142,7 +143,7 @@ def test_fragment_delta_to_host_is_the_learner_delta_in_one_copy(monkeypatch: py
 
 def test_each_publish_makes_exactly_one_device_to_host_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = _run(tmp_path)
-    learner = Learner(store, "learner-0", log=lambda _: None, device="cpu")
+    learner = RecipeLearner(store, "learner-0", log=lambda _: None, device="cpu")
     calls: list[int] = []
     real = device_mod.copy_to_host
     monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: calls.append(flat.numel()) or real(flat))
@@ -157,8 +158,8 @@ def test_each_publish_makes_exactly_one_device_to_host_copy(tmp_path: Path, monk
 
 def test_bf16_autocast_trains_and_publishes_finite_fp32_deltas(tmp_path: Path) -> None:
     store = _run(tmp_path / "bf16")
-    mixed = Learner(store, "learner-0", log=lambda _: None, autocast="bf16")
-    ref = Learner(_run(tmp_path / "fp32"), "learner-0", log=lambda _: None)  # same start, same data, fp32
+    mixed = RecipeLearner(store, "learner-0", log=lambda _: None, autocast="bf16")
+    ref = RecipeLearner(_run(tmp_path / "fp32"), "learner-0", log=lambda _: None)  # same start, same data, fp32
     for _ in range(8):
         mixed.step()
         ref.step()
@@ -181,8 +182,8 @@ def test_bf16_autocast_trains_and_publishes_finite_fp32_deltas(tmp_path: Path) -
 
 def test_autocast_can_be_set_in_the_recipe(tmp_path: Path) -> None:
     store = _run(tmp_path, autocast="bf16")
-    assert Learner(store, "learner-0", log=lambda _: None).autocast == "bf16"
-    assert Learner(store, "learner-0", log=lambda _: None, autocast="").autocast == ""
+    assert RecipeLearner(store, "learner-0", log=lambda _: None).autocast == "bf16"
+    assert RecipeLearner(store, "learner-0", log=lambda _: None, autocast="").autocast == ""
 
 
 # -- the synchronizer's merge device -------------------------------------------------------------
@@ -243,8 +244,8 @@ def test_synchronizer_device_option(tmp_path: Path, no_accelerator: None) -> Non
 
 def test_background_publishing_writes_the_same_contributions(tmp_path: Path) -> None:
     stores = [_run(tmp_path / "sync"), _run(tmp_path / "background")]
-    sync = Learner(stores[0], "learner-0", log=lambda _: None)
-    background = Learner(stores[1], "learner-0", log=lambda _: None, publish_in_background=True)
+    sync = RecipeLearner(stores[0], "learner-0", log=lambda _: None)
+    background = RecipeLearner(stores[1], "learner-0", log=lambda _: None, publish_in_background=True)
     for _ in range(7):
         sync.step()
         background.step()
@@ -256,13 +257,13 @@ def test_background_publishing_writes_the_same_contributions(tmp_path: Path) -> 
 
 
 def test_a_failed_background_write_stops_the_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    learner = Learner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
-    assert learner.publisher is not None
+    learner = RecipeLearner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    assert isinstance(learner.outbox, BackgroundOutbox)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("bucket unreachable")
 
-    monkeypatch.setattr(learner.publisher.store, "publish_contribution", broken)
+    monkeypatch.setattr(learner.outbox.writer.store, "publish_contribution", broken)
     learner.step()  # submitted; the write fails in the background
     with pytest.raises(OSError, match="bucket unreachable"):
         learner.flush()
@@ -304,9 +305,10 @@ def test_flat_bases_give_the_same_delta_in_one_subtraction_and_reuse_the_buffer(
 
 
 def test_background_publishes_reuse_their_host_buffers(tmp_path: Path) -> None:
-    learner = Learner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    learner = RecipeLearner(_run(tmp_path), "learner-0", log=lambda _: None, publish_in_background=True)
+    assert isinstance(learner.outbox, BackgroundOutbox)
     seen: set[int] = set()
-    real = learner._delta_buffers.take
+    real = learner.outbox.buffers.take
 
     def take(numel: int) -> torch.Tensor | None:
         buffer = real(numel)
@@ -314,7 +316,7 @@ def test_background_publishes_reuse_their_host_buffers(tmp_path: Path) -> None:
             seen.add(buffer.untyped_storage().data_ptr())
         return buffer
 
-    learner._delta_buffers.take = take  # type: ignore[method-assign]
+    learner.outbox.buffers.take = take  # type: ignore[method-assign]
     for _ in range(8):
         learner.step()
         learner.flush()  # each write done: its buffer is back before the next publish of that size
@@ -325,7 +327,7 @@ def test_a_background_save_writes_the_state_of_its_step(tmp_path: Path) -> None:
     """The periodic save snapshots the optimizer state and writes it after the contributions
     submitted before it; the steps taken while it is written do not leak into it."""
     store = _run(tmp_path)
-    learner = Learner(store, "learner-0", log=lambda _: None, publish_in_background=True)
+    learner = RecipeLearner(store, "learner-0", log=lambda _: None, publish_in_background=True)
     for _ in range(3):
         learner.step()
     learner.user_state["epoch"] = 1

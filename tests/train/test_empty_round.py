@@ -18,7 +18,8 @@ from atoll.core.rejection import RejectionKind
 from atoll.core.retry import RetryPolicy
 from atoll.core.weights import Counters
 from atoll.storage import RunStore
-from atoll.train.learner import Learner, LearnerOptions, run_learner
+from atoll.train.inner import RecipeLearner, run_learner
+from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
@@ -69,7 +70,7 @@ def assert_same(a: tuple, b: tuple) -> None:
 
 def test_synchronizer_versions_values_and_momentum_stay_put_after_a_round_with_nothing_merged() -> None:
     store = new_run(3, max_rounds=1000)
-    learners = [Learner(store, f"learner-{i}", log=lambda _: None) for i in range(3)]
+    learners = [RecipeLearner(store, f"learner-{i}", log=lambda _: None) for i in range(3)]
     clock = Clock()
     sync = Synchronizer(RunStore.open(store.url), clock=clock, options=SynchronizerOptions(live_timeout_s=1e9))
     for lr in learners:

@@ -16,7 +16,7 @@ from atoll.storage.integrity import seal
 from atoll.storage.paths import to_url
 from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.storage.validation import InvalidInput, validate_id
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import MAX_TIMING_S, RoundSummary, Synchronizer
@@ -30,15 +30,15 @@ class Clock:
         return self.t
 
 
-def _run(tmp_path: Path) -> tuple[RunStore, list[Learner], Synchronizer, Clock]:
+def _run(tmp_path: Path) -> tuple[RunStore, list[RecipeLearner], Synchronizer, Clock]:
     config, recipe = smoke_recipe(3, max_rounds=1000)
     store = create_run(to_url(str(tmp_path / "run")), config.replace(initial_grace_s=0.0), recipe)
-    learners = [Learner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    learners = [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
     clock = Clock()
     return store, learners, Synchronizer(RunStore.open(store.url), clock=clock), clock
 
 
-def _rounds(learners: list[Learner], sync: Synchronizer, clock: Clock, n: int) -> list[RoundSummary]:
+def _rounds(learners: list[RecipeLearner], sync: Synchronizer, clock: Clock, n: int) -> list[RoundSummary]:
     """Drive n rounds: every learner steps, the synchronizer ticks until nothing more closes."""
     out: list[RoundSummary] = []
     seen = {id(lr): sync.round for lr in learners}
@@ -76,7 +76,7 @@ def _rejections(store: RunStore) -> dict:
     return {k: v for r in store.history() for k, v in r.rejected.items()}
 
 
-def _learner_has_published(store: RunStore, learners: list[Learner], sync: Synchronizer, clock: Clock) -> None:
+def _learner_has_published(store: RunStore, learners: list[RecipeLearner], sync: Synchronizer, clock: Clock) -> None:
     _rounds(learners, sync, clock, 2)
 
 
@@ -152,7 +152,7 @@ def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_p
     keys = {SYNCHRONIZER_KEY_ID: b"s" * 32, **{s.learner_id: s.learner_id.encode() * 4 for s in recipe.learners}}
     url = to_url(str(tmp_path / "run"))
     create_run(url, config.replace(initial_grace_s=0.0), recipe)
-    learners = [Learner(RunStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
+    learners = [RecipeLearner(RunStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
                         log=lambda _: None) for s in recipe.learners]
     clock = Clock()
     sync = Synchronizer(RunStore.open(url, keyring=Keyring(keys)), clock=clock)
@@ -187,7 +187,7 @@ def test_a_destroyed_state_object_does_not_stop_the_run(tmp_path: Path) -> None:
     state = fresh.read_global_state()
     assert p in state.restored and "checksum" in state.restored[p]
     restarted = Synchronizer(RunStore.open(store.url), clock=clock)
-    rejoined = [Learner(RunStore.open(store.url), lr.learner_id, log=lambda _: None) for lr in learners]
+    rejoined = [RecipeLearner(RunStore.open(store.url), lr.learner_id, log=lambda _: None) for lr in learners]
     assert len(_rounds(rejoined, restarted, clock, 2 * store.plan.num_fragments)) >= 2 * store.plan.num_fragments
     assert not RunStore.open(store.url).read_global_state().restored  # republished by its next round
     report = RunStore.open(store.url, read_only=True).verify()

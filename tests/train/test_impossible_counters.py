@@ -14,7 +14,7 @@ from pathlib import Path
 from atoll.core.rejection import RejectionKind
 from atoll.core.weights import MIN_STEP_S, impossible_counters, max_steps_since
 from atoll.storage import RunStore
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.run import TokenBounds, load_recipe, recipe_context_tokens
 from atoll.train.synchronizer import RoundSummary, Synchronizer
 
@@ -119,7 +119,7 @@ def test_stranger_is_bound_by_the_largest_batch(tmp_path: Path) -> None:
     assert why is None or why.kind is not RejectionKind.IMPOSSIBLE_COUNTERS
 
 
-def _steady_rounds(learners: list[Learner], sync: Synchronizer, clock: Clock, n: int, dt: float) -> list[RoundSummary]:
+def _steady_rounds(learners: list[RecipeLearner], sync: Synchronizer, clock: Clock, n: int, dt: float) -> list[RoundSummary]:
     """Like _rounds, with a chosen clock advance per learner step."""
     out: list[RoundSummary] = []
     seen = {id(lr): sync.round for lr in learners}

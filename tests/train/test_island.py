@@ -14,8 +14,9 @@ import torch
 from atoll.core.config import DilocoConfig
 from atoll.storage.bucket import RunStore
 from atoll.storage.paths import to_url
+from atoll.train.inner import RecipeLearner
 from atoll.train.island import island_device, run_island
-from atoll.train.learner import Learner, LearnerOptions
+from atoll.train.learner import LearnerOptions
 from atoll.train.local import LocalRun
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe
 from atoll.train.run import TokenBounds, create_run
@@ -63,7 +64,7 @@ def test_two_rank_island_matches_one_rank_with_the_doubled_batch(tmp_path: Path,
     options = LearnerOptions(max_steps=STEPS, threads=1, lockstep=False)  # K = M = 1: lock-step otherwise
     summary = run_island(island, "l0", options=options, log=lambda _: None)
     assert summary.steps == STEPS and summary.tokens == STEPS * 4 * 64  # the island's tokens
-    one = Learner(single, "l0", log=lambda _: None, lockstep=False)
+    one = RecipeLearner(single, "l0", log=lambda _: None, lockstep=False)
     for _ in range(STEPS):
         one.step()
     got, want = _published(island, "l0"), _published(single, "l0")

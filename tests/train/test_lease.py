@@ -21,7 +21,8 @@ from atoll.core.weights import Counters
 from atoll.storage import RunStore
 from atoll.storage.paths import to_url
 from atoll.storage.records import ContributionRecord
-from atoll.train.learner import LearnerOptions, LearnerSummary, run_learner
+from atoll.train.inner import run_learner
+from atoll.train.learner import LearnerOptions, LearnerSummary
 from atoll.train.lease import Fenced, LeaseKeeper, RunStopped, sigterm_flag
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe

@@ -18,7 +18,7 @@ import torch
 from atoll.storage import RunStore
 from atoll.storage.paths import to_url
 from atoll.train.data import BatchStream
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
@@ -30,7 +30,7 @@ def quiet(_: str) -> None:
     pass
 
 
-def adamw_state(learner: Learner) -> dict[str, dict[str, torch.Tensor]]:
+def adamw_state(learner: RecipeLearner) -> dict[str, dict[str, torch.Tensor]]:
     return {name: {k: torch.as_tensor(v).clone() for k, v in learner.opt.state[p].items()}
             for name, p in learner.params.items() if learner.opt.state.get(p)}
 
@@ -43,7 +43,7 @@ def assert_equal_states(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict
             assert torch.equal(a[name][k], b[name][k]), (name, k)
 
 
-def record_batches(learner: Learner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def record_batches(learner: RecipeLearner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The batches ``learner`` trains on from now on (its stream's public next_batch, observed)."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     real = learner.stream.next_batch
@@ -63,7 +63,7 @@ def windows_served(cursor: dict) -> int:
 def test_restored_inner_state_equals_the_saved_one_and_data_continues_at_the_cursor() -> None:
     config, recipe = smoke_recipe(2, max_rounds=1000)
     store = create_run(f"memory://atoll-rejoin-{uuid.uuid4().hex[:8]}/run", config, recipe)
-    first = Learner(store, LID, log=quiet)
+    first = RecipeLearner(store, LID, log=quiet)
     batch = first.spec.batch_size
     fresh = first.stream.state_dict()
     for _ in range(7):
@@ -72,7 +72,7 @@ def test_restored_inner_state_equals_the_saved_one_and_data_continues_at_the_cur
     saved_adamw, saved_cursor = adamw_state(first), first.stream.state_dict()
     assert windows_served(saved_cursor) == 7 * batch  # the cursor counts exactly the windows trained on
 
-    again = Learner(RunStore.open(store.url), LID, log=quiet)  # the restart
+    again = RecipeLearner(RunStore.open(store.url), LID, log=quiet)  # the restart
     assert again.summary.resumed_inner_state
     assert again.step_count == 7 and again.tokens_total == first.tokens_total
     assert again.stream.state_dict() == saved_cursor
@@ -117,7 +117,7 @@ def test_sigkilled_learner_process_restarts_from_exactly_what_it_saved(tmp_path:
     assert windows_served(cursor) == step * batch  # nothing skipped or repeated up to the save
     assert tokens == step * batch * cursor["context_tokens"]
 
-    again = Learner(RunStore.open(url), LID, log=quiet)
+    again = RecipeLearner(RunStore.open(url), LID, log=quiet)
     assert again.summary.resumed_inner_state
     assert again.step_count == step and again.tokens_total == tokens
     assert again.stream.state_dict() == cursor

@@ -13,7 +13,7 @@ from atoll.core.retry import ROUND_RETRY
 from atoll.storage import RunStore
 from atoll.storage.validation import TransientStorageError
 from atoll.train import synchronizer as sync_module
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import Synchronizer, run_synchronizer
@@ -24,7 +24,7 @@ def run():
     config, recipe = smoke_recipe(2, max_rounds=2)
     store = create_run(f"memory://atoll-retry-{uuid.uuid4().hex[:8]}/run", config.replace(initial_grace_s=0.0), recipe)
     for i in range(2):
-        learner = Learner(store, f"learner-{i}", log=lambda _: None)
+        learner = RecipeLearner(store, f"learner-{i}", log=lambda _: None)
         learner.step()  # fragment 1
         learner.step()  # fragment 0: both rounds have everything they need
     return store

@@ -10,7 +10,7 @@ import pytest
 import atoll.train.virtual as virtual
 from atoll.core.config import ConfigError
 from atoll.storage.paths import to_url
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import InnerOptimConfig, LearnerSpec, Recipe, lr_at_step, smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.virtual import run_virtual
@@ -47,7 +47,7 @@ def test_schedule_knob_is_validated_and_round_trips() -> None:
 def test_learner_lr_follows_committed_rounds(tmp_path: Path) -> None:
     config, recipe = smoke_recipe(3, max_rounds=40)
     store = create_run(to_url(str(tmp_path / "run")), config, recipe)
-    learner = Learner(store, "learner-0", log=lambda s: None)
+    learner = RecipeLearner(store, "learner-0", log=lambda s: None)
     assert learner.run_progress() == 0.0
     learner.versions = [10, 7]  # newest round adopted: 10 of 40
     assert learner.run_progress() == pytest.approx(0.25)
@@ -69,14 +69,14 @@ def test_fast_and_slow_learners_anneal_together_only_on_the_run_schedule(tmp_pat
                             inner=InnerOptimConfig(lr=1e-3, warmup_steps=2, schedule=schedule,
                                                    total_steps=int(steps * 5 / 6)))
     store = create_run(to_url(str(tmp_path / "run")), config, recipe)
-    made: list[Learner] = []
+    made: list[RecipeLearner] = []
 
-    class Spy(Learner):
+    class Spy(RecipeLearner):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(virtual, "Learner", Spy)
+    monkeypatch.setattr(virtual, "RecipeLearner", Spy)
     run_virtual(store, token_budget=int(steps * 2.5) * 2 * 64)
     got = {lr.learner_id: lr.opt.param_groups[0]["lr"] for lr in made}
     floor = 1e-4

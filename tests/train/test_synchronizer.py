@@ -12,7 +12,8 @@ from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentRoundResult
 from atoll.storage import RunStore
 from atoll.storage.records import AcceptedContribution, BlobRef, ContributionRecord
-from atoll.train.learner import FetchError, Learner, LearnerOptions, run_learner
+from atoll.train.inner import RecipeLearner, run_learner
+from atoll.train.learner import FetchError, LearnerOptions
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import (
@@ -33,11 +34,11 @@ class Clock:
         return self.t
 
 
-def fresh_run() -> tuple[str, list[Learner]]:
+def fresh_run() -> tuple[str, list[RecipeLearner]]:
     url = f"memory://atoll-test-{uuid.uuid4().hex[:8]}/run"
     config, recipe = smoke_recipe(3, max_rounds=1000)
     store = create_run(url, config.replace(initial_grace_s=0.0), recipe)
-    return url, [Learner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    return url, [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
 
 
 def test_two_synchronizers_race_and_the_loser_adopts_the_winner() -> None:
@@ -199,7 +200,7 @@ def test_a_repeat_of_merged_work_lands_once_and_counts_once() -> None:
     config, recipe = smoke_recipe(3, max_rounds=1000)
     create_run(url, config.replace(initial_grace_s=0.0, outer_lr=1.0, outer_momentum=0.0), recipe)
     store = RunStore.open(url)
-    fast = Learner(store, recipe.learners[0].learner_id, log=lambda _: None)
+    fast = RecipeLearner(store, recipe.learners[0].learner_id, log=lambda _: None)
     base = {n: t.clone() for n, t in fast.plan.select(fast.params, 0).items()}
     clock = Clock()
     sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)

@@ -10,7 +10,7 @@ import torch
 from atoll.core.config import ConfigError, synchronous_diloco
 from atoll.storage import RunStore
 from atoll.storage.paths import to_url
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import LearnerSpec, smoke_recipe
 from atoll.train.run import create_run, make_evaluator
 from atoll.train.virtual import run_virtual
@@ -96,4 +96,4 @@ def test_a_users_own_module_trains_through_the_same_loops(tmp_path: Path, monkey
     bad = recipe.replace(context_tokens=0)
     store2 = create_run(to_url(str(tmp_path / "run2")), config, bad)
     with pytest.raises(ConfigError, match="context_tokens"):
-        Learner(store2, "learner-0", log=lambda _: None)
+        RecipeLearner(store2, "learner-0", log=lambda _: None)

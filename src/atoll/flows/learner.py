@@ -2,7 +2,7 @@
 
 Launched by the training run through ``run_deployment`` onto the learner's own work pool, or by
 hand anywhere (``atoll learner <run-url> --learner-id ID``). It runs
-:func:`atoll.train.learner.run_learner` unchanged: the learner rebuilds everything from the run
+:func:`atoll.train.inner.run_learner` unchanged: the learner rebuilds everything from the run
 URL, takes a new lease (fencing any older copy of itself), rejoins from the bucket (latest global
 state + its own saved inner state) and heartbeats in its own prefix. It exits by itself, saving its
 state first, once the run has committed its last round, when the run is marked stopped, when no
@@ -29,8 +29,9 @@ from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
 from atoll.runs.report import slug
 from atoll.storage.bucket import RunStore
 from atoll.train.hook import run_command
+from atoll.train.inner import run_learner
 from atoll.train.island import run_island
-from atoll.train.learner import LearnerOptions, run_learner
+from atoll.train.learner import LearnerOptions
 from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]

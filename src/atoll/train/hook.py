@@ -10,8 +10,9 @@
             optimizer.zero_grad()
 
 :func:`join` registers a post-step hook on the optimizer. After each optimizer step it does what
-atoll's own learner does after its inner step, with the very same code (a
-:class:`~atoll.train.learner.LearnerSession` around :meth:`~atoll.train.learner.Learner.record_step`):
+atoll's own learner does after its inner step, with the very same code (atoll's own loop,
+:func:`atoll.train.inner.run_learner`, is a user of this hook too: a
+:class:`~atoll.train.session.LearnerSession` around :meth:`~atoll.train.learner.Learner.record_step`):
 
 * publishes the due fragment's delta with its counters (encoded and written on a background
   thread, so the step does not wait for the bucket);
@@ -48,8 +49,9 @@ from typing import Any
 import torch
 
 from atoll.storage.bucket import RunStore
-from atoll.train.island import broadcast_fragments, die_with_parent
-from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSession, LearnerSummary
+from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSummary, Replica
+from atoll.train.lease import die_with_parent
+from atoll.train.session import Build, LearnerSession
 
 __all__ = ["LearnerHook", "join"]
 
@@ -61,20 +63,31 @@ without a run URL or learner id reads them, so one script serves every learner."
 
 
 class LearnerHook:
-    """One user training loop as an atoll learner: what :func:`join` returns (a context manager)."""
+    """One training loop as an atoll learner: what :func:`join` returns (a context manager).
 
-    def __init__(self, store: RunStore, learner_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 *, tokens_per_step: int | Callable[[], int] | None, options: LearnerOptions,
-                 log: Callable[[str], None], on_exit: str) -> None:
+    ``rank`` and ``world``: this process's place in the loop's torch.distributed group (``join``
+    reads them; rank 0 does the bucket I/O and tells the others). ``should_stop`` (asked before
+    each step) and ``build`` are for atoll's own loop (:func:`atoll.train.inner.run_learner`),
+    which drives this hook like any user's loop: it passes no model and no optimizer but
+    ``build``, which makes them (and says how they train) once the lease is held.
+    """
+
+    def __init__(self, store: RunStore, learner_id: str, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer | None, *, tokens_per_step: int | Callable[[], int] | None,
+                 options: LearnerOptions, log: Callable[[str], None], on_exit: str, rank: int = 0, world: int = 1,
+                 should_stop: Callable[[], bool] = lambda: False, build: Build | None = None) -> None:
         if on_exit not in ("raise", "flag"):
             raise ValueError(f"on_exit must be 'raise' or 'flag', got {on_exit!r}")
+        if (model is None or optimizer is None) == (build is None):
+            raise TypeError("LearnerHook needs the model and its optimizer, or (atoll's own loop) build")
         self.store, self.learner_id, self.model, self.optimizer = store, learner_id, model, optimizer
         self.tokens_per_step, self.options, self.log, self.on_exit = tokens_per_step, options, log, on_exit
+        self.should_stop, self._build = should_stop, build
         self.loss: float | torch.Tensor | None = None
         """Set it to the step's loss (optional): it goes into contributions and progress lines."""
         self.exit_reason: str | None = None
         """Why the learner stops ("finished", "stopped", "sigterm", "fenced", ...); None while it trains."""
-        self.rank, self.world = _distributed()
+        self.rank, self.world = rank, world
         self.session: LearnerSession | None = None
         self.learner: Learner | None = None
         self._handle: Any = None
@@ -112,9 +125,11 @@ class LearnerHook:
         assert self.learner is not None
         return self.learner.summary
 
-    def step(self, *, tokens: int | None = None, loss: float | torch.Tensor | None = None) -> None:
+    def step(self, *, tokens: int | None = None, loss: float | torch.Tensor | None = None,
+             step_time_s: float | None = None) -> None:
         """Call after each optimizer step when ``join(tokens_per_step=None)``; the optimizer hook
-        calls it otherwise. ``tokens``: tokens this rank trained on in the step."""
+        calls it otherwise. ``tokens``: tokens this rank trained on in the step; ``step_time_s``:
+        the step's duration when the loop knows better (default: the time since the last call)."""
         if self.learner is None:
             raise RuntimeError("LearnerHook.step() outside its with block")
         if self.exit_reason is not None:  # the loop went on after the exit was signalled
@@ -129,7 +144,7 @@ class LearnerHook:
         if loss is None:
             loss = self.loss
         now = time.perf_counter()
-        step_time_s, self._t_last = now - self._t_last, now
+        step_time_s, self._t_last = (now - self._t_last if step_time_s is None else step_time_s), now
         with torch.no_grad():
             if self.rank == 0:
                 reason = self._lead(tokens * self.world, loss, step_time_s)
@@ -139,6 +154,14 @@ class LearnerHook:
             self.exit_reason = reason
             if self.on_exit == "raise":
                 raise LearnerExit(reason)
+
+    def poll_exit(self) -> str | None:
+        """Before the loop's first step (one process, rank 0): why the learner stops already (the
+        run may be finished), as ``step`` asks after every step; sets :attr:`exit_reason`."""
+        if self.session is None or self.world > 1:
+            raise RuntimeError("LearnerHook.poll_exit() is for one process inside its with block")
+        self.exit_reason = self.session.exit_reason_now()
+        return self.exit_reason
 
     # -- rank 0: the session, then tell the other ranks ------------------------------------------
     def _lead(self, tokens: int, loss: float | torch.Tensor | None, step_time_s: float) -> str | None:
@@ -166,24 +189,32 @@ class LearnerHook:
         msg: list[Any] = [None]
         dist.broadcast_object_list(msg, src=0)
         reason, adopted, versions = msg[0]
-        broadcast_fragments(learner, adopted)
+        learner.weights.broadcast(learner, adopted)
         learner.versions = list(versions)
         learner.summary.aligned += len(adopted)
         return reason if isinstance(reason, str) else None
 
     # -- entering and leaving -------------------------------------------------------------------
+    def _given(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, str | None]:
+        assert self.model is not None and self.optimizer is not None
+        return self.model, self.optimizer, None
+
     def __enter__(self) -> LearnerHook:
         if self.rank == 0:
-            self.session = LearnerSession(self.store, self.learner_id, options=self.options, log=self.log,
-                                          model=self.model, optimizer=self.optimizer, world=self.world)
+            self.session = LearnerSession(self.store, self.learner_id, self._build or self._given, options=self.options,
+                                          should_stop=self.should_stop, log=self.log)
             self.session.__enter__()
             self.learner = self.session.learner
             assert self.learner is not None
+            if self._build is not None:  # built in the session: the learner holds them
+                self.model, self.optimizer = self.learner.model, self.learner.opt
             if self.world > 1:
                 _broadcast_ready(self.learner)
         else:
+            assert self.model is not None and self.optimizer is not None, "build is for one process"
             self.learner = _follower(self.store, self.learner_id, self.model, self.optimizer, self.rank, self.world)
         if self.tokens_per_step is not None:
+            assert self.optimizer is not None
             self._handle = self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
         self._t_last = time.perf_counter()
         return self
@@ -232,8 +263,9 @@ def join(run: str | RunStore | None = None, learner_id: str | None = None, model
         import dataclasses
 
         options = dataclasses.replace(options, flow_run_id=os.environ[ENV_FLOW_RUN_ID])
+    rank, world = _distributed()
     return LearnerHook(store, lid, model, optimizer, tokens_per_step=tokens_per_step, options=options,
-                       log=log, on_exit=on_exit)
+                       log=log, on_exit=on_exit, rank=rank, world=world)
 
 
 # -- torch.distributed: one island, rank 0 does the I/O -----------------------------------------
@@ -262,8 +294,8 @@ def _follower(store: RunStore, learner_id: str, model: torch.nn.Module, optimize
     step, versions, start_round = ready[0]
     # The global state of rank 0's round, not the newest: a commit between the two would leave
     # the ranks out of step.
-    learner = Learner(store, learner_id, log=lambda _: None, lockstep=False, rank=rank, world=world,
-                      start_round=start_round, model=model, optimizer=optimizer)
+    learner = Learner(store, learner_id, model, optimizer, log=lambda _: None, lockstep=False, start_round=start_round,
+                      weights=Replica(publishes=False))
     if learner.step_count != step:
         raise RuntimeError(f"rank {rank} of learner {learner_id} loaded step {learner.step_count} but rank 0 is at "
                            f"step {step}: the learner's saved state changed while the island started")
@@ -275,7 +307,7 @@ def _broadcast_step(learner: Learner, reason: str | None, adopted: list[int]) ->
     import torch.distributed as dist
 
     dist.broadcast_object_list([(reason, adopted, list(learner.versions))], src=0)
-    broadcast_fragments(learner, adopted)
+    learner.weights.broadcast(learner, adopted)
 
 
 # -- a user's script as a learner process (what the learner flow runs for LearnerSpec.command) ----

@@ -11,6 +11,8 @@ module is what a learner or synchronizer process does with it:
   It never raises into the loop: the loop polls :attr:`LeaseKeeper.exit_reason`.
 * :func:`sigterm_flag` installs a SIGTERM handler that only sets a flag (main thread only; the
   previous handler is restored afterwards), so a terminated learner saves its state and exits.
+* :func:`die_with_parent` ties a child process's life to its launcher's (an island's ranks, a
+  user's training script under the learner flow).
 * :class:`RunStopped` and :class:`Fenced` are what :meth:`Synchronizer.poll
   <atoll.train.synchronizer.Synchronizer.poll>` raises once it holds a lease.
 """
@@ -18,6 +20,7 @@ module is what a learner or synchronizer process does with it:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -33,11 +36,12 @@ __all__ = [
     "RunStopped",
     "Fenced",
     "LeaseKeeper",
+    "die_with_parent",
     "sigterm_flag",
 ]
 
 EXIT_REASONS = ("finished", "stopped", "orphaned", "sigterm", "fenced", "max_steps", "should_stop")
-"""Why a learner's :func:`~atoll.train.learner.run_learner` returned (``LearnerSummary.exit_reason``)."""
+"""Why a learner's :func:`~atoll.train.inner.run_learner` returned (``LearnerSummary.exit_reason``)."""
 
 
 class LifecycleExit(Exception):
@@ -243,3 +247,16 @@ def sigterm_flag(on_sigterm: Callable[[], None], *, enabled: bool = True) -> Ite
         yield True
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when the launching process ``parent_pid`` dies (an island's
+    ranks fail as a unit; a user's script dies with its learner flow)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: rank 0 also watches its parent pid in the loop
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)

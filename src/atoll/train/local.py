@@ -24,7 +24,8 @@ import torch
 
 from atoll.storage.bucket import RunStore
 from atoll.storage.paths import to_url
-from atoll.train.learner import LearnerOptions, run_learner
+from atoll.train.inner import run_learner
+from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
 from atoll.train.run import create_run, load_recipe, make_evaluator
 from atoll.train.synchronizer import SynchronizerOptions, run_synchronizer

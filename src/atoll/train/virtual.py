@@ -1,10 +1,10 @@
 """Run a whole Decoupled DiLoCo job in one process on a virtual clock.
 
-The very same :class:`~atoll.train.learner.Learner` and
-:class:`~atoll.train.synchronizer.Synchronizer` objects as in a real run, on a real bucket, but
-time is simulated: learner i finishes a step every ``base_step_s * slowdown_i`` virtual seconds
-(whatever the CPU needs to compute it), and the synchronizer's quorum/grace clock is the same
-virtual clock. That makes heterogeneous-speed experiments exact and repeatable on a laptop: the
+The very same :class:`~atoll.train.learner.Learner` (on atoll's own inner loop:
+:class:`~atoll.train.inner.RecipeLearner`) and :class:`~atoll.train.synchronizer.Synchronizer`
+objects as in a real run, on a real bucket, but time is simulated: learner i finishes a step
+every ``base_step_s * slowdown_i`` virtual seconds (whatever the CPU needs to compute it), and
+the synchronizer's quorum/grace clock is the same virtual clock. That makes heterogeneous-speed experiments exact and repeatable on a laptop: the
 quality benchmark uses it to compare methods at an equal token budget.
 
 Event order per learner step (as in the real loop): compute the step, publish the due fragment,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.storage.bucket import RunStore
-from atoll.train.learner import Learner
+from atoll.train.inner import RecipeLearner
 from atoll.train.run import load_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
@@ -69,90 +69,106 @@ def run_virtual(
     log: Callable[[str], None] = lambda s: None,
 ) -> VirtualResult:
     """Train the run in ``store`` until the learners have consumed ``token_budget`` tokens."""
-    vnow = 0.0
-    sync = Synchronizer(store, options=sync_options or SynchronizerOptions(poll_interval_s=base_step_s / 4),
-                        clock=lambda: vnow)
-    learners = [Learner(store, spec.learner_id, log=log) for spec in load_recipe(store).learners]
-    rng = random.Random(seed)
-    reader = store.sibling()
-    seen_round = [lr.start_round for lr in learners]
-    fragment_cache: dict[int, dict[str, torch.Tensor]] = {}
-    result = VirtualResult()
-    merged: list[int] = []
-
-    dts = [0.0] * len(learners)
-
-    def step_s(i: int) -> float:
-        """Draw learner i's next step duration (and remember it: the learner reports it)."""
-        s = base_step_s * learners[i].spec.slowdown
-        dts[i] = s * (1 + step_noise * (2 * rng.random() - 1)) if step_noise else s
-        return dts[i]
-
-    def adopt_committed(i: int) -> None:
-        for rec in reader.poll_commits(seen_round[i]):
-            if rec.updated:
-                if rec.round not in fragment_cache:
-                    fragment_cache[rec.round] = reader.read_global_fragment(rec.fragment, rec.round)
-                learners[i].adopt(rec.round, rec.fragment, fragment_cache[rec.round])
-            seen_round[i] = rec.round
-
-    events: list[tuple[float, int, str, int]] = []
-    seq = 0
-
-    def push(t: float, kind: str, i: int = -1) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, i))
-
-    for i in range(len(learners)):
-        push(step_s(i), "learner", i)
-    blocked: set[int] = set()
+    run = _VirtualRun(store, base_step_s=base_step_s, step_noise=step_noise, seed=seed,
+                      sync_options=sync_options, log=log)
+    result = run.result
     next_eval = eval_every_tokens or None
-    sync_wake: float | None = None
-
-    while events and result.tokens < token_budget:
-        vnow, _, kind, i = heapq.heappop(events)
-        if kind == "learner":
-            lr = learners[i]
-            before = lr.summary.tokens
-            lr.step(step_time_s=dts[i])
-            result.tokens += lr.summary.tokens - before
-            adopt_committed(i)
-            if lr.waiting_for() is not None:
-                blocked.add(i)
-            else:
-                push(vnow + step_s(i), "learner", i)
-        elif kind == "sync":
-            sync_wake = None
-        # The synchronizer looks at the bucket after every event, like a tight poll loop.
-        while True:
-            out = sync.tick()
-            if isinstance(out, RoundSummary):
-                rec = out.record
-                merged.append(len(rec.accepted))
-                result.bytes_moved += int(rec.stats.get("bytes_in", 0))
-                result.bytes_moved += int(rec.stats.get("bytes_out_per_learner", 0)) * len(learners)
-                for j in sorted(blocked):
-                    adopt_committed(j)
-                    if learners[j].waiting_for() is None:
-                        blocked.discard(j)
-                        push(vnow + step_s(j), "learner", j)
-                continue
-            if out.recheck_at_s is not None and (sync_wake is None or out.recheck_at_s < sync_wake):
-                sync_wake = out.recheck_at_s
-                push(sync_wake, "sync")
-            break
+    while run.events and result.tokens < token_budget:
+        run.next_event()
         if evaluate is not None and next_eval is not None and result.tokens >= next_eval:
-            loss = evaluate({n: t for frag in sync.fragments for n, t in frag.items()})
+            loss = evaluate(run.global_params())
             result.curve.append((result.tokens, loss))
-            log(f"[virtual {vnow:8.1f}s] tokens {result.tokens:,} round {sync.round} val_loss {loss:.4f}")
+            log(f"[virtual {run.now:8.1f}s] tokens {result.tokens:,} round {run.sync.round} val_loss {loss:.4f}")
             next_eval += eval_every_tokens
     if evaluate is not None and (not result.curve or result.curve[-1][0] != result.tokens):
-        result.curve.append((result.tokens, evaluate({n: t for frag in sync.fragments for n, t in frag.items()})))
-    result.virtual_s = vnow
-    result.rounds = sync.round
-    result.merged_per_round = sum(merged) / len(merged) if merged else 0.0
-    result.steps = {lr.learner_id: lr.summary.steps for lr in learners}
+        result.curve.append((result.tokens, evaluate(run.global_params())))
+    result.virtual_s = run.now
+    result.rounds = run.sync.round
+    result.merged_per_round = sum(run.merged) / len(run.merged) if run.merged else 0.0
+    result.steps = {lr.learner_id: lr.summary.steps for lr in run.learners}
     return result
 
 
+class _VirtualRun:
+    """The learners, the synchronizer and the event queue of one virtual run; ``now`` is the clock."""
+
+    def __init__(self, store: RunStore, *, base_step_s: float, step_noise: float, seed: int,
+                 sync_options: SynchronizerOptions | None, log: Callable[[str], None]) -> None:
+        self.now = 0.0
+        self.sync = Synchronizer(store, options=sync_options or SynchronizerOptions(poll_interval_s=base_step_s / 4),
+                                 clock=lambda: self.now)
+        self.learners = [RecipeLearner(store, spec.learner_id, log=log) for spec in load_recipe(store).learners]
+        self.base_step_s, self.step_noise = base_step_s, step_noise
+        self.rng = random.Random(seed)
+        self.reader = store.sibling()
+        self.seen_round = [lr.start_round for lr in self.learners]
+        self.fragment_cache: dict[int, dict[str, torch.Tensor]] = {}
+        self.result = VirtualResult()
+        self.merged: list[int] = []
+        self.dts = [0.0] * len(self.learners)
+        self.events: list[tuple[float, int, str, int]] = []
+        self.seq = 0
+        self.blocked: set[int] = set()
+        """Lock-step learners waiting for a merged version: no next event until it is committed."""
+        self.sync_wake: float | None = None
+        for i in range(len(self.learners)):
+            self.push(self.step_s(i), "learner", i)
+
+    def step_s(self, i: int) -> float:
+        """Draw learner i's next step duration (and remember it: the learner reports it)."""
+        s = self.base_step_s * self.learners[i].spec.slowdown
+        self.dts[i] = s * (1 + self.step_noise * (2 * self.rng.random() - 1)) if self.step_noise else s
+        return self.dts[i]
+
+    def push(self, t: float, kind: str, i: int = -1) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, i))
+
+    def adopt_committed(self, i: int) -> None:
+        for rec in self.reader.poll_commits(self.seen_round[i]):
+            if rec.updated:
+                if rec.round not in self.fragment_cache:
+                    self.fragment_cache[rec.round] = self.reader.read_global_fragment(rec.fragment, rec.round)
+                self.learners[i].adopt(rec.round, rec.fragment, self.fragment_cache[rec.round])
+            self.seen_round[i] = rec.round
+
+    def next_event(self) -> None:
+        """The next event (a learner's step, or a recheck the synchronizer asked for), then the
+        synchronizer looks at the bucket, like a tight poll loop."""
+        self.now, _, kind, i = heapq.heappop(self.events)
+        if kind == "learner":
+            lr = self.learners[i]
+            before = lr.summary.tokens
+            lr.step(step_time_s=self.dts[i])
+            self.result.tokens += lr.summary.tokens - before
+            self.adopt_committed(i)
+            if lr.waiting_for() is not None:
+                self.blocked.add(i)
+            else:
+                self.push(self.now + self.step_s(i), "learner", i)
+        elif kind == "sync":
+            self.sync_wake = None
+        self.tick_synchronizer()
+
+    def tick_synchronizer(self) -> None:
+        """Commit every round that can close now; unblock lock-step learners whose version landed."""
+        while True:
+            out = self.sync.tick()
+            if isinstance(out, RoundSummary):
+                rec = out.record
+                self.merged.append(len(rec.accepted))
+                self.result.bytes_moved += int(rec.stats.get("bytes_in", 0))
+                self.result.bytes_moved += int(rec.stats.get("bytes_out_per_learner", 0)) * len(self.learners)
+                for j in sorted(self.blocked):
+                    self.adopt_committed(j)
+                    if self.learners[j].waiting_for() is None:
+                        self.blocked.discard(j)
+                        self.push(self.now + self.step_s(j), "learner", j)
+                continue
+            if out.recheck_at_s is not None and (self.sync_wake is None or out.recheck_at_s < self.sync_wake):
+                self.sync_wake = out.recheck_at_s
+                self.push(self.sync_wake, "sync")
+            return
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        return {n: t for frag in self.sync.fragments for n, t in frag.items()}
