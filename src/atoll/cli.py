@@ -11,14 +11,21 @@ one line, ``atoll: error: <what>``, and exit with status 2. A traceback means a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import inspect
 import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
 
 from atoll import __version__
 
 if TYPE_CHECKING:
+    from atoll.runs.options import TrainingRunOptions
     from atoll.storage.bucket import RunStore
 
 
@@ -96,18 +103,26 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    def default(name: str) -> LibraryDefault:
+        return LibraryDefault("atoll.sim.planner:plan", name)
+
+    precisions = ["fp32", "bf16", "int4"]
     p = sub.add_parser("plan", help="bandwidth planner: bytes per round and per second per learner vs DP")
     p.add_argument("--params", type=float, required=True, help="model size in parameters (e.g. 12e9)")
-    p.add_argument("--fragments", "-P", type=int, default=24, help="P (default 24)")
-    p.add_argument("--inner-steps", "-H", type=int, default=24, help="H (default 24)")
-    p.add_argument("--tau", type=int, default=2, help="overlap steps (default 2)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "int4"], default="bf16", help="delta precision")
-    p.add_argument("--download-precision", choices=["fp32", "bf16", "int4"], help="merged fragment precision")
+    p.add_argument("--fragments", "-P", type=int, default=default("num_fragments"), help="P (default %(default)s)")
+    p.add_argument("--inner-steps", "-H", type=int, default=default("inner_steps"), help="H (default %(default)s)")
+    p.add_argument("--tau", type=int, default=default("overlap_steps"), help="overlap steps (default %(default)s)")
+    p.add_argument("--precision", choices=precisions, default=default("precision"),
+                   help="delta precision (default %(default)s)")
+    p.add_argument("--download-precision", choices=precisions, default=default("download_precision"),
+                   help="merged fragment precision (default: the delta's)")
     p.add_argument("--step-s", type=float, required=True, help="inner-step time (s)")
     p.add_argument("--wan-gbps", type=float, required=True, help="WAN bandwidth per learner (Gbit/s)")
-    p.add_argument("--learners", "-M", type=int, default=8, help="M, for the DP all-reduce (default 8)")
-    p.add_argument("--dp-precision", choices=["fp32", "bf16"], default="bf16", help="DP gradient precision")
-    p.add_argument("--grace-factor", type=float, default=0.5, help="gamma (default 0.5)")
+    p.add_argument("--learners", "-M", type=int, default=default("learners"),
+                   help="M, for the DP all-reduce (default %(default)s)")
+    p.add_argument("--dp-precision", choices=["fp32", "bf16"], default=default("dp_precision"),
+                   help="DP gradient precision (default %(default)s)")
+    p.add_argument("--grace-factor", type=float, default=default("grace_factor"), help="gamma (default %(default)s)")
     p.set_defaults(handler=_plan)
 
 
@@ -136,10 +151,23 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _add_orchestration(sub: argparse._SubParsersAction) -> None:
+    for add in (_add_up, _add_deploy, _add_train_and_resume, _add_status, _add_verify, _add_prune, _add_learner,
+                _add_stop, _add_supervise, _add_demo):
+        add(sub)
+
+
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option of the bucket, repeatable")
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    from atoll.ops.defaults import DEFAULT_POOLS, DEFAULT_PORT
+
     p = sub.add_parser("up", help="start the local stack: Prefect server (SQLite or PostgreSQL) + a process "
                        "worker per pool")
-    p.add_argument("--port", type=int, default=4200, help="server port (default 4200, or a free one)")
-    p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"], help="local process pools")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default %(default)s, or a free one)")
+    p.add_argument("--pools", nargs="+", default=list(DEFAULT_POOLS), help="local process pools (default: %(default)s)")
     p.add_argument("--home", default=None, help="PREFECT_HOME for the stack (default: your Prefect home)")
     p.add_argument("--no-deploy", action="store_true", help="do not register atoll's deployments")
     p.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite",
@@ -150,8 +178,12 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
                    help="run the server on a database you run yourself: postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB")
     p.set_defaults(handler=_up)
 
+
+def _add_deploy(sub: argparse._SubParsersAction) -> None:
+    from atoll.ops.defaults import DEFAULT_POOLS
+
     p = sub.add_parser("deploy", help="register the training-run deployment and one learner deployment per pool")
-    p.add_argument("--pools", nargs="+", default=["cpu-fast", "cpu-slow"])
+    p.add_argument("--pools", nargs="+", default=list(DEFAULT_POOLS), help="learner pools (default: %(default)s)")
     p.add_argument("--control-pool", default=None, help="pool of the training run (default: the first pool)")
     p.add_argument("--create-pools", action="store_true", help="create missing pools as process pools")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -170,97 +202,256 @@ def _add_orchestration(sub: argparse._SubParsersAction) -> None:
                    help="allow credential-looking --env/--job-variable values (local test servers only)")
     p.set_defaults(handler=_deploy)
 
-    for name, helptext in (("train", "start a training run from a preset or config file"),
-                           ("resume", "continue a run from its bucket (or fork it from a round)")):
-        p = sub.add_parser(name, help=helptext)
-        if name == "train":
-            p.add_argument("--preset", default="demo", help="recipe preset (demo, smoke)")
-            p.add_argument("--config", default=None, help="YAML/JSON with config: and recipe: keys")
-            p.add_argument("--bucket", default="runs", help="folder or fsspec URL holding runs (default ./runs)")
-            p.add_argument("--name", default=None, help="run name (default run-<hex>)")
-            p.add_argument("--learners", type=int, default=0, help="number of learners (default: the preset's)")
-        else:
-            p.add_argument("run_url", help="the run to resume")
-            p.add_argument("--fork-round", type=int, default=None, help="fork a new run from this round (0 = latest)")
-            p.add_argument("--to", default=None, help="URL of the forked run")
-        p.add_argument("--rounds", type=int, default=0, help="outer rounds (default: the preset's)")
-        p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
-        p.add_argument("--in-process", action="store_true",
-                       help="run the training-run flow here instead of on its deployment")
-        p.add_argument("--no-wait", action="store_true", help="return once the run is launched")
-        p.add_argument("--record-rounds", action=argparse.BooleanOptionalAction, default=True,
-                       help="run rounds inline and create each round's flow run after its commit, so no round "
-                            "waits for the Prefect API and the run keeps up at small H (the default); "
-                            "--no-record-rounds: each round a flow run executed by Prefect's engine, with "
-                            "task runs and logs of its own (docs/prefect.md, 'What a round costs')")
-        p.set_defaults(handler=_train)
 
+def _add_train_and_resume(sub: argparse._SubParsersAction) -> None:
+    """``atoll train`` / ``atoll resume``: which run (written here), then every other
+    TrainingRunOptions field as a flag generated from the model (:func:`option_flags`)."""
+    p = sub.add_parser("train", help="start a training run from a preset or config file")
+    p.add_argument("--bucket", default="runs", help="folder or fsspec URL holding runs (default ./runs)")
+    p.add_argument("--name", default=None, help="run name (default run-<hex>)")
+    _add_launch_flags(p)
+    _add_option_flags(p, new_run=True)
+    p.set_defaults(handler=_train)
+
+    p = sub.add_parser("resume", help="continue a run from its bucket (or fork it from a round)")
+    p.add_argument("run_url", help="the run to resume")
+    p.add_argument("--fork-round", type=int, default=None, help="fork a new run from this round (0 = latest)")
+    p.add_argument("--to", default=None, help="URL of the forked run")
+    _add_launch_flags(p)
+    _add_option_flags(p, new_run=False)
+    p.set_defaults(handler=_train)
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    _add_storage_option(p)
+    p.add_argument("--in-process", action="store_true",
+                   help="run the training-run flow here instead of on its deployment")
+    p.add_argument("--no-wait", action="store_true", help="return once the run is launched")
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="round history of a run, from its bucket (no Prefect needed)")
     p.add_argument("run_url")
-    p.add_argument("--last", type=int, default=20, help="show the last N rounds (0: all)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--last", type=int, default=20, help="show the last N rounds (0: all; default %(default)s)")
+    _add_storage_option(p)
     p.set_defaults(handler=_status)
 
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="walk a run's commit chain and check every published object (reads only)")
     p.add_argument("run_url")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    _add_storage_option(p)
     p.set_defaults(handler=_verify)
 
+
+def _add_prune(sub: argparse._SubParsersAction) -> None:
+    policy = "atoll.storage.retention:RetentionPolicy"
     p = sub.add_parser("prune", help="retention: delete old global state, contributions no round can use, replaced "
                                      "learner states (and old checkpoints if asked); safe while the run trains")
     p.add_argument("run_url")
-    p.add_argument("--keep-rounds", type=int, default=1000,
-                   help="rounds at the head whose global state stays readable (default 1000; at least 2 x P)")
-    p.add_argument("--keep-checkpoints", type=int, default=None,
+    p.add_argument("--keep-rounds", type=int, default=LibraryDefault(policy, "keep_rounds"),
+                   help="rounds at the head whose global state stays readable (default %(default)s; at least 2 x P)")
+    p.add_argument("--keep-checkpoints", type=int, default=LibraryDefault(policy, "keep_checkpoints"),
                    help="newest complete checkpoints to keep (default: keep every checkpoint)")
-    p.add_argument("--min-age-s", type=float, default=3600.0,
-                   help="delete an unreferenced object only once it is this old (default 3600; at least 60)")
+    p.add_argument("--min-age-s", type=float, default=LibraryDefault(policy, "min_age_s"),
+                   help="delete an unreferenced object only once it is this old (default %(default)s; at least 60)")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    _add_storage_option(p)
     p.set_defaults(handler=_prune)
+
+
+def _add_learner(sub: argparse._SubParsersAction) -> None:
+    from atoll.runs.options import FleetOptions, default_of
 
     p = sub.add_parser("learner", help="run one learner flow here, by hand (it joins the run from the bucket)")
     p.add_argument("run_url")
     p.add_argument("--learner-id", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--threads", type=int, default=default_of(FleetOptions, "threads"),
+                   help="torch threads of the learner process (default %(default)s)")
+    _add_storage_option(p)
     p.add_argument("--device", default=None,
                    help="auto, cpu, cuda, cuda:N or mps (default: the recipe's LearnerSpec.device)")
     p.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's LearnerSpec.autocast)")
     p.set_defaults(handler=_learner)
 
+
+def _add_stop(sub: argparse._SubParsersAction) -> None:
+    from atoll.runs.healing import STOP_GRACE_S
+
     p = sub.add_parser("stop", help="stop a run: mark it stopped in its bucket, let learners save and exit, "
                                     "cancel its flow runs")
     p.add_argument("run_url")
     p.add_argument("--reason", default="atoll stop", help="recorded in the bucket's stop marker")
-    p.add_argument("--grace-s", type=float, default=20.0,
-                   help="wait this long for learners to save and exit before cancelling flow runs (default 20)")
+    p.add_argument("--grace-s", type=float, default=STOP_GRACE_S,
+                   help="wait this long for learners to save and exit before cancelling flow runs "
+                        "(default %(default)s)")
     p.add_argument("--no-prefect", action="store_true", help="only mark the bucket (learners and the training run "
                    "read it and exit by themselves); no Prefect API calls")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    _add_storage_option(p)
     p.set_defaults(handler=_stop)
 
+
+def _add_supervise(sub: argparse._SubParsersAction) -> None:
+    from atoll.runs.supervision import SupervisionPolicy, SupervisorOptions
+
+    loop, policy = SupervisorOptions(), SupervisionPolicy()
     p = sub.add_parser("supervise", help="run the supervisor here: relaunch crashed or zombie training runs")
-    p.add_argument("--check-every-s", type=float, default=5.0)
+    p.add_argument("--check-every-s", type=float, default=loop.check_every_s,
+                   help="time between two passes (default %(default)s)")
     p.add_argument("--lifetime-s", type=float, default=float("inf"), help="stop after this long (default: never)")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=60.0)
+    p.add_argument("--window-s", type=float, default=loop.window_s,
+                   help="look at runs with a training-run flow run this recent (default %(default)s)")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=policy.heartbeat_timeout_s,
+                   help="a synchronizer with an older heartbeat is not alive (default %(default)s)")
+    p.add_argument("--startup-grace-s", type=float, default=policy.startup_grace_s,
+                   help="a Running training run with no lease after this long is a zombie (default %(default)s)")
+    p.add_argument("--relaunch-backoff-s", type=float, default=policy.relaunch_backoff_s,
+                   help="least time between a training run's creation and a relaunch (default %(default)s)")
+    p.add_argument("--max-relaunches", type=int, default=policy.max_relaunches,
+                   help=f"most relaunches of one run within {policy.window_s:g} s (default %(default)s)")
+    p.add_argument("--stop-grace-s", type=float, default=loop.stop_grace_s,
+                   help="a stop requested in the UI: time for learners to save and exit (default %(default)s)")
     p.set_defaults(handler=_supervise)
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from atoll.ops.defaults import DEFAULT_PORT, DEMO_DIR
+    from atoll.runs.options import TrainingRunOptions, default_of
+
     p = sub.add_parser("demo", help="what `make demo` runs: local stack, deploy, train the demo preset")
-    p.add_argument("--dir", default="out/demo", help="where the bucket, Prefect home and logs go")
-    p.add_argument("--learners", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=0)
-    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--dir", default=DEMO_DIR, help="where the bucket, Prefect home and logs go (default %(default)s)")
+    p.add_argument("--learners", type=int, default=default_of(TrainingRunOptions, "learners"),
+                   help="learners (default: the preset's)")
+    p.add_argument("--rounds", type=int, default=default_of(TrainingRunOptions, "rounds"),
+                   help="outer rounds (default: the preset's)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default %(default)s, or a free one)")
     p.add_argument("--keep-up", action="store_true", help="keep the stack up after training until Ctrl-C")
     p.set_defaults(handler=_demo)
 
 
-def _kv(pairs: Sequence[str]) -> dict[str, str]:
+# -- flags generated from TrainingRunOptions ---------------------------------------------------------------------
+
+NEW_RUN_FIELDS = ("preset", "learners", "rounds", "config_path")
+"""TrainingRunOptions fields that describe a new run: flags of `atoll train` (``rounds``: of `resume` too)."""
+
+WHICH_RUN_FLAGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "train": {"run_url": ("--bucket", "--name"), "storage_options": ("--storage-option",)},
+    "resume": {"resume_from": ("run_url",), "fork_round": ("--fork-round",), "run_url": ("--to",),
+               "storage_options": ("--storage-option",)},
+}
+"""The TrainingRunOptions fields whose flags are written by hand: which run, and its bucket's options."""
+
+_FLAG_NAMES = {"config_path": "--config"}
+
+
+@dataclass(frozen=True)
+class OptionFlag:
+    """One flag of `atoll train`/`atoll resume` generated from a TrainingRunOptions field."""
+
+    path: tuple[str, ...]
+    """The field: ``("segment_rounds",)``, ``("fleet", "threads")``."""
+    flag: str
+    dest: str
+    default: Any
+    """The field's default, which is the flag's."""
+    annotation: Any
+    description: str
+
+    @property
+    def kind(self) -> str:
+        """``bool`` (--x/--no-x), ``mapping`` (repeatable KEY=VALUE) or ``scalar``."""
+        if self.annotation is bool:
+            return "bool"
+        return "mapping" if typing.get_origin(self.annotation) is dict else "scalar"
+
+    def scalar_type(self) -> Any:
+        """The flag's argparse type: ``int | None`` parses as an int."""
+        args = [a for a in typing.get_args(self.annotation) if a is not type(None)]
+        return args[0] if typing.get_origin(self.annotation) in (Union, types.UnionType) else self.annotation
+
+    def value(self, raw: Any) -> Any:
+        """The field's value from what argparse parsed."""
+        return _kv(raw, self.flag) if self.kind == "mapping" else raw
+
+
+def option_flags(model: Any = None, prefix: tuple[str, ...] = ()) -> list[OptionFlag]:
+    """A flag per field of TrainingRunOptions (nested models' fields prefixed with the model's
+    field, ``--fleet-threads``), except the which-run fields written by hand."""
+    from pydantic import BaseModel
+
+    from atoll.runs.options import TrainingRunOptions, default_of
+
+    model = model or TrainingRunOptions
+    hand_written = {f for flags in WHICH_RUN_FLAGS.values() for f in flags}
+    out: list[OptionFlag] = []
+    for name, info in model.model_fields.items():
+        path = (*prefix, name)
+        if not prefix and name in hand_written:
+            continue
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            out += option_flags(info.annotation, path)
+            continue
+        flag = _FLAG_NAMES.get(".".join(path)) or "--" + "-".join(path).replace("_", "-")
+        out.append(OptionFlag(path=path, flag=flag, dest="__".join(path), default=default_of(model, name),
+                              annotation=info.annotation, description=info.description or ""))
+    return out
+
+
+def _add_option_flags(p: argparse.ArgumentParser, *, new_run: bool) -> None:
+    """The generated flags, grouped: the new run's, the training run's, and one group per nested
+    model (the learner fleet)."""
+    from atoll.runs.options import TrainingRunOptions
+
+    groups = {"run": p.add_argument_group("new run" if new_run else "the resumed or forked run")}
+    for f in option_flags():
+        if f.path[0] in NEW_RUN_FIELDS and not new_run and f.path[0] != "rounds":
+            continue
+        group_key = "run" if f.path[0] in NEW_RUN_FIELDS else f.path[0] if len(f.path) > 1 else ""
+        if group_key not in groups:
+            about = TrainingRunOptions.model_fields[group_key].description if group_key else None
+            title = f"orchestration: {group_key}" if group_key else "orchestration"
+            groups[group_key] = p.add_argument_group(title, about)
+        _add_option_flag(groups[group_key], f)
+
+
+def _add_option_flag(group: Any, f: OptionFlag) -> None:
+    text = f.description.replace("%", "%%")
+    if f.kind == "bool":
+        group.add_argument(f.flag, dest=f.dest, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f"{text} (default: {'on' if f.default else 'off'})")
+    elif f.kind == "mapping":
+        group.add_argument(f.flag, dest=f.dest, action="append", default=[f"{k}={v}" for k, v in f.default.items()],
+                           metavar="KEY=VALUE", help=text + " Repeatable KEY=VALUE.")
+    else:
+        kind = f.scalar_type()
+        metavar = "N" if kind is int else "S" if f.path[-1].endswith("_s") else f.path[-1].upper()
+        shown = "" if f.default is None else " (default: %(default)s)"
+        group.add_argument(f.flag, dest=f.dest, type=kind, default=f.default, metavar=metavar, help=text + shown)
+
+
+def training_options(args: argparse.Namespace, **which_run: Any) -> TrainingRunOptions:
+    """The TrainingRunOptions the generated flags in ``args`` set, with ``which_run`` (run_url,
+    resume_from, fork_round, storage_options) given by the caller."""
+    from atoll.runs.options import TrainingRunOptions
+
+    fields: dict[str, Any] = dict(which_run)
+    given = vars(args)
+    for f in option_flags():
+        if f.dest in given:
+            *parents, name = f.path
+            target = fields
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[name] = f.value(given[f.dest])
+    return TrainingRunOptions(**fields)
+
+
+def _kv(pairs: Sequence[str], flag: str = "--storage-option/--env") -> dict[str, str]:
     out = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--storage-option/--env: expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
         out[key] = value
     return out
 
@@ -334,33 +525,35 @@ def _deploy_images(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.command == "resume" and args.fork_round is not None and not args.to:
         raise ValueError("--fork-round forks the run into a new one: give its URL with --to")
-    common = {"storage_options": _kv(args.storage_option) or None, "rounds": args.rounds,
-              "record_rounds": args.record_rounds}
-    if args.command == "resume":
-        # Read the source run (only read) before anything starts: a missing or broken run is a
-        # one-line error here, not a failed flow run later.
-        from atoll.runs.report import check_run
-
-        source = _open_existing(args.run_url, common["storage_options"])
-        check_run(source)
-        marker = source.stop_marker()
-        if marker is not None and marker.stopped and args.fork_round is None:
-            from atoll.storage.bucket import RunStore
-
-            RunStore.open(args.run_url, common["storage_options"]).clear_stopped()
-            print(f"the run was stopped ({marker.reason}); cleared", flush=True)
-
-    from atoll.ops.client import launch_training
-    from atoll.runs.options import TrainingRunOptions
-
+    storage_options = _kv(args.storage_option) or None
     if args.command == "train":
         from atoll.runs.manage import new_run_url
 
-        options = TrainingRunOptions(run_url=new_run_url(args.bucket, args.name), preset=args.preset,
-                                     learners=args.learners, config_path=args.config, **common)
+        which: dict[str, Any] = {"run_url": new_run_url(args.bucket, args.name)}
     else:
-        options = TrainingRunOptions(resume_from=args.run_url, fork_round=args.fork_round, run_url=args.to, **common)
+        _check_resumable(args, storage_options)
+        which = {"resume_from": args.run_url, "fork_round": args.fork_round, "run_url": args.to}
+    options = training_options(args, storage_options=storage_options, **which)
+
+    from atoll.ops.client import launch_training
+
     return launch_training(options, in_process=args.in_process, wait=not args.no_wait)
+
+
+def _check_resumable(args: argparse.Namespace, storage_options: dict[str, str] | None) -> None:
+    """Read the source run (only read) before anything starts: a missing or broken run is a
+    one-line error here, not a failed flow run later. A stopped run that is continued (not forked)
+    has its stop cleared."""
+    from atoll.runs.report import check_run
+
+    source = _open_existing(args.run_url, storage_options)
+    check_run(source)
+    marker = source.stop_marker()
+    if marker is not None and marker.stopped and args.fork_round is None:
+        from atoll.storage.bucket import RunStore
+
+        RunStore.open(args.run_url, storage_options).clear_stopped()
+        print(f"the run was stopped ({marker.reason}); cleared", flush=True)
 
 
 def _open_existing(run_url: str, storage_options: dict[str, str] | None) -> RunStore:
@@ -497,11 +690,12 @@ def _supervise(args: argparse.Namespace) -> int:
     from atoll.flows.supervisor import supervise_once
     from atoll.runs.supervision import SupervisionPolicy
 
-    policy = SupervisionPolicy(heartbeat_timeout_s=args.heartbeat_timeout_s)
+    policy = SupervisionPolicy(heartbeat_timeout_s=args.heartbeat_timeout_s, startup_grace_s=args.startup_grace_s,
+                               relaunch_backoff_s=args.relaunch_backoff_s, max_relaunches=args.max_relaunches)
     deadline = time.monotonic() + args.lifetime_s
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
-            for v in supervise_once(client, policy):
+            for v in supervise_once(client, policy, window_s=args.window_s, stop_grace_s=args.stop_grace_s):
                 print(f"{v.run_id}: {v.action} ({v.flow_run}): {v.reason}", flush=True)
             time.sleep(args.check_every_s)
     return 0
@@ -511,6 +705,33 @@ def _demo(args: argparse.Namespace) -> int:
     from atoll.ops.client import run_demo
 
     return run_demo(args.dir, learners=args.learners, rounds=args.rounds, port=args.port, keep_up=args.keep_up)
+
+
+class LibraryDefault:
+    """A flag's default that lives in the library code owning the knob (a dataclass field or a
+    function's parameter), read when it is first needed: a run of the command (:func:`main`
+    resolves it) or its ``--help``. Importing that code imports torch, which `atoll --help` should not."""
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner = owner
+        """``module:Name`` of a dataclass or a function."""
+        self.name = name
+
+    def value(self) -> Any:
+        module, _, attr = self.owner.partition(":")
+        obj = getattr(importlib.import_module(module), attr)
+        if dataclasses.is_dataclass(obj):
+            return next(f.default for f in dataclasses.fields(obj) if f.name == self.name)
+        return inspect.signature(obj).parameters[self.name].default
+
+    def __str__(self) -> str:  # argparse's %(default)s in --help
+        return str(self.value())
+
+
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    for key, value in vars(args).items():
+        if isinstance(value, LibraryDefault):
+            setattr(args, key, value.value())
 
 
 MAX_ERROR_CHARS = 500
@@ -543,6 +764,7 @@ def error_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _resolve_defaults(args)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

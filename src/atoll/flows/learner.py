@@ -26,6 +26,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
+from atoll.runs.options import FleetOptions, default_of
 from atoll.runs.report import slug
 from atoll.storage.bucket import RunStore
 from atoll.train.hook import run_command
@@ -76,12 +77,12 @@ def learner_flow(
     run_url: str,
     learner_id: str,
     storage_options: dict[str, Any] | None = None,
-    threads: int = 1,
-    poll_interval_s: float = 0.2,
+    threads: int = default_of(FleetOptions, "threads"),
+    poll_interval_s: float = default_of(FleetOptions, "poll_interval_s"),
     log_every_steps: int = 50,
     max_steps: int | None = None,
-    orphan_timeout_s: float | None = 900.0,
-    heartbeat_interval_s: float = 5.0,
+    orphan_timeout_s: float | None = default_of(FleetOptions, "orphan_timeout_s"),
+    heartbeat_interval_s: float = LearnerOptions.heartbeat_interval_s,
     device: str | None = None,
     autocast: str | None = None,
     command: list[str] | None = None,
@@ -91,7 +92,9 @@ def learner_flow(
     ``device`` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') and ``autocast`` ('' or 'bf16') override the
     recipe's ``LearnerSpec.device`` / ``.autocast`` for this launch (None: the recipe's).
     ``command`` (argv) runs a user's own training script that joins with ``atoll.join`` instead of
-    atoll's loop (None: the recipe's ``LearnerSpec.command``; empty there too: atoll's loop)."""
+    atoll's loop (None: the recipe's ``LearnerSpec.command``; empty there too: atoll's loop).
+    ``threads``, ``poll_interval_s`` and ``orphan_timeout_s`` default to :class:`FleetOptions`' (a
+    learner started by hand runs as one the training run launches)."""
     logger = get_run_logger()
     if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")

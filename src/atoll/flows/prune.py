@@ -33,9 +33,9 @@ PRUNE_FLOW_NAME = "atoll-prune"
 @flow(name=PRUNE_FLOW_NAME, persist_result=False, log_prints=False)
 def prune_flow(
     run_url: str,
-    keep_rounds: int = 1000,
-    keep_checkpoints: int | None = None,
-    min_age_s: float = 3600.0,
+    keep_rounds: int = RetentionPolicy.keep_rounds,
+    keep_checkpoints: int | None = RetentionPolicy.keep_checkpoints,
+    min_age_s: float = RetentionPolicy.min_age_s,
     dry_run: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -43,7 +43,8 @@ def prune_flow(
 
     ``keep_rounds``: rounds at the head whose global state stays readable (at least 2 x P).
     ``keep_checkpoints``: newest complete checkpoints to keep (None: all). ``min_age_s``: delete an
-    unreferenced object only once it is this old. ``dry_run``: plan and report, delete nothing."""
+    unreferenced object only once it is this old. ``dry_run``: plan and report, delete nothing.
+    The defaults are :class:`~atoll.storage.retention.RetentionPolicy`'s."""
     logger = get_run_logger()
     if exported := export_secret_env():
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")

@@ -40,6 +40,7 @@ from atoll.runs.options import TrainingRunOptions
 from atoll.runs.supervision import (
     SupervisionAction,
     SupervisionPolicy,
+    SupervisorOptions,
     TrainingRunObservation,
     decide_training_run,
 )
@@ -61,6 +62,8 @@ __all__ = ["supervisor", "supervise_once", "RELAUNCH_TAG", "DEFAULT_TRAINING_DEP
 RELAUNCH_TAG = "atoll-relaunch"
 """Tag of training-run flow runs the supervisor launched (counted against ``max_relaunches``)."""
 
+_LOOP = SupervisorOptions()
+_POLICY = SupervisionPolicy()
 
 
 @dataclass
@@ -120,8 +123,8 @@ def relaunch(client: Any, fr: FlowRun, options: TrainingRunOptions, run_id: str,
     return new  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine
 
 
-def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 86400.0,
-                   stop_grace_s: float = 20.0, log: Any = print) -> list[RunVerdict]:
+def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = _LOOP.window_s,
+                   stop_grace_s: float = _LOOP.stop_grace_s, log: Any = print) -> list[RunVerdict]:
     """One pass over every run with a training-run flow run in the last ``window_s``."""
     now = datetime.now(timezone.utc)
     runs = read_flow_runs_paged(client, flow_names=[TRAINING_FLOW_NAME], since=now - timedelta(seconds=window_s))
@@ -169,11 +172,19 @@ def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 
 
 
 @flow(name="atoll-supervisor", persist_result=False, log_prints=False)
-def supervisor(check_every_s: float = 5.0, lifetime_s: float = 570.0, window_s: float = 86400.0,
-               heartbeat_timeout_s: float = 60.0, startup_grace_s: float = 300.0, relaunch_backoff_s: float = 10.0,
-               max_relaunches: int = 10, stop_grace_s: float = 20.0) -> dict[str, Any]:
+def supervisor(
+    check_every_s: float = _LOOP.check_every_s,
+    lifetime_s: float = _LOOP.lifetime_s,
+    window_s: float = _LOOP.window_s,
+    heartbeat_timeout_s: float = _POLICY.heartbeat_timeout_s,
+    startup_grace_s: float = _POLICY.startup_grace_s,
+    relaunch_backoff_s: float = _POLICY.relaunch_backoff_s,
+    max_relaunches: int = _POLICY.max_relaunches,
+    stop_grace_s: float = _LOOP.stop_grace_s,
+) -> dict[str, Any]:
     """Watch every recent training run for ``lifetime_s``, every ``check_every_s``: relaunch the
-    crashed and the zombies, finish stops requested in the UI (see the module docstring)."""
+    crashed and the zombies, finish stops requested in the UI (see the module docstring). The
+    defaults are :class:`~atoll.runs.supervision.SupervisorOptions`' and ``SupervisionPolicy``'s."""
     logger = get_run_logger()
     policy = SupervisionPolicy(heartbeat_timeout_s=heartbeat_timeout_s, startup_grace_s=startup_grace_s,
                                relaunch_backoff_s=relaunch_backoff_s, max_relaunches=max_relaunches)

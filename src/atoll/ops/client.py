@@ -12,6 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_UI_URL
 
 from atoll.flows.training import training_run
+from atoll.ops.defaults import DEFAULT_PORT, DEMO_DIR
 from atoll.ops.deploy import deploy_all, start_training
 from atoll.ops.procs import free_port
 from atoll.ops.stack import LocalStack
@@ -76,9 +77,10 @@ def launch_training(options: TrainingRunOptions, *, in_process: bool = False, wa
     return 0 if state == "Completed" else 1
 
 
-def run_demo(directory: str | Path = "out/demo", *, learners: int = 4, rounds: int = 0, port: int = 4200,
+def run_demo(directory: str | Path = DEMO_DIR, *, learners: int = 0, rounds: int = 0, port: int = DEFAULT_PORT,
              keep_up: bool = False) -> int:
-    """``make demo``: local stack, deploy, train the demo preset on the two pools, print where to look."""
+    """``make demo``: local stack, deploy, train the demo preset on the two pools, print where to look.
+    ``learners`` and ``rounds``: 0 takes the preset's (as in :class:`TrainingRunOptions`)."""
     root = Path(directory).resolve()
     stack = LocalStack(home=root / "prefect", port=free_port(port), log_dir=root / "logs")
     run_url = new_run_url(str(root / "bucket"), time.strftime("demo-%Y%m%d-%H%M%S"))

@@ -34,7 +34,9 @@ from atoll.flows.learner import learner_flow
 from atoll.flows.prune import PRUNE_FLOW_NAME, prune_flow
 from atoll.flows.supervisor import DEFAULT_TRAINING_DEPLOYMENT, supervisor
 from atoll.flows.training import training_run
-from atoll.runs.options import TrainingRunOptions
+from atoll.ops.defaults import DEFAULT_POOLS
+from atoll.runs.options import FleetOptions, TrainingRunOptions, default_of
+from atoll.runs.supervision import SUPERVISOR_INTERVAL_S, supervisor_lifetime_s
 from atoll.tasks.queries import LEARNER_FLOW_NAME, pool_tag
 
 __all__ = [
@@ -52,15 +54,12 @@ __all__ = [
     "set_pool_concurrency",
 ]
 
-DEFAULT_POOLS: tuple[str, ...] = ("cpu-fast", "cpu-slow")
-"""The two local process pools of the embedded stack (standing in for two chip generations)."""
-
 TRAINING_DEPLOYMENT = DEFAULT_TRAINING_DEPLOYMENT
 SUPERVISOR_DEPLOYMENT = "atoll-supervisor/default"
 PRUNE_DEPLOYMENT = f"{PRUNE_FLOW_NAME}/default"
 
 
-def learner_job_env(threads: int = 1) -> dict[str, str]:
+def learner_job_env(threads: int = default_of(FleetOptions, "threads")) -> dict[str, str]:
     """Environment for learner processes: one BLAS thread each (islands share nothing)."""
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
@@ -88,7 +87,7 @@ def deploy_all(
     pool_job_variables: Mapping[str, Mapping[str, Any]] | None = None,
     learner_concurrency: int | None = None,
     control_job_variables: Mapping[str, Any] | None = None,
-    supervisor_interval_s: float | None = 600.0,
+    supervisor_interval_s: float | None = SUPERVISOR_INTERVAL_S,
     supervisor_parameters: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """Register the learner deployment of every pool, the training-run deployment, the supervisor
@@ -125,7 +124,7 @@ def deploy_all(
     # a crashed one is replaced at the next tick.
     params: dict[str, Any] = {}
     if supervisor_interval_s is not None:
-        params["lifetime_s"] = max(1.0, supervisor_interval_s - 30.0)
+        params["lifetime_s"] = supervisor_lifetime_s(supervisor_interval_s)
     params.update(dict(supervisor_parameters or {}))
     dep = cast(RunnerDeployment, supervisor.to_deployment(  # sync call: not a coroutine
         name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from atoll.ops.defaults import DEFAULT_POOLS, DEFAULT_PORT
 from atoll.ops.postgres import LocalPostgres, normalize_database_url
 from atoll.ops.procs import descendants, free_port, kill_quietly, signal_group
 
@@ -58,7 +59,7 @@ class LocalStack:
         *,
         home: str | os.PathLike[str] | None = None,
         port: int | None = None,
-        pools: Sequence[str] = ("cpu-fast", "cpu-slow"),
+        pools: Sequence[str] = DEFAULT_POOLS,
         log_dir: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
@@ -72,7 +73,7 @@ class LocalStack:
             raise ValueError(f"database must be 'sqlite' or 'postgres', not {database!r}")
         self.home = Path(home) if home else None
         self.host = host
-        self.port = port or free_port(4200)
+        self.port = port or free_port(DEFAULT_PORT)
         self.pools = list(pools)
         self.log_dir = Path(log_dir) if log_dir else (self.home / "logs" if self.home else None)
         self.extra_env = dict(env or {})
@@ -214,7 +215,7 @@ class LocalStack:
 
 
 
-def run_stack_forever(*, port: int = 4200, pools: Sequence[str] = ("cpu-fast", "cpu-slow"),
+def run_stack_forever(*, port: int = DEFAULT_PORT, pools: Sequence[str] = DEFAULT_POOLS,
                       home: str | None = None, deploy: bool = True, database: str = "sqlite",
                       database_url: str | None = None) -> int:
     """``atoll up``: start the stack, register the deployments, print where to look, stop on Ctrl-C."""

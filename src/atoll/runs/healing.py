@@ -45,8 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["ACTIVE_STATES", "RELAUNCH_STATES", "ATOLL_CANCEL_PREFIX", "HealingAction", "HealingPolicy",
-           "LearnerObservation", "HealingDecision", "decide_learner"]
+__all__ = ["ACTIVE_STATES", "RELAUNCH_STATES", "ATOLL_CANCEL_PREFIX", "STOP_GRACE_S", "HealingAction",
+           "HealingPolicy", "LearnerObservation", "HealingDecision", "decide_learner"]
 
 ACTIVE_STATES = frozenset({"SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"})
 """Flow-run state types of a learner that is (about to be) at work."""
@@ -57,6 +57,11 @@ RELAUNCH_STATES = frozenset({"CRASHED", "FAILED", "COMPLETED"})
 ATOLL_CANCEL_PREFIX = "atoll:"
 """State messages of cancels atoll made itself start with this; any other cancel was a person's.
 (It is kept in Prefect's database, so a restarted training run still tells the two apart.)"""
+
+STOP_GRACE_S = 20.0
+"""Once a run is marked stopped, its learners get this long to save and exit by themselves before
+``atoll stop`` (or the supervisor finishing a stop) cancels their flow runs: a save is one state
+upload, and learners read the marker within a heartbeat interval."""
 
 
 class HealingAction(StrEnum):
@@ -73,7 +78,10 @@ class HealingAction(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class HealingPolicy:
-    """The knobs of :func:`decide_learner` (process-local: they change nothing that is trained)."""
+    """The knobs of :func:`decide_learner` (process-local: they change nothing that is trained).
+
+    These are the defaults of every learner-liveness knob: ``FleetOptions``, ``atoll stop`` and the
+    supervisor's :class:`~atoll.runs.supervision.SupervisionPolicy` read theirs from here."""
 
     heartbeat_timeout_s: float = 60.0
     """A learner whose newest heartbeat is older than this is not alive (learners heartbeat every

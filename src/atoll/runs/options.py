@@ -20,11 +20,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atoll.runs.healing import HealingPolicy
 
-__all__ = ["FleetOptions", "TrainingRunOptions"]
+__all__ = ["FleetOptions", "TrainingRunOptions", "DEFAULT_SEGMENT_ROUNDS", "WATCH_EVERY_ROUNDS", "default_of"]
+
+WATCH_EVERY_ROUNDS = 5
+"""Between rounds, the training run looks after its learners every this many rounds."""
 
 
 class FleetOptions(BaseModel):
-    """How the training run keeps its learner flow runs alive (one per learner, on its pool)."""
+    """How the training run keeps its learner flow runs alive (one per learner, on its pool).
+
+    The healing knobs default to :class:`~atoll.runs.healing.HealingPolicy`'s; ``threads``,
+    ``poll_interval_s`` and ``orphan_timeout_s`` are the learner flow's parameter defaults too."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -40,21 +46,22 @@ class FleetOptions(BaseModel):
         default=0.2, gt=0, description="How often a learner looks for new global versions (s).")
     watch_every_s: float = Field(
         default=10.0, gt=0,
-        description="While a round waits, look after the learners this often (s); also after every 5 rounds.")
+        description=f"While a round waits, look after the learners this often (s); also after every "
+        f"{WATCH_EVERY_ROUNDS} rounds.")
     heartbeat_timeout_s: float = Field(
-        default=60.0, gt=0,
+        default=HealingPolicy.heartbeat_timeout_s, gt=0,
         description="A learner whose newest heartbeat in the bucket is older than this (s) is not alive: a Running "
         "flow run of it is a zombie, cancelled and launched again.")
     startup_grace_s: float = Field(
-        default=300.0, gt=0,
+        default=HealingPolicy.startup_grace_s, gt=0,
         description="A Running learner flow run that has taken no lease after this long (s) is a zombie.")
     orphan_timeout_s: float = Field(
         default=900.0, gt=0,
         description="A learner exits by itself (saving its state) when no round has been committed for this long (s).")
     relaunch_backoff_s: float = Field(
-        default=5.0, ge=0, description="Least time between two launches of one learner (s).")
+        default=HealingPolicy.relaunch_backoff_s, ge=0, description="Least time between two launches of one learner (s).")
     max_launches: int = Field(
-        default=50, ge=1, description="Most flow runs launched per learner by one training run.")
+        default=HealingPolicy.max_launches, ge=1, description="Most flow runs launched per learner by one training run.")
 
     def policy(self) -> HealingPolicy:
         return HealingPolicy(heartbeat_timeout_s=self.heartbeat_timeout_s, startup_grace_s=self.startup_grace_s,
@@ -64,6 +71,12 @@ class FleetOptions(BaseModel):
         """Learner-flow parameters set by these options (besides the run URL and learner id)."""
         return {"threads": self.threads, "poll_interval_s": self.poll_interval_s,
                 "orphan_timeout_s": self.orphan_timeout_s}
+
+
+def default_of(model: type[BaseModel], name: str) -> Any:
+    """The default of ``model``'s field ``name``: what the CLI's flags and the flows' parameters that
+    set it default to, so each default is written once, on its field."""
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 DEFAULT_SEGMENT_ROUNDS = 500
@@ -112,14 +125,12 @@ class TrainingRunOptions(BaseModel):
         "server writes per round, and a round waits for them (docs/prefect.md, 'What a round costs').")
     record_rounds: bool = Field(
         default=True,
-        description="Run each round inline in the training-run process and create its flow run afterwards, "
-        "from a background thread, already Completed, with the same artifacts and event: no round waits for "
-        "the Prefect API, so the synchronizer keeps up with fast learners (small H) and the run trains at "
-        "the H it was configured with. A recorded round's flow run has no task runs and no logs of its own "
-        "(they go to the training run). False: each round is a flow run executed by Prefect's engine, with "
-        "its two task runs and its logs, which costs ~0.6 s of API calls per round on the round's path; "
-        "fine when rounds are seconds apart (large H), or to debug a round. Ignored with nest_rounds "
-        "(docs/prefect.md, 'What a round costs').")
+        description="Run each round inline in the training-run process and create its flow run afterwards "
+        "(already Completed, with the same artifacts and event), so no round waits for the Prefect API and the "
+        "synchronizer keeps up with fast learners (small H); such a flow run has no task runs or logs of its own "
+        "(they go to the training run). False: each round is a flow run executed by Prefect's engine, with its "
+        "task runs and logs, at ~0.6 s of API calls per round on the round's path: fine when rounds are seconds "
+        "apart (large H), or to debug a round. Ignored with nest_rounds (docs/prefect.md, 'What a round costs').")
     segment_rounds: int = Field(
         default=DEFAULT_SEGMENT_ROUNDS, ge=1,
         description="Rounds per training-run flow run: after this many, the run continues in a new flow run "

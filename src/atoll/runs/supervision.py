@@ -34,8 +34,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["SupervisionAction", "SupervisionPolicy", "TrainingRunObservation", "SupervisionDecision",
-           "decide_training_run"]
+from atoll.runs.healing import STOP_GRACE_S, HealingPolicy
+
+__all__ = ["SupervisionAction", "SupervisionPolicy", "SupervisorOptions", "TrainingRunObservation",
+           "SupervisionDecision", "decide_training_run", "SUPERVISOR_INTERVAL_S", "supervisor_lifetime_s"]
+
+SUPERVISOR_INTERVAL_S = 600.0
+"""``atoll deploy`` schedules a supervisor flow run this often (each lives just under it)."""
+
+SUPERVISOR_LIFETIME_MARGIN_S = 30.0
+"""A scheduled supervisor ends this long before the next one starts: at most one watches at a time."""
+
+
+def supervisor_lifetime_s(interval_s: float) -> float:
+    """Lifetime of each supervisor flow run scheduled every ``interval_s``: just under it, so one is
+    (almost) always watching and a crashed one is replaced at the next tick."""
+    return max(1.0, interval_s - SUPERVISOR_LIFETIME_MARGIN_S)
 
 
 class SupervisionAction(StrEnum):
@@ -51,15 +65,16 @@ class SupervisionAction(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisionPolicy:
-    """Knobs of :func:`decide_training_run`."""
+    """Knobs of :func:`decide_training_run` (the supervisor flow's and ``atoll supervise``'s defaults)."""
 
-    heartbeat_timeout_s: float = 60.0
-    """A synchronizer whose newest heartbeat is older than this is not alive. It heartbeats while it
-    polls an open round (every poll, throttled to a few seconds); merging a huge fragment or
-    evaluating must take less than this."""
+    heartbeat_timeout_s: float = HealingPolicy.heartbeat_timeout_s
+    """A synchronizer whose newest heartbeat is older than this is not alive. It heartbeats every
+    few seconds, as a learner does (so the default is a learner's, :class:`HealingPolicy`), from a
+    background thread while its process makes progress."""
 
-    startup_grace_s: float = 300.0
-    """A Running training run with no lease after this long is a zombie."""
+    startup_grace_s: float = HealingPolicy.startup_grace_s
+    """A Running training run with no lease after this long is a zombie (starting one takes what
+    starting a learner takes: a process, imports, the bucket's state)."""
 
     relaunch_backoff_s: float = 10.0
     """Least time between the newest training-run flow run's creation and a relaunch."""
@@ -69,6 +84,25 @@ class SupervisionPolicy:
 
     window_s: float = 3600.0
     """The window ``max_relaunches`` counts over."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorOptions:
+    """How the supervisor looks (its loop), beside what it decides (:class:`SupervisionPolicy`): the
+    supervisor flow's parameters and ``atoll supervise``'s flags default to these."""
+
+    check_every_s: float = 5.0
+    """Time between two passes over the recent runs."""
+
+    lifetime_s: float = supervisor_lifetime_s(SUPERVISOR_INTERVAL_S)
+    """A supervisor flow run ends after this long (the deployment's schedule starts the next)."""
+
+    window_s: float = 86400.0
+    """A pass looks at every run with a training-run flow run created this recently."""
+
+    stop_grace_s: float = STOP_GRACE_S
+    """Finishing a stop requested in the UI: how long learners get to save and exit before their
+    flow runs are cancelled."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,13 +108,15 @@ class RunContext:
     def hold_lease(self, flow_run_id: str | None = None) -> Lease:
         """Take the run's next synchronizer lease (fencing any older training run of the run): from
         now on every poll heartbeats in the bucket and checks the stop marker and the fence."""
-        self._lease = self.synchronizer().hold_lease(flow_run_id)
+        sync = self.synchronizer()
+        self._lease = sync.hold_lease(flow_run_id)
         # Heartbeats also come from a background thread while the process makes progress (any task
         # asking for the synchronizer within STALL_TIMEOUT_S): starting up, launching learners,
         # merging or evaluating must not look like death to the supervisor. A frozen or killed
         # process stops heartbeating at once; a hung one after STALL_TIMEOUT_S.
-        self._keeper = LeaseKeeper(self.store.sibling(), SYNCHRONIZER_HOLDER, self._lease, interval_s=5.0,
-                                   stall_timeout_s=STALL_TIMEOUT_S, log=lambda line: None)
+        self._keeper = LeaseKeeper(self.store.sibling(), SYNCHRONIZER_HOLDER, self._lease,
+                                   interval_s=sync.options.heartbeat_interval_s, stall_timeout_s=STALL_TIMEOUT_S,
+                                   log=lambda line: None)
         self._keeper.start()
         return self._lease
 
@@ -134,7 +136,10 @@ class RunContext:
         """Stop the background heartbeat and drain the round recorder (the training run is ending).
         ``drain=False``: do not wait for the recorder (a fenced run: its successor records)."""
         if self.recorder is not None:
-            self.recorder.close(timeout_s=60.0 if drain else 0.0)
+            if drain:
+                self.recorder.close()
+            else:
+                self.recorder.close(timeout_s=0.0)
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None

@@ -18,7 +18,7 @@ from typing import Any
 
 from prefect.states import Cancelling
 
-from atoll.runs.healing import ATOLL_CANCEL_PREFIX
+from atoll.runs.healing import ATOLL_CANCEL_PREFIX, STOP_GRACE_S, HealingPolicy
 from atoll.storage.bucket import RunStore
 from atoll.tasks.queries import (
     ACTIVE_STATE_TYPES,
@@ -40,8 +40,9 @@ class StopReport:
     """Flow runs cancelled through Prefect (names)."""
 
 
-def mark_stopped_and_wait(store: RunStore, *, reason: str, by: str, grace_s: float = 20.0,
-                          heartbeat_timeout_s: float = 60.0, log: Callable[[str], None] = print,
+def mark_stopped_and_wait(store: RunStore, *, reason: str, by: str, grace_s: float = STOP_GRACE_S,
+                          heartbeat_timeout_s: float = HealingPolicy.heartbeat_timeout_s,
+                          log: Callable[[str], None] = print,
                           sleep: Callable[[float], None] = time.sleep) -> StopReport:
     """Mark the run stopped, then wait up to ``grace_s`` for its live learners to exit by themselves."""
     store.mark_stopped(reason, by)
