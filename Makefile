@@ -2,10 +2,15 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# pytest parallelism is off by default: CI has 2 cores and the servers share them.
+# Extra pytest arguments for either test target, e.g. PYTEST_ARGS='-k quorum -x'.
 PYTEST_ARGS ?=
+# pytest-xdist workers. Most of the full suite waits (on servers, polling, learner processes), so
+# more workers than CI's 2 cores still pays; tests/conftest.py keeps on one worker what shares a
+# server, and says which tests are in the fast tier.
+TEST_WORKERS ?= 3
+FAST_WORKERS ?= 2
 
-.PHONY: test check demo venv clean postgres
+.PHONY: test test-fast check demo venv clean postgres
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +34,25 @@ check: venv
 postgres: venv
 	@sh .ci/ensure-postgres $(BIN)/python
 
+# pytest with $(1) in a fresh PREFECT_HOME; every process it starts inherits ATOLL_TEST_TAG, and
+# .ci/leftovers fails the target if any of them outlives it (and stops them).
+define run_pytest
+	home=$$(mktemp -d); tag=atoll-test-$$$$-$$(date +%s); \
+	env PREFECT_HOME=$$home PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
+	    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=90 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false \
+	    ATOLL_TEST_TAG=$$tag $(BIN)/python -m pytest $(1) $(PYTEST_ARGS); status=$$?; \
+	$(PYTHON) .ci/leftovers $$tag || status=1; rm -rf $$home; exit $$status
+endef
+
+# The full suite: every tier, every real component (Prefect servers and stacks, moto, the GCS
+# emulator, PostgreSQL, learner processes), lint and types first. Longest groups start first.
 test: check postgres
-	PREFECT_HOME=$$(mktemp -d) PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=90 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false \
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(call run_pytest,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
+# The inner loop: unit tests, the pure core and policies, storage on the memory and local backends;
+# no server, no process (tests/conftest.py). Under 3 minutes on 2 cores. No lint: see `make check`.
+test-fast: venv
+	$(call run_pytest,-m fast -n $(FAST_WORKERS) --dist loadgroup)
 
 # Local stack (Prefect server + a process worker per pool), deploy, train the demo preset with 4
 # learners on the two pools; prints the UI address, the final validation loss and the bucket path.
