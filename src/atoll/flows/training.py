@@ -31,6 +31,8 @@ that heartbeat to relaunch a crashed or zombie training run. A run marked stoppe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -47,7 +49,7 @@ from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
 from atoll.flows.round import ROUND_FLOW, outer_round, recorded_round
 from atoll.runs.manage import RunInfo, prepare_run
-from atoll.runs.options import TrainingRunOptions
+from atoll.runs.options import WATCH_EVERY_ROUNDS, TrainingRunOptions
 from atoll.runs.report import last_val_loss, round_flow_name
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER, emit, run_resource
@@ -61,14 +63,11 @@ from atoll.tasks.queries import (
     flow_id,
     run_tag,
 )
-from atoll.tasks.recorder import artifact_keys
+from atoll.tasks.recorder import RoundRecorder, artifact_keys
 from atoll.tasks.rounds import watch_learners
 from atoll.train.lease import Fenced, RunStopped
 
 __all__ = ["training_run", "WATCH_EVERY_ROUNDS"]
-
-WATCH_EVERY_ROUNDS = 5
-"""Between rounds, the learners are looked after every this many rounds."""
 
 
 def _prepare(options: TrainingRunOptions) -> RunInfo:
@@ -114,7 +113,65 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
         ctx.release(drain=not fenced)
 
 
+RoundRunner = Callable[[int], dict[str, Any]]
+"""Runs round ``r`` of the run to its commit and returns the round's summary."""
+
+
+@dataclass
+class _Segment:
+    """What one training-run flow run (a segment of the run) runs, and what it ran."""
+
+    start_round: int
+    deployment: Any
+    """This flow run's deployment (the next segment is launched on it); None: no segments."""
+    limit: int
+    """Most rounds this flow run runs before it hands the run over."""
+    recorded: bool
+    """Rounds run inline; the recorder creates each one's flow run after its commit."""
+    round_tags: list[str]
+    recorder: RoundRecorder
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+    stopped: bool = False
+    started_at: float = 0.0
+
+
 def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> dict[str, Any]:
+    """Open the segment, run its rounds one of three ways, then finish the run or hand it over."""
+    seg = _open_segment(ctx, info, keys, log)
+    launcher: RoundLauncher | None = None
+    if seg.recorded:
+        run_round = _recorded_rounds(ctx, log)
+    elif ctx.options.nest_rounds or not prefect_flow_run.id:
+        run_round = _subflow_rounds(ctx, info.run_id)
+    else:
+        launcher = RoundLauncher(info.run_id, tags=seg.round_tags)
+        run_round = launcher.bind(ctx)
+    try:
+        _run_rounds(ctx, info, seg, run_round, log)
+    finally:
+        if launcher is not None:
+            launcher.close()
+    return _close_segment(ctx, info, keys, seg, log)
+
+
+def _recorded_rounds(ctx: RunContext, log: Any) -> RoundRunner:
+    """Rounds inline, in this process: no round waits for the Prefect API (``record_rounds``)."""
+
+    def run(r: int) -> dict[str, Any]:
+        with TagsContext(current_tags=set()):  # the recorder tags the round's flow run itself
+            return recorded_round(ctx, r, log)
+
+    return run
+
+
+def _subflow_rounds(ctx: RunContext, run_id: str) -> RoundRunner:
+    """Each round a subflow of the training run (``nest_rounds``, or a flow called outside a flow run)."""
+    return lambda r: outer_round(ctx, r, run_id=run_id)
+
+
+def _open_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> _Segment:
+    """Say what this flow run will run, link the segment it continues, start the progress artifact
+    and the recorder (recording committed rounds that have no flow run yet), look after the learners."""
     options = ctx.options
     start_round = info.latest_round
     deployment = _own_deployment()
@@ -145,34 +202,29 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
                      f"run before this one ended before it recorded them): {backfilled[0]}..{backfilled[-1]}")
     if ctx.fleet is not None and not ctx.finished:
         watch_learners(ctx)
+    return _Segment(start_round=start_round, deployment=deployment, limit=limit, recorded=recorded,
+                    round_tags=round_tags, recorder=recorder)
 
-    launcher = None if recorded or options.nest_rounds or not prefect_flow_run.id else RoundLauncher(
-        info.run_id, tags=round_tags)
+
+def _run_rounds(ctx: RunContext, info: RunInfo, seg: _Segment, run_round: RoundRunner, log: Any) -> None:
+    """Run rounds until the run is finished, stopped, or this segment's limit: a failed round is
+    retried from the bucket's state under ROUND_RETRY; a fenced training run leaves at once."""
     failures = 0
-    stopped = False
-    summaries: list[dict[str, Any]] = []
-    t0 = time.monotonic()
+    seg.started_at = time.monotonic()
     # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it). The
     # settings are entered once for the loop: building a Settings object costs ~0.1-0.6 s.
     no_heartbeat = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(no_heartbeat), tags(run_tag(info.run_id), ROUND_TAG):
-        while not ctx.finished and len(summaries) < limit:
+        while not ctx.finished and len(seg.summaries) < seg.limit:
             r = ctx.next_round
             try:
-                if recorded:  # inline: the recorder creates the round's flow run afterwards
-                    with TagsContext(current_tags=set()):
-                        out = recorded_round(ctx, r, log)
-                elif launcher is None:
-                    out = outer_round(ctx, r, run_id=info.run_id)
-                else:
-                    out = launcher.run(ctx, r)
-                failures = 0
+                out = run_round(r)
             except Fenced:  # a newer training run of this run holds the lease: this one is superseded
                 raise
             except RunStopped as e:  # atoll stop: end now, Completed; learners exit by themselves
                 log.warning(f"run {info.run_id} stopped at round {r - 1}: {e}")
-                stopped = True
-                break
+                seg.stopped = True
+                return
             except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state
                 failures += 1
                 log.warning(f"round {r} failed ({failures} in a row): {e!r}; retrying from the bucket")
@@ -181,44 +233,47 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
                 time.sleep(ROUND_RETRY.delay_s(failures - 1))
                 ctx.reload()
                 continue
-            summaries.append(out)
+            failures = 0
+            seg.summaries.append(out)
             if ctx.fleet is not None and not ctx.finished and r % WATCH_EVERY_ROUNDS == 0:
                 with TagsContext(current_tags=set()):  # the loop's tags are for round flow runs only
                     watch_learners(ctx)
 
-    if launcher is not None:
-        launcher.close()
-    report = recorder.flush()
+
+def _close_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], seg: _Segment,
+                   log: Any) -> dict[str, Any]:
+    """Write the run's summary artifact, then hand the run over to the next segment, or emit
+    ``atoll.run.finished`` (its last round is committed, or it was stopped)."""
+    report = seg.recorder.flush()
     store = ctx.store
     latest = store.latest_round()
     finished = latest >= info.max_rounds
     records = store.history(max(1, latest - 64), latest) if latest else []
     loss = last_val_loss(records)
-    goodput = report.goodput if report is not None and recorder.recorded else (
-        summaries[-1].get("goodput") if summaries else None)
-    handing_over = not stopped and not finished
-    status = "stopped" if stopped else "finished" if finished else f"continues from round {latest + 1}"
+    goodput = report.goodput if report is not None and seg.recorder.recorded else (
+        seg.summaries[-1].get("goodput") if seg.summaries else None)
+    status = "stopped" if seg.stopped else "finished" if finished else f"continues from round {latest + 1}"
     create_markdown_artifact(
         key=keys["run"], description=f"run {info.run_id}",
         markdown=(f"# Run `{info.run_id}` {status}\n\n| | |\n|---|---|\n| bucket | `{info.run_url}` |\n"
                   f"| rounds committed | {latest} of {info.max_rounds} |\n"
-                  f"| rounds in this flow run | {len(summaries)} in {time.monotonic() - t0:.0f} s |\n"
+                  f"| rounds in this flow run | {len(seg.summaries)} in {time.monotonic() - seg.started_at:.0f} s |\n"
                   f"| final validation loss | {f'{loss:.4f}' if loss is not None else '-'} |\n"
                   f"| goodput | {f'{100 * goodput:.1f}%' if goodput is not None else '-'} |\n"
                   f"| checkpoints | {', '.join(map(str, store.list_checkpoints())) or '-'} |\n"),
     )
-    out_: dict[str, Any] = {"run_url": info.run_url, "run_id": info.run_id, "rounds": latest, "val_loss": loss,
-                            "goodput": goodput, "action": info.action, "stopped": stopped}
-    if handing_over:
+    out: dict[str, Any] = {"run_url": info.run_url, "run_id": info.run_id, "rounds": latest, "val_loss": loss,
+                           "goodput": goodput, "action": info.action, "stopped": seg.stopped}
+    if not seg.stopped and not finished:
         ctx.release()  # stop heartbeating and drain the recorder before the next segment takes the lease
-        nxt = _hand_over(ctx, info, keys, latest, deployment, log)
-        out_["next_segment"] = str(nxt.id) if nxt is not None else None
-        return out_
+        nxt = _hand_over(ctx, info, keys, latest, seg.deployment, log)
+        out["next_segment"] = str(nxt.id) if nxt is not None else None
+        return out
     emit(RUN_FINISHED, run_resource(info.run_id, info.run_url),
-         {"rounds": latest, "max_rounds": info.max_rounds, "stopped": stopped, "val_loss": loss, "goodput": goodput},
-         flow_runs={"training-run": prefect_flow_run.id})
+         {"rounds": latest, "max_rounds": info.max_rounds, "stopped": seg.stopped, "val_loss": loss,
+          "goodput": goodput}, flow_runs={"training-run": prefect_flow_run.id})
     log.info(f"run {info.run_id} {status} at round {latest}; validation loss {loss}; bucket {info.run_url}")
-    return out_
+    return out
 
 
 class RoundLauncher:
@@ -237,6 +292,10 @@ class RoundLauncher:
         if self._client is not None:
             self._client.__exit__(None, None, None)
             self._client = None
+
+    def bind(self, ctx: RunContext) -> RoundRunner:
+        """This launcher as the way the segment runs its rounds."""
+        return lambda r: self.run(ctx, r)
 
     def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
         from prefect.client.schemas.actions import FlowRunCreate
