@@ -6,7 +6,7 @@ Side by side in one process, on the same device (``auto``: CUDA, then MPS, then 
 
 * **(a) learner tokens/s vs a bare PyTorch loop**: the same model (same init), the same batch
   size, the same data stream and the same AdamW + grad clip, with the same autocast. The bare
-  loop is just forward, backward, clip, step. The learner is :class:`atoll.train.learner.Learner`
+  loop is just forward, backward, clip, step. The learner is :class:`atoll.train.inner.RecipeLearner`
   on a run in a local folder: per-step lr schedule, counters, and with H = P a fragment published
   on *every* step (delta on the device, one device-to-host copy, encode, sha256, payload + record
   written create-once), plus its periodic inner-state saves. Blocks of steps alternate between the

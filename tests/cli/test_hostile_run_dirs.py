@@ -1,4 +1,4 @@
-"""``atoll status`` and ``atoll resume`` on hostile run folders (issue 10, item 7): they only read,
+"""``atoll status`` and ``atoll resume`` on hostile run folders: they only read,
 and every broken folder is one line on stderr, ``atoll: error: ...``, exit status 2: never a
 traceback, never a hang.
 

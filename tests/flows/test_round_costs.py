@@ -1,4 +1,4 @@
-"""What a round costs Prefect, counted rather than timed (issue 12): HTTP calls to the Prefect API
+"""What a round costs Prefect, counted rather than timed: HTTP calls to the Prefect API
 per round, the task runs and artifacts of each round flow run, and the events a run emits, read
 back from the API.
 
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(400)
 
 MAX_CALLS_PER_ROUND = 9.0
 """Calls per round other than log shipping and CSRF tokens. Measured 7.3 in all on 2 cores (8.25 besides logs in a
-loaded CI run; 12.1-12.3 with nest_rounds; before issue 12: 14.5, plus ~0.4 s per tagged task run waiting
-for its tag-concurrency call and ~0.6 s per round building a Settings object)."""
+loaded CI run; 12.1-12.3 with nest_rounds). A round that makes a tagged task run pays ~0.4 s waiting for its
+tag-concurrency call, and one that builds a Settings object ~0.6 s: the round path does neither."""
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -194,7 +194,7 @@ MAX_RECORDED_CALLS_PER_ROUND = 3.0
 """Recorded rounds: the round's flow run (one call, created Completed) and its one artifact (summary
 and contributions), both written by the recorder's thread; none on the round's own path. Two
 artifacts a round (a keyed summary and a keyed contributions table) cost the server 35 ms of CPU
-where one without a key costs 11 ms (session 9)."""
+where one without a key costs 11 ms."""
 
 
 def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(

@@ -1,5 +1,5 @@
 """A long run continues as chained training-run flow runs (segments) every ``segment_rounds``
-rounds (issue 12): one run to the user (same run tag, each segment linked to the next and back),
+rounds: one run to the user (same run tag, each segment linked to the next and back),
 no round lost or run twice across a hand-over, and the supervisor neither mistakes a segment that
 handed over for a finished run nor misses a crashed segment.
 

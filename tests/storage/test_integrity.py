@@ -106,7 +106,7 @@ def test_contributions_must_be_signed_when_the_run_has_keys(run):
     assert listing.rejected[unsigned.key].kind is RejectionKind.BAD_SIGNATURE
     assert "not signed" in listing.rejected[unsigned.key].detail
     assert listing.rejected[stranger.key].kind is RejectionKind.BAD_SIGNATURE
-    # Without keys, behaviour is as before: all three are listed.
+    # Without keys, all three are listed.
     assert len(backend.open(url, keyring=Keyring()).list_contributions(0, 0).records) == 3
 
 

@@ -234,7 +234,7 @@ def test_merge_on_a_device_equals_the_cpu_merge(monkeypatch: pytest.MonkeyPatch)
 
 def test_synchronizer_device_option(tmp_path: Path, no_accelerator: None) -> None:
     store = _run(tmp_path)
-    assert Synchronizer(store).device == torch.device("cpu")  # default: cpu, as before
+    assert Synchronizer(store).device == torch.device("cpu")  # default: cpu
     assert Synchronizer(store, options=SynchronizerOptions(device="auto")).device == torch.device("cpu")
     with pytest.raises(DeviceError, match="SynchronizerOptions.device"):
         Synchronizer(store, options=SynchronizerOptions(device="cuda"))

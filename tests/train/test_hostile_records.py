@@ -1,5 +1,5 @@
 """Hostile records cannot stop the synchronizer: each becomes a recorded rejection (or is ignored)
-and the real synchronizer loop commits more rounds afterwards. A first slice of issue 10."""
+and the real synchronizer loop commits more rounds afterwards."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Counters the synchronizer can check (issue 10, item 6): a contribution claiming more tokens than
+"""Counters the synchronizer can check: a contribution claiming more tokens than
 its steps could consume (steps x batch x context from the recipe) or more steps than are possible
 since its base version is an ``impossible_counters`` rejection with no weight, while honest
 learners keep being merged and the real synchronizer loop goes on.

@@ -67,7 +67,7 @@ def test_synchronizer_fences_stale_incarnations_and_never_merges_two_of_one_lear
     old = publish(store, L0, 0, 0, steps=2, incarnation=1)
     assert store.take_learner_lease(L0).incarnation == 2  # a second copy of learner-0 starts
     new = publish(store, L0, 0, 0, steps=1, incarnation=2, seed=1)  # sorts before the old one
-    plain = publish(store, L1, 0, 0, steps=2, incarnation=0, seed=2)  # never leased: as before
+    plain = publish(store, L1, 0, 0, steps=2, incarnation=0, seed=2)  # never leased: accepted
     sync = Synchronizer(store, options=SynchronizerOptions(poll_interval_s=0.01))
     polled = sync.poll()
     assert isinstance(polled, RoundPoll)

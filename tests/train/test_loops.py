@@ -62,10 +62,12 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
     history = store.history()
     assert [r.round for r in history] == list(range(1, 41))
     losses = [r.stats["val_loss"] for r in history if "val_loss" in r.stats]
-    # It trains: every evaluation is far below the untrained model's ln(256) = 5.55 nats, and a later
-    # one beats the first. Not "the last beats the first": three free-running learners on a loaded
-    # 2-core machine can end on an uptick (CI once saw 3.28, 3.13, 3.11, 3.39).
-    assert len(losses) == 4 and max(losses) < 4.0 and min(losses[1:]) < losses[0], losses
+    # It trains: every evaluation is below the untrained model's ln(256) = 5.55 nats, the best is far
+    # below it, and a later one beats the first. How far the first evaluation has come depends on how
+    # many inner steps the free-running learners fit into 10 rounds, which a loaded 2-core machine
+    # shrinks (4.22 at round 10 has been seen), and the curve can end on an uptick (3.11, then 3.39).
+    assert len(losses) == 4, losses
+    assert max(losses) < 5.0 and min(losses) < 3.6 and min(losses[1:]) < losses[0], losses
     # Every accepted contribution is a record a learner published, with the same counters.
     seen_learners = set()
     for rec in history:

@@ -350,10 +350,10 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
     * H = P = 8 (paper 24), tau = 2 (paper 2), K = 1 + grace gamma 0.5 (paper the same): rounds
       frequent enough for a laptop. Without the grace window the quality benchmark lands 9% worse.
     * Outer step lr 0.8, momentum 0 (paper Nesterov 0.7 / 0.9): at this tiny scale the paper's values
-      over-amplify RDA's merged update (1.25x data-parallel's loss before issue 15, vs 1.003x with
+      over-amplify RDA's merged update (1.25x data-parallel's loss with Nesterov 0.7 / 0.9, vs 1.003x with
       lr 1); RDA's merged step (its radius is the contributions' mean norm, not the norm of their
       mean) is still a little long at lr 1: 0.8 is 1.2-2.1% better on both corpora, 0.6 and 1.25
-      worse (benchmarks/quality.py, README).
+      worse (benchmarks/quality.py, docs/benchmarks.md).
     * Inner AdamW peak lr 6e-3: the best inner lr of the decoupled rows on both of the benchmark's
       corpora (grid 3e-3 / 6e-3 / 1.2e-2); warmup 20 own steps, then a cosine to 10% over the
       run's rounds (``schedule="run"``), so every learner, fast or slow, ends at the floor.
