@@ -23,6 +23,9 @@ a directory.
 Transient failures (connection reset, timeouts, HTTP 5xx, 429 / throttling) are retried with
 bounded exponential backoff and jitter, then raised as :class:`TransientStorageError` naming the
 operation and URL. Storage options are never logged: :func:`redact` masks anything secret.
+
+Every attempt of every operation is counted (:attr:`ObjectStore.wire`, :meth:`ObjectStore.wire_counts`):
+requests by kind and body bytes up and down, as :mod:`atoll.storage.wire` models the backend.
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ from fsspec.implementations.local import LocalFileSystem
 from atoll.core.retry import STORAGE_RETRY, RetryPolicy
 from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
+from atoll.storage.wire import WireCounts, WireMeter, requests_sent
 
 __all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "is_transient", "redact", "io_map", "IO_THREADS",
-           "IO_THREADS_DEFAULT"]
+           "IO_THREADS_DEFAULT", "WireCounts"]
 
 IO_THREADS_DEFAULT = 16
 IO_THREADS = max(1, int(os.environ.get("ATOLL_IO_THREADS") or IO_THREADS_DEFAULT))
@@ -179,6 +183,8 @@ def _http_status_transient(e: BaseException) -> bool:
 
 
 _MEMORY_LOCK = threading.Lock()
+_FAILED = object()
+"""What an attempt returned when it was cut short before its call (a fault, an interrupt)."""
 
 
 class NotRegularFileError(StorageError):
@@ -310,6 +316,8 @@ class ObjectStore:
         self._made_dirs: set[str] = set()
         self.op_counts: Counter[str] = Counter()
         """Operations issued (after retries count separately as 'retry')."""
+        self.wire = WireMeter()
+        """Requests and bytes sent to the backend, every attempt, all threads (:mod:`atoll.storage.wire`)."""
 
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> ObjectStore:
@@ -331,13 +339,16 @@ class ObjectStore:
         return join_url(self.url, key)
 
     # -- retries -----------------------------------------------------------------------------
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def _call(self, op: str, key: str, fn: Callable[[], T], *, up: int = 0, whole: bool = False) -> T:
+        """``fn()``, retried on transient errors; every attempt is counted on :attr:`wire`
+        (``up``: the body a write sends; ``whole``: a read without a byte range)."""
         self.op_counts[op] += 1
         last: BaseException | None = None
         for attempt in range(max(1, self.retry.attempts)):
             if attempt:
                 self.op_counts["retry"] += 1
                 self._sleep(self.retry.delay_s(attempt - 1, self._rng))
+            result: Any = _FAILED
             try:
                 if _FAULTS is not None:  # chaos only (ATOLL_FAULT_STORAGE)
                     _FAULTS.before(op)
@@ -346,11 +357,26 @@ class ObjectStore:
                     _FAULTS.after(op)
                 return result
             except Exception as e:  # noqa: BLE001 - classified below
+                result = e
                 if not is_transient(e):
                     raise
                 last = e
+            finally:
+                self._count(op, result, up=up, whole=whole)
         assert last is not None
         raise TransientStorageError(op, self.key_url(key), max(1, self.retry.attempts), last) from last
+
+    def _count(self, op: str, result: object, *, up: int, whole: bool) -> None:
+        """Add what one attempt of ``op`` sent to the backend (:func:`~atoll.storage.wire.requests_sent`);
+        ``result``: what the attempt returned, or the exception it raised."""
+        down = len(result) if isinstance(result, bytes) else None
+        entries = len(result) if isinstance(result, list) else None
+        self.wire.add(requests_sent(self.protocol, op, up=up, down=down, entries=entries, whole=whole,
+                                    missing=isinstance(result, FileNotFoundError)))
+
+    def wire_counts(self) -> WireCounts:
+        """Requests and bytes this store has sent so far, all threads together (a snapshot)."""
+        return self.wire.snapshot()
 
     # -- operations --------------------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
@@ -370,7 +396,7 @@ class ObjectStore:
                 return bytes(self.fs.cat_file(path))
             return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
 
-        return self._call("get", key, cat)
+        return self._call("get", key, cat, whole=max_bytes is None)
 
     def get_or_none(self, key: str, **kwargs: Any) -> bytes | None:
         try:
@@ -389,9 +415,9 @@ class ObjectStore:
                     os.replace(tmp, path)
                 finally:
                     _unlink_quietly(tmp)
-            self._call("put", key, local_put)
+            self._call("put", key, local_put, up=len(data))
         else:
-            self._call("put", key, lambda: self.fs.pipe_file(path, data))
+            self._call("put", key, lambda: self.fs.pipe_file(path, data), up=len(data))
 
     def create(self, key: str, data: bytes) -> bool:
         """Create-once: True if this call created the object, False if it already existed.
@@ -419,7 +445,7 @@ class ObjectStore:
                 self.fs.pipe_file(path, data, mode="create")
 
         try:
-            self._call("create", key, attempt)
+            self._call("create", key, attempt, up=len(data))
             return True
         except FileExistsError:
             if tries > 1 and self.get_or_none(key) == data:
