@@ -190,6 +190,12 @@ class _ProcessGuard:
                         "os.system"})
 
     def __init__(self) -> None:
+        # matplotlib runs fc-list to list the system fonts the first time it is imported on a
+        # machine (then it keeps a cache): do that now, so the first plotting test is not blamed.
+        try:
+            import matplotlib.font_manager  # noqa: F401
+        except ImportError:
+            pass
         self.current: str | None = None
         self.seen: dict[str, str] = {}
         self.before: tuple[float, set[int]] = (0.0, set())
