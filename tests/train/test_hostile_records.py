@@ -108,6 +108,36 @@ def test_huge_reported_step_time_cannot_set_a_huge_grace_window(tmp_path: Path) 
     assert step is not None and math.isfinite(step) and step <= MAX_TIMING_S
 
 
+@pytest.mark.parametrize("junk", [{"bytes_up": 10**400, "puts": -5, "gets": "lots", "heads": True, "lists": 1.5,
+                                   "tokens": 2**70},
+                                  "a string", [1, 2], None, {"deletes": {"nested": 1}}],
+                         ids=["clipped", "string", "list", "null", "nested"])
+def test_junk_wire_reports_are_clipped_or_left_out(tmp_path: Path, junk) -> None:
+    store, learners, sync, clock = _run(tmp_path)
+    _learner_has_published(store, learners, sync, clock)
+    original = RunStore.publish_contribution
+    liar = learners[0].learner_id
+
+    def lying(self, learner_id, *args, **kwargs):  # one learner reports junk as its traffic
+        if learner_id == liar:
+            kwargs["info"] = {**(kwargs.get("info") or {}), "wire": junk}
+        return original(self, learner_id, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunStore, "publish_contribution", lying)
+        done = _rounds(learners, sync, clock, 4)
+    assert len(done) >= 4
+    reports = [r.record.stats.get("learner_wire", {}) for r in done]
+    honest = [rep[lid] for rep in reports for lid in rep if lid != liar]
+    assert honest and all(v["puts"] > 0 and v["tokens"] > 0 for v in honest)
+    lies = [rep[liar] for rep in reports if liar in rep]
+    if isinstance(junk, dict) and junk.get("bytes_up"):
+        assert lies and all(v == {"puts": 0, "gets": 0, "heads": 0, "lists": 0, "deletes": 0, "bytes_up": 2**50,
+                                  "bytes_down": 0, "tokens": 2**50} for v in lies)
+    else:
+        assert not lies
+
+
 def test_directory_where_a_record_belongs_is_a_rejection(tmp_path: Path) -> None:
     store, learners, sync, clock = _run(tmp_path)
     _learner_has_published(store, learners, sync, clock)

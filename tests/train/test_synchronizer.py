@@ -12,6 +12,7 @@ from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentRoundResult
 from atoll.storage import RunStore
 from atoll.storage.records import AcceptedContribution, BlobRef, ContributionRecord
+from atoll.storage.wire import WireCounts
 from atoll.train.inner import RecipeLearner, run_learner
 from atoll.train.learner import FetchError, LearnerOptions
 from atoll.train.recipe import smoke_recipe
@@ -153,6 +154,40 @@ def test_round_stats_by_hand() -> None:
     }
     nothing = round_stats(poll, [], None, val_loss=None, fragment_numel=10)
     assert nothing["bytes_out_per_learner"] == 0 and nothing["update_norm"] == 0.0 and "val_loss" not in nothing
+
+
+def test_round_stats_carry_the_round_s_traffic_and_each_contributor_s_report() -> None:
+    wire = {"puts": 3, "gets": 9, "heads": 0, "lists": 4, "deletes": 0, "bytes_up": 1000, "bytes_down": 5000}
+    recs = {"k-a": _record("a", 4, 400, 100, wire={**wire, "tokens": 800}),
+            "k-b": _record("b", 2, 200, 50, wire={"bytes_up": -3, "gets": 2**60, "puts": 1.0, "tokens": "many"}),
+            "k-c": _record("c", 2, 200, 50, wire="not counts")}
+    poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.5, 2.0, 2.0))
+    stats = round_stats(poll, [], None, val_loss=None, fragment_numel=10, wire=WireCounts(gets=2, lists=7))
+    assert stats["wire"] == {"puts": 0, "gets": 2, "heads": 0, "lists": 7, "deletes": 0, "bytes_up": 0, "bytes_down": 0}
+    assert stats["learner_wire"] == {
+        "a": {**wire, "tokens": 800},
+        "b": {"puts": 0, "gets": 2**50, "heads": 0, "lists": 0, "deletes": 0, "bytes_up": 0, "bytes_down": 0,
+              "tokens": 0},  # clipped; a float or a string is not a count
+    }  # c reported no counts at all: left out
+
+
+def test_each_round_counts_the_synchronizer_s_traffic_since_its_previous_commit() -> None:
+    url, learners = fresh_run()
+    sync = Synchronizer(RunStore.open(url), clock=Clock())
+    start = sync.store.store.wire_counts()
+    rounds = []
+    while len(rounds) < 3:
+        for lr in learners:
+            lr.step()
+        sync.clock.t += 1.0  # type: ignore[attr-defined]
+        while isinstance(s := sync.tick(), RoundSummary):
+            rounds.append(s.record)
+    per_round = [WireCounts(**r.stats["wire"]) for r in rounds]
+    # Every byte the store sent is in exactly one round, or after the last commit.
+    assert sum(per_round, WireCounts()) + sync.round_wire() == sync.store.store.wire_counts() - start
+    assert all(w.lists >= 1 and w.bytes_down > 0 for w in per_round)  # each round listed and read deltas
+    assert all(w.puts >= 3 for w in per_round[1:])  # the previous commit: fragment, momentum, record (+ head)
+    assert rounds[-1].stats["learner_wire"].keys() == {a.learner_id for a in rounds[-1].accepted}
 
 
 def test_next_timings_by_hand() -> None:

@@ -265,10 +265,13 @@ class RunStore:
     def __repr__(self) -> str:
         return f"RunStore({self.store!r})"
 
-    def sibling(self) -> RunStore:
+    def sibling(self, *, metered_apart: bool = False) -> RunStore:
         """Another handle on the same run: shares the object store and the (immutable) manifest,
-        but has its own record caches, so a second thread can poll without sharing state."""
-        other = RunStore(self.store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring,
+        but has its own record caches, so a second thread can poll without sharing state.
+        ``metered_apart``: its object store counts its requests and bytes apart from this one's
+        (:meth:`ObjectStore.metered_apart`; a handle for someone else in the process)."""
+        store = self.store.metered_apart() if metered_apart else self.store
+        other = RunStore(store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring,
                          read_only=self.read_only)
         other._manifest, other._manifest_sha = self._manifest, self._manifest_sha
         return other

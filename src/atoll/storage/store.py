@@ -30,6 +30,7 @@ requests by kind and body bytes up and down, as :mod:`atoll.storage.wire` models
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import random
@@ -377,6 +378,15 @@ class ObjectStore:
     def wire_counts(self) -> WireCounts:
         """Requests and bytes this store has sent so far, all threads together (a snapshot)."""
         return self.wire.snapshot()
+
+    def metered_apart(self) -> ObjectStore:
+        """This store (same filesystem, root, retries) with counts of its own: for a second
+        party in one process whose traffic is not this one's (a round recorder beside the
+        synchronizer, a learner of a virtual run)."""
+        other = copy.copy(self)
+        other.wire = WireMeter()
+        other.op_counts = Counter()
+        return other
 
     # -- operations --------------------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["PAGE_ENTRIES", "PART_BYTES", "REPORT_LIMIT", "WIRE_FIELDS", "WireCounts", "WireMeter", "requests_sent",
-           "wire_from_report"]
+           "tokens_from_report", "wire_from_report", "wire_report"]
 
 PAGE_ENTRIES = 1000
 """Entries per LIST response (S3 ListObjectsV2 and GCS objects.list pages)."""
@@ -168,15 +168,28 @@ def requests_sent(protocol: str, op: str, *, up: int = 0, down: int | None = Non
     raise ValueError(f"unknown store operation {op!r}")
 
 
+def wire_report(counts: WireCounts, *, tokens: int) -> dict[str, int]:
+    """What a learner reports with each contribution (its ``info["wire"]``): its store's counts
+    since it started and the tokens it trained in the same span."""
+    return {**counts.to_dict(), "tokens": int(tokens)}
+
+
+def _count(v: Any, limit: int) -> int | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return min(max(v, 0), limit)
+    return None
+
+
+def tokens_from_report(value: Any, *, limit: int = REPORT_LIMIT) -> int:
+    """The ``tokens`` of a reported :func:`wire_report` (untrusted): clipped, 0 if not an integer."""
+    return (_count(value.get("tokens"), limit) or 0) if isinstance(value, Mapping) else 0
+
+
 def wire_from_report(value: Any, *, limit: int = REPORT_LIMIT) -> WireCounts | None:
     """Counts someone else reported (JSON, untrusted): each known field a non-negative integer,
     clipped to ``limit``; a field that is missing or not an integer counts 0 (a bool, a float, a
     string are not counts). None if ``value`` is not a mapping or carries no count at all."""
     if not isinstance(value, Mapping):
         return None
-    out: dict[str, int] = {}
-    for f in WIRE_FIELDS:
-        v = value.get(f)
-        if isinstance(v, int) and not isinstance(v, bool):
-            out[f] = min(max(v, 0), limit)
+    out = {f: n for f in WIRE_FIELDS if (n := _count(value.get(f), limit)) is not None}
     return WireCounts(**out) if out else None

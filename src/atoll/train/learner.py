@@ -38,6 +38,7 @@ from atoll.core.align import LearnerCounters, align_fragment
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
+from atoll.storage.wire import wire_report
 from atoll.train.device import flat_fragment_to_device, fragment_delta_to_host
 from atoll.train.fetcher import FetchError
 from atoll.train.publisher import Outbox, Outgoing
@@ -401,7 +402,7 @@ class Learner:
         fc = self.counters.fragments[p]
         loss = self.summary.last_loss
         info = {"step": self.step_count, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
-                "loss": round(loss, 6) if math.isfinite(loss) else None}
+                "loss": round(loss, 6) if math.isfinite(loss) else None, "wire": self.wire_report()}
         outgoing = Outgoing(self.learner_id, p, fc.base_version, fc.frozen(), info, self.incarnation,
                             self.plan.fragment_numel(p))
         if not self.outbox.publish(outgoing, functools.partial(self.weights.delta_to_host, self, p),
@@ -410,6 +411,12 @@ class Learner:
         self.summary.published += 1
         if self.lockstep:
             self.pending.append((self.step_count + self.config.overlap_steps, p, fc.base_version))
+
+    def wire_report(self) -> dict[str, int]:
+        """What this learner has sent and fetched so far, for its contributions' ``info["wire"]``:
+        the requests and bytes of its object store since it was opened (every thread of the
+        process: publisher, fetcher, heartbeats) and the tokens trained meanwhile."""
+        return wire_report(self.store.store.wire_counts(), tokens=self.summary.tokens)
 
     # -- new global versions ------------------------------------------------------------------------
     def run_progress(self) -> float | None:

@@ -52,6 +52,7 @@ from atoll.storage.integrity import IntegrityError
 from atoll.storage.liveness import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
+from atoll.storage.wire import WireCounts, tokens_from_report, wire_from_report, wire_report
 from atoll.train.device import fragment_to_device, fragment_to_host, resolve_device
 from atoll.train.lease import Fenced, RunStopped
 from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
@@ -155,6 +156,7 @@ class Synchronizer:
         """The synchronizer lease this object holds (None: none; nothing lifecycle-related happens)."""
         self._life_checked_at: float | None = None
         self.heartbeat_errors = 0
+        self._wire_mark = store.store.wire_counts()
 
     # -- lease, heartbeat, stop ----------------------------------------------------------------
     def hold_lease(self, flow_run_id: str | None = None, *, lease: Lease | None = None) -> Lease:
@@ -395,8 +397,10 @@ class Synchronizer:
             if result is None or key not in result.weights:
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
         val_loss = self._evaluate(r, p, result)
+        sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
         stats = round_stats(poll, accepted, result, val_loss=val_loss,
-                            fragment_numel=self.plan.fragment_numel(p))
+                            fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark)
+        self._wire_mark = sent
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
                                steady=self._rounds_closed > 0)
         commit = self.store.commit_round(
@@ -411,6 +415,12 @@ class Synchronizer:
         if self.schedule.checkpoints(r):
             self.store.write_checkpoint(r)
         return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss)
+
+    def round_wire(self) -> WireCounts:
+        """What this synchronizer's store sent since its previous commit (or since it started):
+        the open round's polls, reads, merge inputs, new fragment and heartbeats, and the previous
+        commit's record and head (a commit record cannot count its own bytes)."""
+        return self.store.store.wire_counts() - self._wire_mark
 
     def tick(self) -> RoundSummary | QuorumDecision:
         """Poll once and close if the policy says so. Returns a RoundSummary if a round committed."""
@@ -586,9 +596,24 @@ def _seconds(value: Any) -> float | None:
     return min(max(x, 0.0), MAX_TIMING_S)
 
 
+def learner_wire(recs: Mapping[str, ContributionRecord]) -> dict[str, dict[str, int]]:
+    """Each contributor's reported traffic (``info["wire"]`` of its accepted record): the
+    learner's own numbers, so each field is an integer clipped to [0, 2^50] and a report that is
+    not one is left out (:func:`~atoll.storage.wire.wire_from_report`)."""
+    out: dict[str, dict[str, int]] = {}
+    for rec in sorted(recs.values(), key=lambda r: (r.learner_id, r.key)):
+        reported = rec.info.get("wire")
+        counts = wire_from_report(reported)
+        if counts is not None:
+            out[rec.learner_id] = wire_report(counts, tokens=tokens_from_report(reported))
+    return out
+
+
 def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
-                val_loss: float | None, fragment_numel: int) -> dict[str, Any]:
-    """The commit record's ``stats``: round facts for people (pure; JSON-able)."""
+                val_loss: float | None, fragment_numel: int, wire: WireCounts | None = None) -> dict[str, Any]:
+    """The commit record's ``stats``: round facts for people (pure; JSON-able). ``wire``: what the
+    synchronizer's store sent since its previous commit (``stats["wire"]``); each contributor's
+    own report goes to ``stats["learner_wire"]``."""
     merged = {a.key for a in accepted}
     recs = poll.accepted
     d = poll.decision
@@ -609,6 +634,11 @@ def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: F
     }
     if val_loss is not None and math.isfinite(val_loss):
         stats["val_loss"] = round(val_loss, 6)
+    if wire is not None:
+        stats["wire"] = wire.to_dict()
+    reported = learner_wire(recs)
+    if reported:
+        stats["learner_wire"] = reported
     return stats
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.storage.bucket import RunStore
+from atoll.storage.wire import WireCounts
 from atoll.train.inner import RecipeLearner
 from atoll.train.run import load_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
@@ -55,6 +56,13 @@ class VirtualResult:
     steps: dict[str, int] = field(default_factory=dict)
     """Inner steps per learner."""
 
+    wire: dict[str, WireCounts] = field(default_factory=dict)
+    """Requests and bytes each party's object store sent while training, by learner id and
+    ``"synchronizer"`` (with ``own_stores``; without, everyone shares one store: ``"all"``)."""
+
+    join_wire: dict[str, WireCounts] = field(default_factory=dict)
+    """The same, for joining (before the first step: manifest, recipe, the whole model, saved state)."""
+
 
 def run_virtual(
     store: RunStore,
@@ -67,10 +75,15 @@ def run_virtual(
     eval_every_tokens: int = 0,
     sync_options: SynchronizerOptions | None = None,
     log: Callable[[str], None] = lambda s: None,
+    own_stores: bool = False,
 ) -> VirtualResult:
-    """Train the run in ``store`` until the learners have consumed ``token_budget`` tokens."""
+    """Train the run in ``store`` until the learners have consumed ``token_budget`` tokens.
+
+    ``own_stores``: each learner on its own handle of the run, counted apart, reading every new
+    version itself (as separate processes do); the synchronizer on ``store``. Otherwise all share
+    ``store`` and read each new version once."""
     run = _VirtualRun(store, base_step_s=base_step_s, step_noise=step_noise, seed=seed,
-                      sync_options=sync_options, log=log)
+                      sync_options=sync_options, log=log, own_stores=own_stores)
     result = run.result
     next_eval = eval_every_tokens or None
     while run.events and result.tokens < token_budget:
@@ -86,6 +99,8 @@ def run_virtual(
     result.rounds = run.sync.round
     result.merged_per_round = sum(run.merged) / len(run.merged) if run.merged else 0.0
     result.steps = {lr.learner_id: lr.summary.steps for lr in run.learners}
+    result.join_wire = run.joined
+    result.wire = {k: v - run.joined.get(k, WireCounts()) for k, v in run.wire().items()}
     return result
 
 
@@ -93,14 +108,18 @@ class _VirtualRun:
     """The learners, the synchronizer and the event queue of one virtual run; ``now`` is the clock."""
 
     def __init__(self, store: RunStore, *, base_step_s: float, step_noise: float, seed: int,
-                 sync_options: SynchronizerOptions | None, log: Callable[[str], None]) -> None:
+                 sync_options: SynchronizerOptions | None, log: Callable[[str], None], own_stores: bool = False) -> None:
         self.now = 0.0
+        self.store, self.own_stores = store, own_stores
         self.sync = Synchronizer(store, options=sync_options or SynchronizerOptions(poll_interval_s=base_step_s / 4),
                                  clock=lambda: self.now)
-        self.learners = [RecipeLearner(store, spec.learner_id, log=log) for spec in load_recipe(store).learners]
+        specs = load_recipe(store).learners
+        handles = [store.sibling(metered_apart=True) if own_stores else store for _ in specs]
+        self.learners = [RecipeLearner(h, spec.learner_id, log=log) for h, spec in zip(handles, specs, strict=True)]
         self.base_step_s, self.step_noise = base_step_s, step_noise
         self.rng = random.Random(seed)
         self.reader = store.sibling()
+        self.readers = [h.sibling() for h in handles] if own_stores else [self.reader] * len(specs)
         self.seen_round = [lr.start_round for lr in self.learners]
         self.fragment_cache: dict[int, dict[str, torch.Tensor]] = {}
         self.result = VirtualResult()
@@ -113,6 +132,7 @@ class _VirtualRun:
         self.sync_wake: float | None = None
         for i in range(len(self.learners)):
             self.push(self.step_s(i), "learner", i)
+        self.joined = self.wire()
 
     def step_s(self, i: int) -> float:
         """Draw learner i's next step duration (and remember it: the learner reports it)."""
@@ -125,12 +145,23 @@ class _VirtualRun:
         heapq.heappush(self.events, (t, self.seq, kind, i))
 
     def adopt_committed(self, i: int) -> None:
-        for rec in self.reader.poll_commits(self.seen_round[i]):
+        reader = self.readers[i]
+        for rec in reader.poll_commits(self.seen_round[i]):
             if rec.updated:
-                if rec.round not in self.fragment_cache:
-                    self.fragment_cache[rec.round] = self.reader.read_global_fragment(rec.fragment, rec.round)
-                self.learners[i].adopt(rec.round, rec.fragment, self.fragment_cache[rec.round])
+                if self.own_stores:  # every learner reads the new version itself
+                    self.learners[i].adopt(rec.round, rec.fragment, reader.read_global_fragment(rec.fragment, rec.round))
+                else:
+                    if rec.round not in self.fragment_cache:
+                        self.fragment_cache[rec.round] = reader.read_global_fragment(rec.fragment, rec.round)
+                    self.learners[i].adopt(rec.round, rec.fragment, self.fragment_cache[rec.round])
             self.seen_round[i] = rec.round
+
+    def wire(self) -> dict[str, WireCounts]:
+        if not self.own_stores:
+            return {"all": self.store.store.wire_counts()}
+        out = {lr.learner_id: lr.store.store.wire_counts() for lr in self.learners}
+        out["synchronizer"] = self.store.store.wire_counts()
+        return out
 
     def next_event(self) -> None:
         """The next event (a learner's step, or a recheck the synchronizer asked for), then the
