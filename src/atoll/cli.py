@@ -115,7 +115,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=precisions, default=default("precision"),
                    help="delta precision (default %(default)s)")
     p.add_argument("--download-precision", choices=precisions, default=default("download_precision"),
-                   help="merged fragment precision (default: the delta's)")
+                   help="merged fragment precision (default %(default)s: the master copy learners fetch)")
     p.add_argument("--step-s", type=float, required=True, help="inner-step time (s)")
     p.add_argument("--wan-gbps", type=float, required=True, help="WAN bandwidth per learner (Gbit/s)")
     p.add_argument("--learners", "-M", type=int, default=default("learners"),
@@ -123,6 +123,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-precision", choices=["fp32", "bf16"], default=default("dp_precision"),
                    help="DP gradient precision (default %(default)s)")
     p.add_argument("--grace-factor", type=float, default=default("grace_factor"), help="gamma (default %(default)s)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="tokens a learner trains per inner step: adds bytes per token, records included")
     p.set_defaults(handler=_plan)
 
 
@@ -143,6 +145,15 @@ def _plan(args: argparse.Namespace) -> int:
         grace_factor=args.grace_factor,
     )
     print("\n".join(result.lines()))
+    if args.tokens_per_step:
+        from atoll.core.config import DilocoConfig
+        from atoll.sim.planner import plan_wire
+
+        config = DilocoConfig(num_learners=args.learners, num_fragments=args.fragments, inner_steps=args.inner_steps,
+                              overlap_steps=args.tau, compression=args.precision)
+        print("\n".join(plan_wire(config, params=int(args.params), tokens_per_step=args.tokens_per_step,
+                                  download_precision=args.download_precision,
+                                  dp_precision=args.dp_precision).lines()))
     return 0
 
 

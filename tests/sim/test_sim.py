@@ -290,17 +290,20 @@ def test_encoded_bytes_matches_core_codecs() -> None:
 
 
 def test_plan_hand_computed_bf16() -> None:
-    # 24 M params, P = H = 24 -> 1 M params per fragment, one round per step of 1 s
+    # 24 M params, P = H = 24 -> 1 M params per fragment, one round per step of 1 s; a bf16 delta
+    # up, the fp32 fragment (what learners fetch) down unless told otherwise
     p = plan(params=24_000_000, precision="bf16", step_s=1.0, wan_gbps=1.0, learners=2)
     assert p.fragment_params == 1_000_000
-    assert p.upload_bytes_per_round == p.download_bytes_per_round == 2_000_000
+    assert p.upload_bytes_per_round == 2_000_000 and p.download_bytes_per_round == 4_000_000
     assert p.rounds_per_second == 1.0
-    assert p.bytes_per_second == 4_000_000
+    assert p.bytes_per_second == 6_000_000
     assert p.dp_bytes_per_second == 2 * (1 / 2) * 48_000_000  # ring all-reduce of bf16 grads, M = 2
-    assert p.ratio == pytest.approx(12.0)
-    assert p.transfer_s == pytest.approx(4_000_000 / 125_000_000)  # 1 Gbit/s = 125 MB/s
+    assert p.ratio == pytest.approx(8.0)
+    assert p.transfer_s == pytest.approx(6_000_000 / 125_000_000)  # 1 Gbit/s = 125 MB/s
     assert p.hidden_s == 2.0 and p.hides
-    assert p.grace_s == pytest.approx(0.5 * (2 * 1.0 - 2_000_000 / 125_000_000))
+    assert p.grace_s == pytest.approx(0.5 * (2 * 1.0 - 4_000_000 / 125_000_000))
+    both = plan(params=24_000_000, precision="bf16", download_precision="bf16", step_s=1.0, wan_gbps=1.0, learners=2)
+    assert both.download_bytes_per_round == 2_000_000 and both.ratio == pytest.approx(12.0)
 
 
 def test_plan_hand_computed_int4_and_h_gt_p() -> None:
@@ -354,4 +357,4 @@ def test_cli_plan_smoke(capsys) -> None:
     rc = main(["plan", "--params", "24e6", "--step-s", "1", "--wan-gbps", "1", "-M", "2"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "ratio DP / decoupled:          12.0x" in text and "communication hidden:          yes" in text
+    assert "ratio DP / decoupled:          8.0x" in text and "communication hidden:          yes" in text

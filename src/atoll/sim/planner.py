@@ -1,7 +1,13 @@
 """Bandwidth planner: what one learner sends per round and per second, against data-parallel.
 
 Byte accounting matches :mod:`atoll.core.compress`: fp32 4 B/param, bf16 2 B/param, int4 one
-nibble per element (blocks zero-padded) plus one fp32 scale per block.
+nibble per element (blocks zero-padded) plus one fp32 scale per block. A learner fetches the
+synchronizer's fp32 fragment (the downlink is fp32 unless told otherwise).
+
+:func:`plan` is the link budget (payloads, per second, against DP, whether transfers hide);
+:func:`plan_wire` is what a run of a given :class:`~atoll.core.config.DilocoConfig` puts on the
+wire per round and per token, records and file headers included: the figure the object-store
+counters (``atoll.storage.wire``) measure, which benchmarks print beside it.
 """
 
 from __future__ import annotations
@@ -9,9 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from atoll.core.config import DilocoConfig
 from atoll.core.quorum import QuorumPolicy, TimingEstimates, grace_window_s
 
-__all__ = ["Plan", "encoded_bytes", "plan"]
+__all__ = ["Plan", "WirePlan", "encoded_bytes", "plan", "plan_wire"]
 
 
 def encoded_bytes(n: int, precision: str, block_size: int = 32) -> int:
@@ -66,7 +73,7 @@ def plan(
     inner_steps: int = 24,
     overlap_steps: int = 2,
     precision: str = "bf16",
-    download_precision: str | None = None,
+    download_precision: str = "fp32",
     step_s: float,
     wan_gbps: float,
     learners: int = 8,
@@ -78,7 +85,8 @@ def plan(
 ) -> Plan:
     """Per-learner traffic of Decoupled DiLoCo vs data-parallel at the same step time.
 
-    * A learner uploads one fragment delta every H/P steps and downloads the merged fragment.
+    * A learner uploads one fragment delta every H/P steps and downloads the merged fragment
+      (``download_precision``, default fp32: the synchronizer's master copy, what learners fetch).
     * Data-parallel all-reduces the full gradient every step; a ring all-reduce moves
       ``2 (M - 1) / M`` gradient sizes through each member's link.
     * Communication hides if one round's upload + download fits in the τ overlap steps
@@ -92,7 +100,7 @@ def plan(
         raise ValueError("step_s, wan_gbps and learners must be > 0")
     frag = math.ceil(params / num_fragments)
     up = encoded_bytes(frag, precision, block_size)
-    down = encoded_bytes(frag, download_precision or precision, block_size)
+    down = encoded_bytes(frag, download_precision, block_size)
     steps_between = inner_steps / num_fragments
     rounds_per_s = 1.0 / (steps_between * step_s)
     bps = (up + down) * rounds_per_s
@@ -116,4 +124,137 @@ def plan(
         hides=transfer <= hidden and util <= 1.0,
         utilisation=util,
         grace_s=grace,
+    )
+
+
+# What atoll's objects add around the tensors (measured on its records; JSON, so they vary by a
+# few bytes with names and numbers). Tiny against a real model's fragments, not against a toy's.
+SAFETENSORS_ENTRY_BYTES = 70
+"""Header bytes of one stored array in a safetensors file, beside its name (dtype, shape, offsets)."""
+CONTRIBUTION_RECORD_BYTES = 570
+"""A contribution record without its tensor list (ids, counters, payload ref, digest, ``info``)."""
+CONTRIBUTION_TENSOR_BYTES = 50
+"""A contribution record's entry for one tensor, beside its name (codec, block size, shape)."""
+COMMIT_RECORD_BYTES = 700
+"""A commit record without its state table and contributors (round, chain, timings, stats)."""
+COMMIT_FRAGMENT_BYTES = 225
+"""A commit record's state-table entry for one fragment (version, params and momentum refs)."""
+COMMIT_CONTRIBUTOR_BYTES = 380
+"""A commit record's bytes per merged contributor (accepted entry, pool, loss, wire report)."""
+HEAD_BYTES = 40
+"""The ``sync/head.json`` hint the synchronizer writes after each commit."""
+TENSOR_NAME_CHARS = 24
+"""Assumed length of a parameter name when only the tensor count is known."""
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """Predicted traffic of a run, per round and per token (bodies of PUTs and GETs, as counted by
+    ``atoll.storage.wire``), with every learner contributing to every round at the nominal
+    cadence: one round per H / P steps of each learner."""
+
+    fragment_params: int
+    """Parameters in one fragment (params / P, rounded up)."""
+    payload_bytes: int
+    """One contribution's payload: the encoded delta in a safetensors file."""
+    contribution_record_bytes: int
+    """One contribution's record."""
+    fragment_bytes: int
+    """One new global fragment as a learner fetches it."""
+    commit_record_bytes: int
+    """One commit record (every learner reads each one)."""
+    momentum_bytes: int
+    """The fragment's outer momentum, written by the synchronizer each round (fp32)."""
+    learners: int
+    """M: learners contributing to each round."""
+    steps_per_round: float
+    """Each learner's inner steps per round: H / P."""
+    tokens_per_step: int
+    """Tokens one learner trains on per inner step."""
+    dp_bytes_per_token: float
+    """Data-parallel per member: a ring all-reduce of the full gradient every step."""
+
+    @property
+    def up_bytes_per_round(self) -> int:
+        """One learner's uplink per round: its contribution's payload and record."""
+        return self.payload_bytes + self.contribution_record_bytes
+
+    @property
+    def down_bytes_per_round(self) -> int:
+        """One learner's downlink per round: the commit record and the new fragment."""
+        return self.commit_record_bytes + self.fragment_bytes
+
+    @property
+    def up_requests_per_round(self) -> int:
+        """One learner's PUTs per round (payload, record); polls and heartbeats come on top."""
+        return 2
+
+    @property
+    def down_requests_per_round(self) -> int:
+        """One learner's GETs per round that bring bytes (commit record, fragment); each poll that
+        finds no new round adds one GET of nothing."""
+        return 2
+
+    @property
+    def sync_up_bytes_per_round(self) -> int:
+        """The synchronizer's uplink per round: new fragment, its momentum, commit record, head."""
+        return self.fragment_bytes + self.momentum_bytes + self.commit_record_bytes + HEAD_BYTES
+
+    @property
+    def sync_down_bytes_per_round(self) -> int:
+        """The synchronizer's downlink per round: every contributor's record and payload."""
+        return self.learners * (self.contribution_record_bytes + self.payload_bytes)
+
+    def per_token(self, bytes_per_round: float) -> float:
+        """Bytes per round of one learner as bytes per token that learner trains."""
+        return bytes_per_round / (self.steps_per_round * self.tokens_per_step)
+
+    @property
+    def up_bytes_per_token(self) -> float:
+        return self.per_token(self.up_bytes_per_round)
+
+    @property
+    def down_bytes_per_token(self) -> float:
+        return self.per_token(self.down_bytes_per_round)
+
+    def lines(self) -> list[str]:
+        return [
+            f"per round, each learner:  up {self.up_bytes_per_round:,} B ({self.up_requests_per_round} PUT), "
+            f"down {self.down_bytes_per_round:,} B ({self.down_requests_per_round} GET + polls)",
+            f"per token trained:        up {self.up_bytes_per_token:,.1f} B, down {self.down_bytes_per_token:,.1f} B, "
+            f"data-parallel {self.dp_bytes_per_token:,.1f} B",
+            f"synchronizer per round:   up {self.sync_up_bytes_per_round:,} B, down {self.sync_down_bytes_per_round:,} B",
+        ]
+
+
+def _safetensors_bytes(n: int, precision: str, tensors: int, block_size: int) -> int:
+    arrays = tensors * (2 if precision == "int4" else 1)  # int4: codes and scales
+    return encoded_bytes(n, precision, block_size) + 8 + arrays * (SAFETENSORS_ENTRY_BYTES + TENSOR_NAME_CHARS)
+
+
+def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensors: int | None = None,
+              download_precision: str = "fp32", dp_precision: str = "bf16") -> WirePlan:
+    """What a run of ``config`` on a model of ``params`` parameters in ``tensors`` tensors (default:
+    one per fragment) puts on the wire, per round and per token; ``tokens_per_step``: tokens one
+    learner trains on per inner step. Deltas travel in ``config.compression``, new fragments in
+    ``download_precision`` (learners fetch the fp32 master)."""
+    if params < 1 or tokens_per_step < 1:
+        raise ValueError("need params >= 1 and tokens_per_step >= 1")
+    p, m = config.num_fragments, config.num_learners
+    per_fragment = max(1, math.ceil((tensors if tensors is not None else p) / p))
+    frag = math.ceil(params / p)
+    block = config.compression_block_size
+    dp = 2.0 * (m - 1) / m * encoded_bytes(params, dp_precision, block) / tokens_per_step if m > 1 else 0.0
+    return WirePlan(
+        fragment_params=frag,
+        payload_bytes=_safetensors_bytes(frag, config.compression, per_fragment, block),
+        contribution_record_bytes=CONTRIBUTION_RECORD_BYTES
+        + per_fragment * (CONTRIBUTION_TENSOR_BYTES + TENSOR_NAME_CHARS),
+        fragment_bytes=_safetensors_bytes(frag, download_precision, per_fragment, block),
+        commit_record_bytes=COMMIT_RECORD_BYTES + p * COMMIT_FRAGMENT_BYTES + m * COMMIT_CONTRIBUTOR_BYTES,
+        momentum_bytes=_safetensors_bytes(frag, "fp32", per_fragment, block),
+        learners=m,
+        steps_per_round=config.inner_steps / p,
+        tokens_per_step=tokens_per_step,
+        dp_bytes_per_token=dp,
     )
