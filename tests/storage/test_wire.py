@@ -19,7 +19,17 @@ import pytest
 from storage_helpers import FsProxy, counters, fragment_delta, init_run
 
 from atoll.storage import ObjectStore, RetryPolicy, RunStore, paths
-from atoll.storage.wire import PART_BYTES, REPORT_LIMIT, WireCounts, requests_sent, wire_from_report
+from atoll.storage.wire import (
+    PART_BYTES,
+    REPORT_LIMIT,
+    WireCounts,
+    WireMeter,
+    meter_from_report,
+    requests_sent,
+    tokens_from_report,
+    wire_from_report,
+    wire_report,
+)
 
 # -- the counts themselves -----------------------------------------------------------------------
 
@@ -67,6 +77,15 @@ def test_the_backend_model_counts_what_each_client_sends() -> None:
                                   {"puts": 1.5}, {"puts": float("nan")}])
 def test_a_report_that_carries_no_counts_is_none(junk) -> None:
     assert wire_from_report(junk) is None
+
+
+def test_a_report_names_its_meter_and_only_a_plain_name_is_kept() -> None:
+    report = wire_report(WireCounts(puts=1), tokens=64, meter=WireMeter().id)
+    assert report["tokens"] == 64 and meter_from_report(report) == report["meter"] != WireMeter().id
+    for junk in ("", "x" * 33, "../x", "a b", 5, None):
+        assert meter_from_report({"meter": junk}) == ""
+    assert tokens_from_report({"tokens": -1}) == 0 and tokens_from_report({"tokens": 2.0}) == 0
+    assert tokens_from_report("x") == 0
 
 
 def test_reported_counts_are_clipped_and_junk_fields_count_zero() -> None:

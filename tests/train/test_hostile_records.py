@@ -109,7 +109,7 @@ def test_huge_reported_step_time_cannot_set_a_huge_grace_window(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("junk", [{"bytes_up": 10**400, "puts": -5, "gets": "lots", "heads": True, "lists": 1.5,
-                                   "tokens": 2**70},
+                                   "tokens": 2**70, "meter": "../../etc"},
                                   "a string", [1, 2], None, {"deletes": {"nested": 1}}],
                          ids=["clipped", "string", "list", "null", "nested"])
 def test_junk_wire_reports_are_clipped_or_left_out(tmp_path: Path, junk) -> None:
@@ -133,7 +133,7 @@ def test_junk_wire_reports_are_clipped_or_left_out(tmp_path: Path, junk) -> None
     lies = [rep[liar] for rep in reports if liar in rep]
     if isinstance(junk, dict) and junk.get("bytes_up"):
         assert lies and all(v == {"puts": 0, "gets": 0, "heads": 0, "lists": 0, "deletes": 0, "bytes_up": 2**50,
-                                  "bytes_down": 0, "tokens": 2**50} for v in lies)
+                                  "bytes_down": 0, "tokens": 2**50, "meter": ""} for v in lies)
     else:
         assert not lies
 

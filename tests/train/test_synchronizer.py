@@ -158,16 +158,17 @@ def test_round_stats_by_hand() -> None:
 
 def test_round_stats_carry_the_round_s_traffic_and_each_contributor_s_report() -> None:
     wire = {"puts": 3, "gets": 9, "heads": 0, "lists": 4, "deletes": 0, "bytes_up": 1000, "bytes_down": 5000}
-    recs = {"k-a": _record("a", 4, 400, 100, wire={**wire, "tokens": 800}),
-            "k-b": _record("b", 2, 200, 50, wire={"bytes_up": -3, "gets": 2**60, "puts": 1.0, "tokens": "many"}),
+    recs = {"k-a": _record("a", 4, 400, 100, wire={**wire, "tokens": 800, "meter": "m-1"}),
+            "k-b": _record("b", 2, 200, 50, wire={"bytes_up": -3, "gets": 2**60, "puts": 1.0, "tokens": "many",
+                                                   "meter": "x" * 33}),
             "k-c": _record("c", 2, 200, 50, wire="not counts")}
     poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.5, 2.0, 2.0))
     stats = round_stats(poll, [], None, val_loss=None, fragment_numel=10, wire=WireCounts(gets=2, lists=7))
     assert stats["wire"] == {"puts": 0, "gets": 2, "heads": 0, "lists": 7, "deletes": 0, "bytes_up": 0, "bytes_down": 0}
     assert stats["learner_wire"] == {
-        "a": {**wire, "tokens": 800},
+        "a": {**wire, "tokens": 800, "meter": "m-1"},
         "b": {"puts": 0, "gets": 2**50, "heads": 0, "lists": 0, "deletes": 0, "bytes_up": 0, "bytes_down": 0,
-              "tokens": 0},  # clipped; a float or a string is not a count
+              "tokens": 0, "meter": ""},  # clipped; a float or a string is not a count; a meter is a short name
     }  # c reported no counts at all: left out
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from atoll.runs.report import WireTracker, run_status
 from atoll.sim.planner import plan, plan_wire
 from atoll.storage import RunStore
 from atoll.storage.paths import to_url
@@ -79,6 +80,18 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     # Joining fetched the whole model once per learner: not a per-round cost.
     fp32_model = 4 * sum(t.numel() for t in params.values())
     assert all(w.bytes_down >= fp32_model for who, w in result.join_wire.items() if who != "synchronizer")
+    # What the bucket tells `atoll status`: every round's synchronizer traffic, and the learners'
+    # up to their last merged report (what they sent after it has no commit yet).
+    tracker = WireTracker()
+    for record in RunStore.open(url, read_only=True).history():
+        tracker.add(record)
+    rest = sync - tracker.synchronizer
+    assert min(rest.to_dict().values()) >= 0 and rest.puts >= 3  # the last commit's writes are in no round
+    joined = sum((w for who, w in result.join_wire.items() if who != "synchronizer"), WireCounts())
+    unreported = total + joined - tracker.learners
+    assert min(unreported.to_dict().values()) >= 0 and tracker.learners.puts >= total.puts - 2 * config.num_learners
+    lines = run_status(RunStore.open(url, read_only=True))
+    assert f"learners ({config.num_learners})" in "\n".join(lines) and any(x.startswith("synchronizer") for x in lines)
 
 
 def test_the_link_planner_counts_the_fp32_downlink_learners_fetch() -> None:

@@ -38,12 +38,15 @@ from atoll.storage.codec import load_record
 from atoll.storage.records import KIND_CONTRIBUTION, AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.store import io_map
 from atoll.storage.validation import InvalidInput
+from atoll.storage.wire import WIRE_FIELDS, WireCounts, meter_from_report, tokens_from_report, wire_from_report
 
 __all__ = [
     "MergedWork",
     "ContributionRow",
     "GoodputReport",
     "GoodputTracker",
+    "RoundWire",
+    "WireTracker",
     "contribution_rows",
     "contributions_from_markdown",
     "round_markdown",
@@ -191,6 +194,117 @@ class MergedWork:
         return {a.learner_id: self.add(record.fragment, a) for a in record.accepted}
 
 
+@dataclass(frozen=True)
+class RoundWire:
+    """One committed round's traffic, as the bucket's records tell it."""
+
+    synchronizer: WireCounts
+    """What the synchronizer's store sent since its previous commit (``stats.wire``)."""
+    learners: WireCounts
+    """What the round's contributors' stores sent since their previous report (summed)."""
+    learner_tokens: int
+    """Tokens those learners trained over the same spans."""
+    tokens_merged: int
+    """Tokens the round merged (``stats.tokens``)."""
+
+
+def _larger(a: WireCounts, b: WireCounts) -> WireCounts:
+    return WireCounts(**{f: max(getattr(a, f), getattr(b, f)) for f in WIRE_FIELDS})
+
+
+METERS_PER_LEARNER = 4
+"""A learner's meters (processes) a :class:`WireTracker` remembers: a late contribution of an
+earlier process still finds its predecessor's numbers."""
+
+
+class WireTracker:
+    """Learners' and the synchronizer's traffic, fed committed rounds in order.
+
+    A learner reports its store's counts since it started with each contribution (and its meter's
+    id: a new process, a new meter), and a commit carries its contributors' reports
+    (``stats.learner_wire``). Counts under one meter only grow, but contributions are not merged in
+    the order they were published, so a learner's traffic in a round is what its report adds to
+    the largest counts seen under that meter (nothing, for an older report); a new meter's report
+    counts in full. What a learner sends after its last merged contribution shows up with its next
+    one. Memory: a few meters per learner, and the last ``keep`` rounds."""
+
+    def __init__(self, *, keep: int = 4096) -> None:
+        self.keep = keep
+        self._last: dict[str, dict[str, tuple[WireCounts, int]]] = {}
+        self.rounds: dict[int, RoundWire] = {}
+        """Round -> its traffic, for the last ``keep`` rounds fed."""
+        self.synchronizer = WireCounts()
+        self.learners = WireCounts()
+        self.learner_tokens = 0
+        self.tokens_merged = 0
+        self.count = 0
+        """Rounds fed."""
+
+    def add(self, record: CommitRecord) -> RoundWire:
+        stats = record.stats
+        sync = wire_from_report(stats.get("wire")) or WireCounts()
+        reports = stats.get("learner_wire")
+        learners, tokens = WireCounts(), 0
+        for lid, reported in sorted(reports.items(), key=lambda kv: str(kv[0])) if isinstance(reports, Mapping) else ():
+            counts = wire_from_report(reported)
+            if counts is None or not isinstance(lid, str):
+                continue
+            added, more_tokens = self._note(lid, meter_from_report(reported), counts, tokens_from_report(reported))
+            learners, tokens = learners + added, tokens + more_tokens
+        merged = stats.get("tokens")
+        merged = merged if isinstance(merged, int) and not isinstance(merged, bool) and 0 <= merged < 2**53 else 0
+        out = RoundWire(synchronizer=sync, learners=learners, learner_tokens=tokens, tokens_merged=merged)
+        self.synchronizer += sync
+        self.learners += learners
+        self.learner_tokens += tokens
+        self.tokens_merged += merged
+        self.count += 1
+        self.rounds[record.round] = out
+        while len(self.rounds) > self.keep:
+            del self.rounds[next(iter(self.rounds))]
+        return out
+
+    def _note(self, learner: str, meter: str, counts: WireCounts, tokens: int) -> tuple[WireCounts, int]:
+        """What this report adds to the largest counts seen under its meter."""
+        meters = self._last.setdefault(learner, {})
+        seen, seen_tokens = meters.pop(meter, (WireCounts(), 0))
+        top = _larger(seen, counts)
+        meters[meter] = (top, max(seen_tokens, tokens))  # most recently used last
+        while len(meters) > METERS_PER_LEARNER:
+            del meters[next(iter(meters))]
+        return top - seen, max(0, tokens - seen_tokens)
+
+    @property
+    def reporting(self) -> int:
+        """Learners that have reported their traffic."""
+        return len(self._last)
+
+    def lines(self) -> list[str]:
+        """The run's traffic per round and per token (what ``atoll status`` prints)."""
+        n = self.count
+        if not n or not (self.synchronizer.requests or self.learners.requests):
+            return []  # no round of this run carries counts
+        head = (f"{'wire':<16} {'req/round':>9} {'up/round':>10} {'down/round':>10} {'B/token trained':>15} "
+                f"{'B/token merged':>14}")
+        out = [head]
+        for who, c in ((f"learners ({self.reporting})", self.learners), ("synchronizer", self.synchronizer)):
+            out.append(f"{who:<16} {c.requests / n:>9.1f} {_bytes(c.bytes_up / n):>10} {_bytes(c.bytes_down / n):>10} "
+                       f"{_per(c.bytes_total, self.learner_tokens):>15} {_per(c.bytes_total, self.tokens_merged):>14}")
+        out.append(f"  over {n} rounds; up and down, all requests; a learner's traffic as it reports it")
+        return out
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _per(n: int, tokens: int) -> str:
+    return f"{n / tokens:,.1f}" if tokens > 0 else "-"
+
+
 @dataclass
 class _LearnerWork:
     merged_steps: int = 0
@@ -208,6 +322,8 @@ class GoodputTracker:
         self.learners: dict[str, _LearnerWork] = {}
         self._seen: set[str] = set()
         self.merged = MergedWork()
+        self.wire = WireTracker()
+        """The run's traffic, from the same commit records (they carry it: nothing more is read)."""
 
     def _note(self, rec: ContributionRecord) -> _LearnerWork:
         work = self.learners.setdefault(rec.learner_id, _LearnerWork())
@@ -239,6 +355,7 @@ class GoodputTracker:
                 rec = _read_contribution(self.store, key, self.cache)
                 if rec is not None:
                     self._note(rec)
+            self.wire.add(record)
             self.after = record.round
 
     def update(self) -> GoodputReport:
@@ -311,11 +428,13 @@ CONTRIBUTION_COLUMNS = ("learner", "pool", "tokens", "steps", "weight", "status"
 
 
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
-                   max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None) -> str:
+                   max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None,
+                   wire: WireTracker | None = None) -> str:
     """The round's summary as markdown (the round flow run's one artifact): the round, its
     contributions table (``rows``: learner, pool, tokens, steps, weight, accepted or why not); with
     ``goodput``, the goodput so far overall and per learner; with ``inner_steps`` (H), the effective
-    H next to it."""
+    H next to it; the synchronizer's traffic for the round and, with ``wire`` (fed this round), the
+    learners'."""
     s = record.stats
     accepted = [r for r in rows if r.status == "accepted"]
     eff_h = steps_since_sync(rows)
@@ -336,6 +455,7 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         f"| tokens merged | {_fmt_int(s.get('tokens', 0), ',')} |",
         f"| bytes in (deltas) | {_fmt_int(s.get('bytes_in', 0), ',')} |",
         f"| bytes out per learner (new fragment) | {_fmt_int(s.get('bytes_out_per_learner', 0), ',')} |",
+        *_wire_rows(record, wire),
         f"| validation loss | {_fmt_num(s.get('val_loss'), '.4f', 'not measured this round')} |",
         f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
         f"| steps since last sync (mean of merged) | {_fmt_num(eff_h, '.1f')}"
@@ -352,6 +472,24 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         lines += ["", "| learner | goodput so far |", "|---|---|"]
         lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
     return "\n".join(lines) + "\n"
+
+
+def _wire_rows(record: CommitRecord, wire: WireTracker | None) -> list[str]:
+    """The round's traffic: synchronizer and learners, requests, bytes, bytes per token merged."""
+    got = wire.rounds.get(record.round) if wire is not None else None
+    sync = got.synchronizer if got is not None else wire_from_report(record.stats.get("wire"))
+    merged = got.tokens_merged if got is not None else 0
+    rows = []
+    if sync is not None and sync.requests:
+        rows.append(f"| wire, synchronizer (since its previous commit) | {_wire_cell(sync, merged)} |")
+    if got is not None and got.learners.requests:
+        rows.append(f"| wire, learners (since their previous report) | {_wire_cell(got.learners, merged)} |")
+    return rows
+
+
+def _wire_cell(c: WireCounts, merged: int) -> str:
+    per = f"; {c.bytes_total / merged:,.1f} B per token merged" if merged > 0 else ""
+    return f"{c.requests:,} requests, up {_bytes(c.bytes_up)}, down {_bytes(c.bytes_down)}{per}"
 
 
 def contributions_from_markdown(md: str) -> list[dict[str, str]]:
@@ -438,6 +576,8 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
         loss = last_val_loss(records)
         lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
                   tracker.report().line()]
+        wire = tracker.wire.lines()
+        lines += ["", *wire] if wire else []
     ckpts = checkpoint_rounds(store)
     if ckpts:
         lines.append(f"checkpoints at rounds: {', '.join(map(str, ckpts))}")

@@ -29,13 +29,15 @@ reported (a learner's contribution ``info``) as untrusted input.
 from __future__ import annotations
 
 import math
+import re
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["PAGE_ENTRIES", "PART_BYTES", "REPORT_LIMIT", "WIRE_FIELDS", "WireCounts", "WireMeter", "requests_sent",
-           "tokens_from_report", "wire_from_report", "wire_report"]
+           "meter_from_report", "tokens_from_report", "wire_from_report", "wire_report"]
 
 PAGE_ENTRIES = 1000
 """Entries per LIST response (S3 ListObjectsV2 and GCS objects.list pages)."""
@@ -105,6 +107,8 @@ class WireMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._total = WireCounts()
+        self.id = uuid.uuid4().hex[:12]
+        """Names this meter in reports: counts under one id only grow (a new process, a new id)."""
 
     def add(self, counts: WireCounts) -> None:
         with self._lock:
@@ -168,10 +172,20 @@ def requests_sent(protocol: str, op: str, *, up: int = 0, down: int | None = Non
     raise ValueError(f"unknown store operation {op!r}")
 
 
-def wire_report(counts: WireCounts, *, tokens: int) -> dict[str, int]:
+def wire_report(counts: WireCounts, *, tokens: int, meter: str) -> dict[str, Any]:
     """What a learner reports with each contribution (its ``info["wire"]``): its store's counts
-    since it started and the tokens it trained in the same span."""
-    return {**counts.to_dict(), "tokens": int(tokens)}
+    since it started, the tokens it trained in the same span, and the meter's id (reports of one
+    meter only grow; a reader takes differences between them, whatever order they arrive in)."""
+    return {**counts.to_dict(), "tokens": int(tokens), "meter": meter}
+
+
+_METER = re.compile(r"[0-9A-Za-z_-]{1,32}")
+
+
+def meter_from_report(value: Any) -> str:
+    """The ``meter`` of a reported :func:`wire_report` (untrusted): "" unless 1-32 letters, digits, - or _."""
+    meter = value.get("meter") if isinstance(value, Mapping) else None
+    return meter if isinstance(meter, str) and _METER.fullmatch(meter) else ""
 
 
 def _count(v: Any, limit: int) -> int | None:

@@ -59,7 +59,8 @@ class RunContext:
         self.info = info
         self.options = options
         self.store: RunStore = RunStore.open(info.run_url, options.storage_options)
-        self.tracker = GoodputTracker(self.store)
+        # The recorder's reads are for people: counted apart from the synchronizer's (commit stats.wire).
+        self.tracker = GoodputTracker(self.store.sibling(metered_apart=True))
         self.fleet: LearnerFleet | None = None
         if options.fleet.manage:
             self.fleet = LearnerFleet(
@@ -126,7 +127,7 @@ class RunContext:
         caller's context: call this first from the training run's flow). ``round_run_tags``:
         recorded rounds (the recorder creates each round's flow run, with these tags)."""
         if self.recorder is None:
-            self.recorder = RoundRecorder(self.store, run_id=self.run_id, max_rounds=self.info.max_rounds,
+            self.recorder = RoundRecorder(self.tracker.store, run_id=self.run_id, max_rounds=self.info.max_rounds,
                                           inner_steps=self.store.config.inner_steps,
                                           progress_artifact_id=progress_artifact_id, tracker=self.tracker,
                                           run_flow_run_id=run_flow_run_id, round_run_tags=round_run_tags).start()

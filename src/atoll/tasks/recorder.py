@@ -8,7 +8,8 @@ records of what got weight 0) from the bucket and writes, **attached to that rou
 (so the UI shows them on it, whenever they land):
 
 * one markdown artifact with no key: the round's summary with the goodput so far, overall and
-  per learner, the mean *steps since last sync* of the merged contributions (the effective H), and
+  per learner, the mean *steps since last sync* of the merged contributions (the effective H), the
+  round's traffic (synchronizer and learners: requests, bytes up and down, per token merged), and
   the contributions table (learner, pool, tokens, steps, weight, accepted or why not);
 
 and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`). When it falls behind
@@ -301,7 +302,7 @@ class RoundRecorder:
             rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
             fr = UUID(item.flow_run_id) if item.flow_run_id else None
             md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
-                                goodput=goodput, inner_steps=self.inner_steps)
+                                goodput=goodput, inner_steps=self.inner_steps, wire=self.tracker.wire)
             # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
             # write (it moves the key's latest version) and a key would gather one version per
             # round, 10^5 on a long run. The round's flow run is where a person looks for it.

@@ -412,11 +412,12 @@ class Learner:
         if self.lockstep:
             self.pending.append((self.step_count + self.config.overlap_steps, p, fc.base_version))
 
-    def wire_report(self) -> dict[str, int]:
+    def wire_report(self) -> dict[str, Any]:
         """What this learner has sent and fetched so far, for its contributions' ``info["wire"]``:
         the requests and bytes of its object store since it was opened (every thread of the
         process: publisher, fetcher, heartbeats) and the tokens trained meanwhile."""
-        return wire_report(self.store.store.wire_counts(), tokens=self.summary.tokens)
+        store = self.store.store
+        return wire_report(store.wire_counts(), tokens=self.summary.tokens, meter=store.wire.id)
 
     # -- new global versions ------------------------------------------------------------------------
     def run_progress(self) -> float | None:

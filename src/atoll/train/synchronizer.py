@@ -52,7 +52,7 @@ from atoll.storage.integrity import IntegrityError
 from atoll.storage.liveness import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
-from atoll.storage.wire import WireCounts, tokens_from_report, wire_from_report, wire_report
+from atoll.storage.wire import WireCounts, meter_from_report, tokens_from_report, wire_from_report, wire_report
 from atoll.train.device import fragment_to_device, fragment_to_host, resolve_device
 from atoll.train.lease import Fenced, RunStopped
 from atoll.train.run import RoundSchedule, TokenBounds, load_recipe
@@ -596,16 +596,18 @@ def _seconds(value: Any) -> float | None:
     return min(max(x, 0.0), MAX_TIMING_S)
 
 
-def learner_wire(recs: Mapping[str, ContributionRecord]) -> dict[str, dict[str, int]]:
+def learner_wire(recs: Mapping[str, ContributionRecord]) -> dict[str, dict[str, Any]]:
     """Each contributor's reported traffic (``info["wire"]`` of its accepted record): the
     learner's own numbers, so each field is an integer clipped to [0, 2^50] and a report that is
-    not one is left out (:func:`~atoll.storage.wire.wire_from_report`)."""
-    out: dict[str, dict[str, int]] = {}
+    not one is left out (:func:`~atoll.storage.wire.wire_from_report`); the meter id is kept only
+    if it is a short plain name."""
+    out: dict[str, dict[str, Any]] = {}
     for rec in sorted(recs.values(), key=lambda r: (r.learner_id, r.key)):
         reported = rec.info.get("wire")
         counts = wire_from_report(reported)
         if counts is not None:
-            out[rec.learner_id] = wire_report(counts, tokens=tokens_from_report(reported))
+            out[rec.learner_id] = wire_report(counts, tokens=tokens_from_report(reported),
+                                              meter=meter_from_report(reported))
     return out
 
 
