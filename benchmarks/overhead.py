@@ -25,7 +25,10 @@ Reported, from the bucket (learner side) and from timers / Prefect task runs (sy
   and orchestration (everything else: flow/task run bookkeeping, artifacts, the loop);
 * where the machine's CPU went over the same window, in cores, by role (learners, synchronizer or
   training run, Prefect server, workers, database), from /proc: on a machine with fewer cores than
-  processes, every core the control plane takes is a core the learners do not get.
+  processes, every core the control plane takes is a core the learners do not get;
+* what crossed the wire per round and per token after warm-up, from the commit records (learners'
+  own reports and the synchronizer's counts, ``atoll.runs.report.WireTracker``), with the
+  planner's figure for the same run beside it (``atoll.sim.planner.plan_wire``).
 
 Prints a table and writes ``overhead.png`` under ``--out``. Learner speed on a small shared VM
 moves by +-10% from one run to the next, plain runner included, so ``--repeat N`` runs the whole
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -51,11 +55,13 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 from atoll.runs.manage import prepare_run  # noqa: E402
-from atoll.runs.report import GoodputTracker  # noqa: E402
+from atoll.runs.report import GoodputTracker, WireTracker  # noqa: E402
+from atoll.sim.planner import WirePlan, plan_wire  # noqa: E402
 from atoll.storage.bucket import RunStore  # noqa: E402
 from atoll.storage.paths import to_url  # noqa: E402
+from atoll.storage.wire import WireCounts  # noqa: E402
 from atoll.train.local import LocalRun  # noqa: E402
-from atoll.train.run import make_evaluator  # noqa: E402
+from atoll.train.run import load_recipe, make_evaluator  # noqa: E402
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions  # noqa: E402
 
 WARMUP_ROUNDS = 5
@@ -182,10 +188,47 @@ class Result:
     """Effective H: mean steps since last sync of the merged contributions, after warm-up."""
     cores: dict[str, float] = field(default_factory=dict)
     """Cores used per role (``ROLES``) between the warm-up round's commit and the last commit."""
+    wire: WireFigures | None = None
+    """What crossed the wire after warm-up, and the planner's figure."""
 
     @property
     def orchestration_s(self) -> float:
         return max(0.0, self.round_s - self.wait_s - self.close_s)
+
+
+@dataclass(frozen=True)
+class WireFigures:
+    """Traffic of the rounds after warm-up, from the commit records, and the plan for the run."""
+
+    rounds: int
+    learners: WireCounts
+    """All learners together, as they report it."""
+    synchronizer: WireCounts
+    learner_tokens: int
+    """Tokens the learners trained over the same spans."""
+    planned: WirePlan
+
+    def per_token(self, counts: WireCounts) -> float:
+        return counts.bytes_total / self.learner_tokens if self.learner_tokens else float("nan")
+
+
+def wire_figures(store: RunStore) -> WireFigures:
+    """The learners' and the synchronizer's traffic in the rounds after warm-up, and
+    :func:`~atoll.sim.planner.plan_wire` for this run (tokens per step from the merged counters)."""
+    tracker = WireTracker()
+    records = store.history(1, store.latest_round())
+    for rec in records:
+        tracker.add(rec)
+    after = [w for r, w in tracker.rounds.items() if r > WARMUP_ROUNDS]
+    per_step = [a.c_tokens / a.c_steps for rec in records for a in rec.accepted if a.c_steps]
+    shapes = [s for p in range(store.plan.num_fragments) for s in store.manifest.fragment_shapes(p).values()]
+    params = sum(math.prod(s) for s in shapes)
+    planned = plan_wire(store.config, params=params, tensors=len(shapes),
+                        tokens_per_step=round(statistics.median(per_step)) if per_step else 1,
+                        save_every_steps=load_recipe(store).save_every_steps)
+    return WireFigures(rounds=len(after), learners=sum((w.learners for w in after), WireCounts()),
+                       synchronizer=sum((w.synchronizer for w in after), WireCounts()),
+                       learner_tokens=sum(w.learner_tokens for w in after), planned=planned)
 
 
 def learner_tokens_per_s(store: RunStore) -> float:
@@ -262,7 +305,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     round_s, wait_s, measured = round_intervals(store)
     return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store),
-                  cores=cpu.cores(*measured_window(store)))
+                  cores=cpu.cores(*measured_window(store)), wire=wire_figures(store))
 
 
 def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, database: str = "sqlite",
@@ -315,7 +358,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     label = f"prefect {database}" + (" nested" if nest_rounds else "") + (" recorded" if record_rounds else "")
     return Result(label, store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store),
-                  cores=cpu.cores(*measured_window(store)))
+                  cores=cpu.cores(*measured_window(store)), wire=wire_figures(store))
 
 
 def table(results: list[Result]) -> str:
@@ -350,6 +393,28 @@ def summary_table(reps: list[list[Result]]) -> str:
                      f"{', '.join(f'{r.eff_h:.1f}' for r in rows):>20}{statistics.median(r.eff_h for r in rows):>8.1f}"
                      f"{statistics.median(r.cores.get('learners', 0.0) for r in rows):>15.2f}"
                      f"{statistics.median(per_core):>32.3f}x")
+    return "\n".join(lines)
+
+
+def wire_table(results: list[Result]) -> str:
+    """Per runner, learners (all together) and synchronizer: requests, bytes up and down per round,
+    bytes (up + down) per token trained, and the plan's bytes per token for the same run (the
+    learners' with their inner-state saves)."""
+    lines = [f"{'runner':<22}{'who':<14}{'req/round':>10}{'up/round':>12}{'down/round':>12}{'B/token':>10}"
+             f"{'planned':>10}"]
+    for r in results:
+        w = r.wire
+        if w is None or not w.rounds:
+            continue
+        plan = w.planned
+        m = plan.learners
+        tokens_per_round = m * plan.steps_per_round * plan.tokens_per_step
+        rows = (("learners", w.learners, plan.up_bytes_per_token + plan.down_bytes_per_token + plan.save_bytes_per_token),
+                ("synchronizer", w.synchronizer,
+                 (plan.sync_up_bytes_per_round + plan.sync_down_bytes_per_round) / tokens_per_round))
+        for who, c, planned_token in rows:
+            lines.append(f"{r.name:<22}{who:<14}{c.requests / w.rounds:>10.1f}{c.bytes_up / w.rounds:>12,.0f}"
+                         f"{c.bytes_down / w.rounds:>12,.0f}{w.per_token(c):>10.1f}{planned_token:>10.1f}")
     return "\n".join(lines)
 
 
@@ -441,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"where the CPU went, in cores ({os.cpu_count()} on this machine), over the same window:")
         print(cpu_table(results))
+        print()
+        print("what crossed the wire per round after warm-up (bytes; B/token: up + down per token trained):")
+        print(wire_table(results))
         for r in results[1:]:
             print(f"learner throughput, {r.name}: {r.tokens_per_s / results[0].tokens_per_s:.3f}x the plain runner "
                   "(target >= 0.97x)")

@@ -15,8 +15,10 @@ The bucket is moto's S3 server on loopback with ``--latency-ms`` added to every 
 region's round trip: loopback alone answers in about a millisecond, which no object store does.
 Each learner has published two contributions (a repeat, as a learner ahead of the synchronizer
 does) of the micro model's fragment 0. Prints a table (median of ``--repeats`` reads with a fresh
-handle, so no record is cached) and writes ``round_io.png``.
+handle, so no record is cached), with what one round's reads put on the wire (requests by kind and
+bytes down, counted by the store: ``atoll.storage.wire``), and writes ``round_io.png``.
 """
+
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from atoll.core.weights import Counters
 from atoll.storage import RunStore
 from atoll.storage import store as store_module
 from atoll.storage.store import StorageFaults
+from atoll.storage.wire import WireCounts
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 
@@ -71,10 +74,12 @@ def prepare(options: dict, learners: int) -> str:
     return url
 
 
-def read_round(url: str, options: dict, threads: int) -> tuple[float, float, int]:
-    """Seconds to list (records included) and to load the payloads, with a fresh handle."""
+def read_round(url: str, options: dict, threads: int) -> tuple[float, float, int, WireCounts]:
+    """Seconds to list (records included) and to load the payloads, with a fresh handle; what
+    those reads sent to the store."""
     store_module.IO_THREADS = threads
     store = RunStore.open(url, options)
+    before = store.store.wire_counts()
     t0 = time.perf_counter()
     listing = store.list_contributions(0, [0, 1])
     t1 = time.perf_counter()
@@ -84,7 +89,7 @@ def read_round(url: str, options: dict, threads: int) -> tuple[float, float, int
     loaded, rejected = store.load_contributions(newest.values())
     t2 = time.perf_counter()
     assert not rejected and len(loaded) == len(newest)
-    return t1 - t0, t2 - t1, len(listing.records)
+    return t1 - t0, t2 - t1, len(listing.records), store.store.wire_counts() - before
 
 
 def plot(rows: list[dict], out: Path) -> Path:
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         for m, url in urls.items():
             for threads in (1, store_module.IO_THREADS_DEFAULT):
                 runs = [read_round(url, options, threads) for _ in range(args.repeats)]
-                rows.append({"learners": m, "threads": threads, "records": runs[0][2],
+                rows.append({"learners": m, "threads": threads, "records": runs[0][2], "wire": runs[0][3],
                              "list_s": statistics.median(r[0] for r in runs),
                              "load_s": statistics.median(r[1] for r in runs)})
     finally:
@@ -134,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()  # type: ignore[attr-defined]
     print(f"a round's reads, moto S3 + {args.latency_ms:g} ms per call, median of {args.repeats}")
     print(f"{'learners':>9}{'records':>9}{'calls at once':>15}{'list + records s':>18}{'payloads s':>12}"
-          f"{'total s':>9}{'speed-up':>10}")
+          f"{'total s':>9}{'speed-up':>10}{'LIST':>6}{'GET':>6}{'MB down':>9}")
     for r in rows:
         base = next(x for x in rows if x["learners"] == r["learners"] and x["threads"] == 1)
         total, base_total = r["list_s"] + r["load_s"], base["list_s"] + base["load_s"]
+        w = r["wire"]
         print(f"{r['learners']:>9}{r['records']:>9}{r['threads']:>15}{r['list_s']:>18.3f}{r['load_s']:>12.3f}"
-              f"{total:>9.3f}{base_total / total:>9.1f}x")
+              f"{total:>9.3f}{base_total / total:>9.1f}x{w.lists:>6}{w.gets:>6}{w.bytes_down / 1e6:>9.3f}")
     print(f"plot: {plot(rows, Path(args.out))}")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.runs.report import WireTracker, run_status
+from atoll.runs.report import GoodputTracker, run_status
 from atoll.sim.planner import plan, plan_wire
 from atoll.storage import RunStore
 from atoll.storage.paths import to_url
@@ -82,9 +82,12 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     assert all(w.bytes_down >= fp32_model for who, w in result.join_wire.items() if who != "synchronizer")
     # What the bucket tells `atoll status`: every round's synchronizer traffic, and the learners'
     # up to their last merged report (what they sent after it has no commit yet).
-    tracker = WireTracker()
-    for record in RunStore.open(url, read_only=True).history():
-        tracker.add(record)
+    goodput = GoodputTracker(RunStore.open(url, read_only=True))
+    goodput.update()
+    tracker = goodput.wire
+    # Tokens merged are the tokens trained that reached the model: goodput's share (equal step times).
+    share = goodput.report().goodput
+    assert share is not None and tracker.tokens_merged / tracker.learner_tokens == pytest.approx(share, rel=0.15)
     rest = sync - tracker.synchronizer
     assert min(rest.to_dict().values()) >= 0 and rest.puts >= 3  # the last commit's writes are in no round
     joined = sum((w for who, w in result.join_wire.items() if who != "synchronizer"), WireCounts())
@@ -104,3 +107,7 @@ def test_the_link_planner_counts_the_fp32_downlink_learners_fetch() -> None:
     assert wire.fragment_bytes - link.download_bytes_per_round == 8 + 70 + 24  # safetensors header, one tensor
     assert wire.payload_bytes - link.upload_bytes_per_round == 8 + 2 * (70 + 24)  # int4: codes and scales
     assert wire.up_bytes_per_token == pytest.approx(wire.up_bytes_per_round / (2 * 256))
+    assert wire.save_bytes_per_token == 0.0
+    saving = plan_wire(config, params=4_000_000, tokens_per_step=256, tensors=4, save_every_steps=50)
+    assert saving.save_bytes == 2 * (4 * 4_000_000 + 8 + 4 * (70 + 24)) + 570  # two fp32 moments, one record
+    assert saving.save_bytes_per_token == pytest.approx(saving.save_bytes / (50 * 256))

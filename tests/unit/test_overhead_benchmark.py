@@ -57,6 +57,25 @@ def test_the_cpu_table_has_a_row_per_runner_and_a_total(overhead) -> None:
     assert text.splitlines()[1].split()[-1] == "1.75"
 
 
+def test_the_wire_table_puts_the_plan_beside_what_crossed_the_wire(overhead) -> None:
+    from atoll.core.config import DilocoConfig
+    from atoll.sim.planner import plan_wire
+    from atoll.storage.wire import WireCounts
+
+    plan = plan_wire(DilocoConfig(num_learners=2, num_fragments=2, inner_steps=4), params=1000, tokens_per_step=10,
+                     tensors=2)
+    wire = overhead.WireFigures(rounds=4, learners=WireCounts(puts=16, gets=20, bytes_up=8000, bytes_down=12000),
+                                synchronizer=WireCounts(gets=40, lists=8, bytes_up=4000, bytes_down=16000),
+                                learner_tokens=160, planned=plan)
+    r = overhead.Result("plain (atoll.train)", 10, 60.0, 1000.0, 0.3, 0.2, 0.05, 8, 4.4, wire=wire)
+    rows = [line.split() for line in overhead.wire_table([r]).splitlines()[1:]]
+    # Per round: 36 requests / 4, 8000 B / 4 up, 12000 B / 4 down; (8000 + 12000) / 160 tokens.
+    assert rows[0][2:] == ["learners", "9.0", "2,000", "3,000", "125.0",
+                           f"{plan.up_bytes_per_token + plan.down_bytes_per_token:.1f}"]
+    sync_planned = (plan.sync_up_bytes_per_round + plan.sync_down_bytes_per_round) / (2 * 2 * 10)
+    assert rows[1][2:] == ["synchronizer", "12.0", "1,000", "4,000", "125.0", f"{sync_planned:.1f}"]
+
+
 def test_the_summary_takes_each_ratio_against_its_own_plain_run(overhead) -> None:
     def run(name: str, tok: float, learners: float, eff_h: float):
         return overhead.Result(name, 10, 60.0, tok, 0.3, 0.2, 0.05, 8, eff_h, cores={"learners": learners})

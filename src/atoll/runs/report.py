@@ -204,8 +204,9 @@ class RoundWire:
     """What the round's contributors' stores sent since their previous report (summed)."""
     learner_tokens: int
     """Tokens those learners trained over the same spans."""
-    tokens_merged: int
-    """Tokens the round merged (``stats.tokens``)."""
+    tokens_merged: float
+    """Tokens of training the round brought into the model (each trained token feeds all P
+    fragments: a round's merged counters divided by P)."""
 
 
 def _larger(a: WireCounts, b: WireCounts) -> WireCounts:
@@ -236,11 +237,14 @@ class WireTracker:
         self.synchronizer = WireCounts()
         self.learners = WireCounts()
         self.learner_tokens = 0
-        self.tokens_merged = 0
+        self.tokens_merged = 0.0
         self.count = 0
         """Rounds fed."""
 
-    def add(self, record: CommitRecord) -> RoundWire:
+    def add(self, record: CommitRecord, *, tokens_merged: float | None = None) -> RoundWire:
+        """Feed the next committed round. ``tokens_merged``: the tokens of training it brought into
+        the model (its contributors' new tokens / P, as :class:`GoodputTracker` counts them);
+        default its ``stats.tokens``."""
         stats = record.stats
         sync = wire_from_report(stats.get("wire")) or WireCounts()
         reports = stats.get("learner_wire")
@@ -251,8 +255,7 @@ class WireTracker:
                 continue
             added, more_tokens = self._note(lid, meter_from_report(reported), counts, tokens_from_report(reported))
             learners, tokens = learners + added, tokens + more_tokens
-        merged = stats.get("tokens")
-        merged = merged if isinstance(merged, int) and not isinstance(merged, bool) and 0 <= merged < 2**53 else 0
+        merged: float = tokens_merged if tokens_merged is not None else _finite(stats.get("tokens")) or 0.0
         out = RoundWire(synchronizer=sync, learners=learners, learner_tokens=tokens, tokens_merged=merged)
         self.synchronizer += sync
         self.learners += learners
@@ -301,7 +304,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _per(n: int, tokens: int) -> str:
+def _per(n: int, tokens: float) -> str:
     return f"{n / tokens:,.1f}" if tokens > 0 else "-"
 
 
@@ -347,15 +350,18 @@ class GoodputTracker:
         for record in records:
             if record.round <= self.after:
                 continue
+            new_tokens = 0
             for a in record.accepted:
                 rec = _read_contribution(self.store, a.key, self.cache)
                 work = self._note(rec) if rec is not None else self.learners.setdefault(a.learner_id, _LearnerWork())
-                work.merged_steps += self.merged.add(record.fragment, a)[0]
+                steps, tokens = self.merged.add(record.fragment, a)
+                work.merged_steps += steps
+                new_tokens += tokens
             for key in record.rejected:
                 rec = _read_contribution(self.store, key, self.cache)
                 if rec is not None:
                     self._note(rec)
-            self.wire.add(record)
+            self.wire.add(record, tokens_merged=new_tokens / self.store.plan.num_fragments)
             self.after = record.round
 
     def update(self) -> GoodputReport:
@@ -487,7 +493,7 @@ def _wire_rows(record: CommitRecord, wire: WireTracker | None) -> list[str]:
     return rows
 
 
-def _wire_cell(c: WireCounts, merged: int) -> str:
+def _wire_cell(c: WireCounts, merged: float) -> str:
     per = f"; {c.bytes_total / merged:,.1f} B per token merged" if merged > 0 else ""
     return f"{c.requests:,} requests, up {_bytes(c.bytes_up)}, down {_bytes(c.bytes_down)}{per}"
 

@@ -173,6 +173,10 @@ class WirePlan:
     """Tokens one learner trains on per inner step."""
     dp_bytes_per_token: float
     """Data-parallel per member: a ring all-reduce of the full gradient every step."""
+    save_bytes: int = 0
+    """One save of a learner's inner state for rejoin (AdamW's two moments, fp32)."""
+    save_every_steps: int = 0
+    """Steps between two saves (0: not counted)."""
 
     @property
     def up_bytes_per_round(self) -> int:
@@ -211,7 +215,13 @@ class WirePlan:
 
     @property
     def up_bytes_per_token(self) -> float:
+        """Contributions only (:attr:`save_bytes_per_token` comes on top)."""
         return self.per_token(self.up_bytes_per_round)
+
+    @property
+    def save_bytes_per_token(self) -> float:
+        """A learner's saves of its inner state, per token it trains."""
+        return self.save_bytes / (self.save_every_steps * self.tokens_per_step) if self.save_every_steps else 0.0
 
     @property
     def down_bytes_per_token(self) -> float:
@@ -222,7 +232,8 @@ class WirePlan:
             f"per round, each learner:  up {self.up_bytes_per_round:,} B ({self.up_requests_per_round} PUT), "
             f"down {self.down_bytes_per_round:,} B ({self.down_requests_per_round} GET + polls)",
             f"per token trained:        up {self.up_bytes_per_token:,.1f} B, down {self.down_bytes_per_token:,.1f} B, "
-            f"data-parallel {self.dp_bytes_per_token:,.1f} B",
+            f"data-parallel {self.dp_bytes_per_token:,.1f} B"
+            + (f"; saves {self.save_bytes_per_token:,.1f} B more up" if self.save_every_steps else ""),
             f"synchronizer per round:   up {self.sync_up_bytes_per_round:,} B, down {self.sync_down_bytes_per_round:,} B",
         ]
 
@@ -233,11 +244,12 @@ def _safetensors_bytes(n: int, precision: str, tensors: int, block_size: int) ->
 
 
 def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensors: int | None = None,
-              download_precision: str = "fp32", dp_precision: str = "bf16") -> WirePlan:
+              download_precision: str = "fp32", dp_precision: str = "bf16", save_every_steps: int = 0) -> WirePlan:
     """What a run of ``config`` on a model of ``params`` parameters in ``tensors`` tensors (default:
     one per fragment) puts on the wire, per round and per token; ``tokens_per_step``: tokens one
     learner trains on per inner step. Deltas travel in ``config.compression``, new fragments in
-    ``download_precision`` (learners fetch the fp32 master)."""
+    ``download_precision`` (learners fetch the fp32 master). ``save_every_steps``: the recipe's
+    cadence of inner-state saves (0: leave them out)."""
     if params < 1 or tokens_per_step < 1:
         raise ValueError("need params >= 1 and tokens_per_step >= 1")
     p, m = config.num_fragments, config.num_learners
@@ -257,4 +269,7 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         steps_per_round=config.inner_steps / p,
         tokens_per_step=tokens_per_step,
         dp_bytes_per_token=dp,
+        save_bytes=2 * _safetensors_bytes(params, "fp32", tensors if tensors is not None else p, block)
+        + CONTRIBUTION_RECORD_BYTES,  # two moments per parameter, and the state record
+        save_every_steps=max(0, save_every_steps),
     )
