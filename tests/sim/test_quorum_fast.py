@@ -46,6 +46,7 @@ policies = st.builds(
     initial_grace_s=st.sampled_from([0.0, 1.5]),
     poll_interval_s=st.sampled_from([0.1, 1.0, 1e9]),
     max_wait_s=st.none() | st.sampled_from([0.5, 3.0, 12.0]),
+    pace_steps=st.sampled_from([0.0, 0.0, 1.0, 2.5, 4.0]),
 )
 timings = st.builds(
     TimingEstimates,
@@ -59,13 +60,15 @@ def assert_same(now, opened, arrivals, live, policy, tm) -> None:
     core = decide_round(
         now_s=now, opened_at_s=opened, arrivals=arrivals, live_learners=live, policy=policy, timings=tm
     )
-    fast = decide_fast(now, opened, [as_tuple(a) for a in arrivals], set(live), policy, grace_window_s(policy, tm))
+    fast = decide_fast(now, opened, [as_tuple(a) for a in arrivals], set(live), policy, grace_window_s(policy, tm),
+                       tm.step_s)
     assert fast.close == core.close
     assert list(fast.accepted) == [as_tuple(a) for a in core.accepted]
     assert list(fast.rejected) == [as_tuple(a) for a, _ in core.rejected]
     assert fast.quorum_at_s == core.quorum_at_s
     assert fast.close_at_s == core.close_at_s
     assert fast.recheck_at_s == core.recheck_at_s
+    assert fast.paced_at_s == core.paced_at_s
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,6 +120,7 @@ CASES = {
     "two-speed K=1+grace": (two_speed_islands(8), 1, 0.5, 0.1, {}),
     "K=2, M=4, noise": (equal_islands(4), 2, 0.5, 0.2, {}),
     "K=3, max_wait": (equal_islands(5), 3, 0.3, 0.1, {"max_wait_s": 25.0}),
+    "K=1+grace, paced": (two_speed_islands(6), 1, 0.5, 0.1, {"pace_steps": 12.0}),
 }
 
 

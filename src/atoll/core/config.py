@@ -90,6 +90,14 @@ class DilocoConfig:
     """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median
     (needs >= 3 contributions); None disables the guard."""
 
+    round_pacing: float = 0.0
+    """Round pacing in [0, 1]: once K is met, a round also waits until its valid contributions
+    carry round_pacing x H inner steps per live learner (their c_steps summed: the work since
+    each last adopted the fragment), for at most round_pacing x H step times (xi_step) after it
+    opened; then the grace window runs. 0 (the paper's rule) closes on quorum + grace alone, and
+    with K = 1 every arrival can close a round, so a merged contribution carries far fewer than H
+    steps; 1 makes it carry about H. A run whose manifest has no such field reads as 0."""
+
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -146,6 +154,12 @@ class DilocoConfig:
             "outlier_norm_ratio",
             "must be None or a finite ratio > 1",
         )
+        need(
+            isinstance(self.round_pacing, int | float) and not isinstance(self.round_pacing, bool)
+            and 0.0 <= self.round_pacing <= 1.0,
+            "round_pacing",
+            "must be a fraction of H in [0, 1] (0: off)",
+        )
 
     @property
     def steps_between_rounds(self) -> float:
@@ -162,6 +176,7 @@ class DilocoConfig:
             initial_grace_s=self.initial_grace_s,
             poll_interval_s=poll_interval_s,
             max_wait_s=self.max_wait_s,
+            pace_steps=self.round_pacing * self.inner_steps,
         )
 
     def replace(self, **changes: Any) -> DilocoConfig:

@@ -311,7 +311,8 @@ class _Sim:
     # -- synchronizer --------------------------------------------------------------------
     def decide(self, t: float, rnd: _Round) -> FastDecision:
         if self.quorum == "fast":
-            return decide_fast(t, rnd.opened_at, rnd.arrivals, self.live, self.policy, self.grace)
+            return decide_fast(t, rnd.opened_at, rnd.arrivals, self.live, self.policy, self.grace,
+                               self.ema.get("step_s"))
         d = decide_round(
             now_s=t,
             opened_at_s=rnd.opened_at,
@@ -327,6 +328,7 @@ class _Sim:
             d.quorum_at_s,
             d.close_at_s,
             d.recheck_at_s,
+            d.paced_at_s,
         )
 
     def evaluate(self, t: float, p: int, *, deadline: bool = False) -> None:
@@ -335,7 +337,8 @@ class _Sim:
         if len(rnd.arrivals) < self.K and self.policy.max_wait_s is None:
             return  # below quorum with no deadline: the answer is "wait" until the next arrival
         everyone = self.live <= rnd.members
-        if not (deadline or everyone or rnd.deadline_at is None):
+        # with round pacing, any arrival may bring the work that releases the round
+        if not (deadline or everyone or rnd.deadline_at is None or self.policy.pace_steps > 0):
             return
         dec = self.decide(t, rnd)
         if dec.close:

@@ -2,10 +2,10 @@
 
 ``decide_round`` builds a :class:`~atoll.core.quorum.QuorumDecision` with reasons, waiting lists
 and rejection messages for logs and the Prefect UI; that costs 25-50 µs a call and dominated the
-simulator. :func:`decide_fast` applies the same four rules to the same inputs and returns only what
-the simulator acts on. It is not a second policy: tests/sim/test_quorum_fast.py checks, over
-random arrivals, timings and policies, that every field it returns equals core's, and that a
-simulation run with either gives identical results.
+simulator. :func:`decide_fast` applies the same rules (round pacing included) to the same inputs
+and returns only what the simulator acts on. It is not a second policy:
+tests/sim/test_quorum_fast.py checks, over random arrivals, timings and policies, that every field
+it returns equals core's, and that a simulation run with either gives identical results.
 
 Arrivals are plain tuples ``(arrived_at_s, learner_id, key, c_steps, c_tokens)``
 (:func:`as_tuple` converts a core :class:`~atoll.core.quorum.Arrival`).
@@ -18,7 +18,7 @@ from collections.abc import Set as AbstractSet
 from operator import itemgetter
 from typing import NamedTuple
 
-from atoll.core.quorum import Arrival, QuorumPolicy
+from atoll.core.quorum import Arrival, QuorumPolicy, pace_until_s
 
 __all__ = ["FastArrival", "FastDecision", "as_tuple", "decide_fast"]
 
@@ -39,6 +39,8 @@ class FastDecision(NamedTuple):
     quorum_at_s: float | None
     close_at_s: float | None
     recheck_at_s: float | None
+    paced_at_s: float | None = None
+    """Round pacing on: when it let the round go; None when off or still holding."""
 
 
 def as_tuple(a: Arrival) -> FastArrival:
@@ -52,11 +54,13 @@ def decide_fast(
     live: AbstractSet[str],
     policy: QuorumPolicy,
     grace_s: float,
+    step_s: float | None = None,
 ) -> FastDecision:
     """Core's decision for the round that opened at ``opened_at_s``, asked at ``now_s``.
 
     ``live`` is the set of live learner ids; ``grace_s`` is
-    ``atoll.core.quorum.grace_window_s(policy, timings)`` for the timings core would be given.
+    ``atoll.core.quorum.grace_window_s(policy, timings)`` and ``step_s`` is ``timings.step_s``
+    (round pacing's time bound) for the timings core would be given.
     """
     if len(arrivals) > 1:
         arrivals = sorted(arrivals, key=_ORDER)
@@ -80,7 +84,17 @@ def decide_fast(
         return FastDecision(False, (), tuple(invalid), None, None, recheck)
 
     quorum_at = valid[k - 1][0]
-    close_at = quorum_at + grace_s
+    ready_at = quorum_at
+    paced_at = None
+    if policy.pace_steps > 0 and live:
+        until = pace_until_s(policy, opened_at_s, step_s)
+        paced_at = _paced_at(now_s, valid, policy.pace_steps * len(live), until)
+        if paced_at is None:
+            recheck = now_s + policy.poll_interval_s
+            return FastDecision(False, (), tuple(invalid), quorum_at, None,
+                                recheck if until is None else min(recheck, until))
+        ready_at = max(quorum_at, paced_at)
+    close_at = ready_at + grace_s
     if valid[-1][0] <= close_at:  # nobody late (the common case)
         in_window, late = valid, []
     else:
@@ -92,11 +106,26 @@ def decide_fast(
             tuple(in_window),
             tuple(invalid) + tuple(late),
             quorum_at,
-            min(close_at, max(a[0] for a in in_window)),
+            min(close_at, max(ready_at, max(a[0] for a in in_window))),
             None,
+            paced_at,
         )
     if now_s >= close_at:
-        return FastDecision(True, tuple(in_window), tuple(invalid) + tuple(late), quorum_at, close_at, None)
+        return FastDecision(True, tuple(in_window), tuple(invalid) + tuple(late), quorum_at, close_at, None, paced_at)
     return FastDecision(
-        False, (), tuple(invalid), quorum_at, close_at, min(close_at, now_s + policy.poll_interval_s)
+        False, (), tuple(invalid), quorum_at, close_at, min(close_at, now_s + policy.poll_interval_s), paced_at
     )
+
+
+def _paced_at(now_s: float, valid: Sequence[FastArrival], target: float, until: float | None) -> float | None:
+    """Core's round pacing release: the arrival whose steps met ``target``, or ``until`` if that
+    passed first; None while the round is held."""
+    work, met_at = 0, None
+    for a in valid:
+        work += a[3]
+        if work >= target:
+            met_at = a[0]
+            break
+    if until is not None and now_s >= until and (met_at is None or until < met_at):
+        return until
+    return met_at
