@@ -48,6 +48,7 @@ __all__ = [
     "RoundWire",
     "WireTracker",
     "contribution_rows",
+    "effective_h",
     "contributions_from_markdown",
     "round_markdown",
     "steps_since_sync",
@@ -421,6 +422,26 @@ def _fmt_s(x: Any) -> str:
     return f"{v:.2f} s" if v is not None else "-"
 
 
+def effective_h(records: Iterable[CommitRecord]) -> tuple[float, int] | None:
+    """The run's effective H over ``records``: the mean inner steps per merged contribution (each
+    accepted contribution's ``c_steps``: its learner's steps since it last adopted the fragment),
+    and how many contributions that is; None if none was merged. Below H, fragments are synced
+    more often than H says (bytes grow as H / effective H); ``DilocoConfig.round_pacing`` brings
+    it to about H."""
+    steps = [a.c_steps for r in records for a in r.accepted if 0 < a.c_steps < 2**53]
+    return (sum(steps) / len(steps), len(steps)) if steps else None
+
+
+def effective_h_line(records: Iterable[CommitRecord], inner_steps: int, round_pacing: float) -> str:
+    """``atoll status``'s effective H line, next to H and the round pacing that aims at it."""
+    got = effective_h(records)
+    pacing = f"round pacing {round_pacing:g}" if round_pacing > 0 else "round pacing off"
+    if got is None:
+        return f"effective H: - (nothing merged yet; H = {inner_steps}, {pacing})"
+    return (f"effective H: {got[0]:.1f} inner steps per merged contribution (H = {inner_steps}, {pacing}; "
+            f"{got[1]} contributions)")
+
+
 def steps_since_sync(rows: Iterable[ContributionRow]) -> float | None:
     """Mean steps since the last sync of this fragment over a round's merged contributions (their
     ``c_steps``): the *effective H*. A synchronizer that keeps up merges each learner's fragment
@@ -464,7 +485,7 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         *_wire_rows(record, wire),
         f"| validation loss | {_fmt_num(s.get('val_loss'), '.4f', 'not measured this round')} |",
         f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
-        f"| steps since last sync (mean of merged) | {_fmt_num(eff_h, '.1f')}"
+        f"| effective H: steps since last sync (mean of merged) | {_fmt_num(eff_h, '.1f')}"
         + (f" (H = {inner_steps})" if inner_steps else "") + " |",
     ]
     if goodput is not None:
@@ -581,7 +602,7 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
         tracker.add(records)
         loss = last_val_loss(records)
         lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
-                  tracker.report().line()]
+                  tracker.report().line(), effective_h_line(records, c.inner_steps, c.round_pacing)]
         wire = tracker.wire.lines()
         lines += ["", *wire] if wire else []
     ckpts = checkpoint_rounds(store)
