@@ -80,7 +80,15 @@ class DilocoConfig:
     """Precision of deltas on the wire: 'fp32', 'bf16' or 'int4' (one fp32 scale per block)."""
 
     compression_block_size: int = 32
-    """Elements per scale block for 'int4' (even, >= 2)."""
+    """Elements per scale block for 'int4' (even, >= 2), on the uplink and the downlink."""
+
+    downlink_compression: Codec = "fp32"
+    """Precision of what learners download per new fragment version: 'fp32' (the synchronizer's
+    master copy), 'bf16' or 'int4'. Compressed, the synchronizer keeps its fp32 master and also
+    publishes the version-to-version update with error feedback against what learners hold (their
+    view), so a learner's copy stays within one quantization error of the master and the error
+    does not accumulate (docs/protocol.md, downlink). A run whose manifest has no such field
+    reads as 'fp32'."""
 
     max_wait_s: float | None = None
     """Close a round below quorum (with >= 1 valid contribution) once it has been open this long;
@@ -137,6 +145,8 @@ class DilocoConfig:
             "must be finite and >= 0",
         )
         need(self.compression in ("fp32", "bf16", "int4"), "compression", "choose 'fp32', 'bf16' or 'int4'")
+        need(self.downlink_compression in ("fp32", "bf16", "int4"), "downlink_compression",
+             "choose 'fp32', 'bf16' or 'int4'")
         need(
             is_int(self.compression_block_size)
             and self.compression_block_size >= 2
