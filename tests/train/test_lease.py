@@ -326,6 +326,34 @@ def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(
     assert not keeper.still_current()
 
 
+def test_a_keeper_paused_after_its_lease_check_checks_again_before_it_heartbeats(tmp_path: Path) -> None:
+    """SIGSTOP can land between the lease check and the heartbeat; meanwhile a newer copy takes the
+    lease. On waking, the keeper must not write "alive" on its stale answer."""
+    store = new_run(tmp_path)
+    lease = store.take_learner_lease(L0)
+    now = [1000.0]
+    keeper = LeaseKeeper(store, L0, lease, interval_s=5.0, stall_timeout_s=1e9, orphan_timeout_s=None,
+                         latest_round=lambda: 0, log=quiet, clock=lambda: now[0])
+    keeper.tick(1)
+    keeper.check_once()
+    assert keeper.heartbeats == 1
+    real_check = keeper.still_current
+
+    def check_then_frozen() -> bool:
+        current = real_check()  # the lease is still ours when checked ...
+        now[0] += 60.0  # ... then the process is frozen for a minute,
+        store.take_learner_lease(L0)  # and a replacement takes the lease
+        keeper.still_current = real_check  # type: ignore[method-assign]
+        return current
+
+    keeper.still_current = check_then_frozen  # type: ignore[method-assign]
+    keeper.tick(2)
+    keeper.check_once()
+    assert keeper.heartbeats == 1 and keeper.exit_reason == "fenced"
+    beat = store.learners_liveness([L0])[L0]
+    assert beat.incarnation == 2 and beat.heartbeat is None  # the old copy wrote nothing for itself
+
+
 def test_publishes_back_off_while_a_fragment_stalls() -> None:
     """Every interval while the synchronizer keeps up (a fragment is merged within a few), then
     intervals 8, 16, 32, ...: an hour without a synchronizer leaves a few dozen objects, not thousands."""

@@ -200,6 +200,10 @@ class LeaseKeeper(threading.Thread):
             return
         if now - self._progress_at > self.stall_timeout_s:
             return  # the loop is hung: no heartbeat, so the process looks dead and gets replaced
+        if self.clock() - now > self.interval_s and not self.still_current():
+            # Paused since the lease check above (SIGSTOP, a suspended VM): a newer copy may have
+            # taken over meanwhile, and an "alive" heartbeat on the stale answer would revive us.
+            return
         try:
             self.store.write_heartbeat(self.lease, step=self._step, round=self._round_seen)
             self.heartbeats += 1
