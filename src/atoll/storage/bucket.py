@@ -10,7 +10,7 @@ One run lives under one root URL. See docs/protocol.md for the layout; in short:
     sync/                                      written by the synchronizer only
         commits/<round>.json                   create-once commit record per round (sealed, chained)
         repairs/<round>/r<n>.json              the round's commit, if its slot was found void
-        blobs/sha256/<hex>.safetensors         global fragments and outer momentum
+        blobs/sha256/<hex>.safetensors         global fragments, outer momentum, downlink views and updates
         head.json                              hint: latest committed round (never trusted alone)
         checkpoints/<round>/model.safetensors  consolidated checkpoint (+ config.json)
         prune.json                             what retention may have deleted (atoll prune)
@@ -34,6 +34,7 @@ import torch
 
 from atoll.core.compress import CompressionError, EncodedTensor, encode
 from atoll.core.config import DilocoConfig
+from atoll.core.downlink import DownlinkStep
 from atoll.core.fragments import FragmentPlan
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import RetryPolicy
@@ -66,6 +67,7 @@ from atoll.storage.records import (
     BlobRef,
     CommitRecord,
     ContributionRecord,
+    DownlinkState,
     FragmentState,
     LearnerStateRecord,
     PruneRecord,
@@ -754,7 +756,7 @@ class RunStore:
                 break
             report.verified += 1
             for p, st in enumerate(rec.state):
-                refs = [st.params] + ([st.momentum] if st.momentum is not None else [])
+                refs = st.refs()
                 if report.prune is not None and report.prune.may_be_pruned(p, st.version):
                     report.pruned += len([b for b in refs if b.sha256 not in seen])
                     seen.update(b.sha256 for b in refs)
@@ -860,10 +862,17 @@ class RunStore:
         timings: Mapping[str, Any] | None = None,
         stats: Mapping[str, Any] | None = None,
         committed_by: str = "synchronizer",
+        downlink: DownlinkStep | None = None,
+        downlink_chained: bool = True,
     ) -> CommitResult:
         """Commit round ``round_`` for ``fragment``: new fragment values (None: no update), the
         outer optimizer's ``state_dict()`` for that fragment, who was in and out, timings and
         stats. Payloads first, then the record create-once.
+
+        ``downlink`` (a compressed downlink only, with ``params``): the new version's update and
+        view (:func:`atoll.core.downlink.downlink_step`), published beside the fp32 master as the
+        entry's ``downlink``; ``downlink_chained=False`` publishes the view without the update
+        (the update was not computed against the previous version's published view).
 
         Returns ``CommitResult(won=True, record=ours)``, or ``won=False`` with the record that a
         racing synchronizer committed first (nothing of ours is trusted then). Raises
@@ -894,18 +903,11 @@ class RunStore:
         for k, v in body_extra.items():
             if not finite_json(v):
                 raise ValueError(f"{k} must be JSON-able without NaN/Inf")
-        expected = self.manifest.fragment_shapes(fragment)
         if params is not None:
-            check_tensor_layout(params, expected, what=f"round {round_} params for fragment {fragment}")
-            check_finite(params, what=f"round {round_} params")
-            params_ref = self._write_blob({n: params[n].float() for n in expected})
-            momentum_ref = state[fragment].momentum
-            if momentum is not None:
-                check_tensor_layout(momentum, {f"momentum.{n}": s for n, s in expected.items()},
-                                    what=f"round {round_} momentum", allow_missing=True)
-                check_finite(momentum, what=f"round {round_} momentum")
-                momentum_ref = self._write_blob({n: t.float() for n, t in momentum.items()})
-            state[fragment] = FragmentState(version=round_, params=params_ref, momentum=momentum_ref)
+            state[fragment] = self._write_fragment_state(round_, fragment, state[fragment], params, momentum,
+                                                         downlink, downlink_chained)
+        elif downlink is not None:
+            raise ValueError("a downlink is published with a new version (params) only")
         record = CommitRecord(
             round=round_, fragment=fragment, updated=params is not None, state=tuple(state),
             accepted=accepted_t, rejected=rejections, timings=body_extra["timings"],
@@ -928,65 +930,148 @@ class RunStore:
             raise RoundOrderError(f"commit of round {round_} was refused but no record is readable at {self.url}")
         return CommitResult(False, winner)
 
+    def _write_fragment_state(self, round_: int, fragment: int, prev: FragmentState, params: Tensors,
+                              momentum: Tensors | None, downlink: DownlinkStep | None,
+                              chained: bool) -> FragmentState:
+        """Write a new version's payloads (fp32 master, momentum, compressed downlink); its entry."""
+        expected = self.manifest.fragment_shapes(fragment)
+        check_tensor_layout(params, expected, what=f"round {round_} params for fragment {fragment}")
+        check_finite(params, what=f"round {round_} params")
+        params_ref = self._write_blob({n: params[n].float() for n in expected})
+        momentum_ref = prev.momentum
+        if momentum is not None:
+            check_tensor_layout(momentum, {f"momentum.{n}": s for n, s in expected.items()},
+                                what=f"round {round_} momentum", allow_missing=True)
+            check_finite(momentum, what=f"round {round_} momentum")
+            momentum_ref = self._write_blob({n: t.float() for n, t in momentum.items()})
+        dl = None if downlink is None else self._write_downlink(round_, fragment, prev.version, downlink, chained)
+        return FragmentState(version=round_, params=params_ref, momentum=momentum_ref, downlink=dl)
+
+    def _write_downlink(self, round_: int, fragment: int, base: int, step: DownlinkStep,
+                        chained: bool) -> DownlinkState:
+        """The view (fp32) and the update (the run's downlink codec) of a new version."""
+        codec = self.config.downlink_compression
+        if codec == "fp32":
+            raise ValueError("this run's downlink is fp32: learners read the master, there is no downlink to publish")
+        block_size = self.config.compression_block_size if codec == "int4" else 0
+        expected = self.manifest.fragment_shapes(fragment)
+        check_tensor_layout(step.view, expected, what=f"round {round_} downlink view of fragment {fragment}")
+        check_finite(step.view, what=f"round {round_} downlink view")
+        view_ref = self._write_blob({n: step.view[n].float() for n in expected})
+        update_ref = None
+        if chained:
+            update = {n: step.update[n] for n in expected}
+            odd = sorted(n for n, e in update.items() if e.codec != codec or e.block_size != block_size
+                         or e.shape != expected[n])
+            if odd or set(step.update) != set(expected):
+                raise ValueError(f"round {round_} downlink update: {odd[:5] or sorted(step.update)[:5]} is not "
+                                 f"{codec} (block {block_size}) in the fragment's shapes")
+            update_ref = self._write_blob_bytes(encoded_to_bytes(update)[0])
+        return DownlinkState(view=view_ref, update=update_ref, base=base, codec=codec, block_size=block_size)
+
     # -- global state ------------------------------------------------------------------------
+    def fragment_state(self, fragment: int, version: int) -> FragmentState:
+        """The state-table entry that published ``version`` of ``fragment`` (0: ``run.json``'s)."""
+        self._check_fragment(fragment)
+        if version == 0:
+            return FragmentState(version=0, params=self.manifest.initial[fragment])
+        rec = self.read_commit(version)
+        if rec is None:
+            raise RoundOrderError(f"version {version} of fragment {fragment}: round {version} is not committed")
+        st = rec.state[fragment]
+        if st.version != version:
+            raise ValueError(f"round {version} did not write fragment {fragment} (it holds version {st.version})")
+        return st
+
     def read_global_fragment(self, fragment: int, version: int | None = None) -> dict[str, torch.Tensor]:
         """Fragment values at ``version`` (the round that wrote it; 0 = initial; None = latest)."""
         self._check_fragment(fragment)
         if version is None:
             version = self._state_table(self.latest_round())[fragment].version
-        if version == 0:
-            ref = self.manifest.initial[fragment]
-        else:
-            rec = self.read_commit(version)
-            if rec is None:
-                raise RoundOrderError(f"version {version} of fragment {fragment}: round {version} is not committed")
-            st = rec.state[fragment]
-            if st.version != version:
-                raise ValueError(f"round {version} did not write fragment {fragment} (it holds version {st.version})")
-            ref = st.params
+        ref = self.fragment_state(fragment, version).params
         return self._read_fp32_blob(ref, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{version}")
 
-    def read_global_state(self, round_: int | None = None) -> GlobalState:
-        """All parameters, outer-optimizer state and timings as of ``round_`` (None = latest)."""
+    def read_fragment_view(self, fragment: int, version: int) -> dict[str, torch.Tensor]:
+        """What learners hold of ``fragment`` at ``version``: its downlink view (a compressed
+        downlink), else the fp32 master itself. InvalidInput if the object is unreadable."""
+        st = self.fragment_state(fragment, version)
+        ref = st.downlink.view if st.downlink is not None else st.params
+        return self._read_fp32_blob(ref, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{version} view")
+
+    def read_fragment_update(self, fragment: int, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """(base, decoded update) of ``version``'s compressed downlink: ``view_version =
+        view_base + update`` (:func:`atoll.core.downlink.apply_update`). InvalidInput if the
+        version has no update or its payload is unreadable (size, sha256, parts, NaN/Inf)."""
+        st = self.fragment_state(fragment, version)
+        dl = st.downlink
+        if dl is None or dl.update is None:
+            raise InvalidInput("missing_payload", f"fragment {fragment} v{version} publishes no downlink update")
+        shapes = self.manifest.fragment_shapes(fragment)
+        data = self._read_blob_bytes(dl.update, max_bytes=self.payload_cap(fragment))
+        meta = {n: {"codec": dl.codec, "shape": list(s), "block_size": dl.block_size} for n, s in shapes.items()}
+        values = bytes_to_encoded(data, meta, url=self.store.key_url(paths.blob_key(dl.update.sha256)))
+        check_tensor_layout(values, shapes, what=f"fragment {fragment} v{version} update", dtype=torch.float32)
+        return dl.base, values
+
+    def read_global_state(self, round_: int | None = None, *, momentum: bool = True,
+                          view: bool = False) -> GlobalState:
+        """All parameters, outer-optimizer state and timings as of ``round_`` (None = latest).
+
+        ``view=True``: each fragment as learners hold it (its downlink view where the run's
+        downlink is compressed; the master where it publishes none, or where the view does not
+        read, noted in ``restored``): a joining learner's full state. ``momentum=False``: skip the
+        outer momentum (learners never need it)."""
         round_ = self.latest_round() if round_ is None else round_
         table = self._state_table(round_)
         params: dict[str, torch.Tensor] = {}
-        momentum: dict[int, dict[str, torch.Tensor]] = {}
+        moments: dict[int, dict[str, torch.Tensor]] = {}
         restored: dict[int, str] = {}
         for p, st in enumerate(table):
             shapes = self.manifest.fragment_shapes(p)
+            moments[p] = {}
+            if view and st.downlink is not None:
+                try:
+                    params.update(self._read_fp32_blob(st.downlink.view, shapes, f"fragment {p} v{st.version} view"))
+                    continue
+                except InvalidInput as e:  # the master is within one quantization error of it
+                    restored[p] = f"view of v{st.version} unreadable ({e.kind.value}); using the master"
             try:
                 params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
             except InvalidInput as e:
-                pruned, _ = self.read_prune_record() if e.kind.value == "missing_payload" else (None, None)
-                if pruned is not None and pruned.may_be_pruned(p, st.version):
-                    raise PrunedError(
-                        f"the global state of round {round_} is gone: fragment {p} v{st.version} is below the "
-                        f"retention floor v{pruned.floors[p]} ({pruned.by}, rounds up to {pruned.through_round}); "
-                        f"read a later round or a consolidated checkpoint", url=self.store.key_url(
-                            paths.blob_key(st.params.sha256))) from None
-                # A destroyed state object must not stop every reader for good: fall back to the
-                # newest older version of this fragment that verifies (the same walk in every
-                # process, so they all agree), at worst version 0 from run.json. The fragment's
-                # next round publishes a fresh object. With the bucket policy no learner can
-                # write under sync/, so this is for storage faults and unconfined writers.
-                values, used = self._older_fragment(p, st.version, shapes)
+                values, used = self._fallback_fragment(round_, p, st, e)
                 params.update(values)
                 restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
-            momentum[p] = {}
-            if st.momentum is not None and p not in restored:
+            if momentum and st.momentum is not None and p not in restored:
                 try:
                     mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
                     got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
                     check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
                                         allow_missing=True)
-                    momentum[p] = got
+                    moments[p] = got
                 except InvalidInput as e:
                     restored[p] = f"momentum of v{st.version} unreadable ({e.kind.value}); reset to zero"
         rec = self.read_commit(round_) if round_ else None
         return GlobalState(round=round_, versions=tuple(s.version for s in table), params=params,
-                           momentum=momentum, timings=dict(rec.timings) if rec else {}, record=rec,
+                           momentum=moments, timings=dict(rec.timings) if rec else {}, record=rec,
                            restored=restored)
+
+    def _fallback_fragment(self, round_: int, p: int, st: FragmentState,
+                           e: InvalidInput) -> tuple[dict[str, torch.Tensor], int]:
+        """Fragment ``p`` when its state object at ``st.version`` does not read: PrunedError if
+        retention deleted it on purpose, else the newest older version that verifies."""
+        pruned, _ = self.read_prune_record() if e.kind.value == "missing_payload" else (None, None)
+        if pruned is not None and pruned.may_be_pruned(p, st.version):
+            raise PrunedError(
+                f"the global state of round {round_} is gone: fragment {p} v{st.version} is below the "
+                f"retention floor v{pruned.floors[p]} ({pruned.by}, rounds up to {pruned.through_round}); "
+                f"read a later round or a consolidated checkpoint", url=self.store.key_url(
+                    paths.blob_key(st.params.sha256))) from None
+        # A destroyed state object must not stop every reader for good: fall back to the
+        # newest older version of this fragment that verifies (the same walk in every
+        # process, so they all agree), at worst version 0 from run.json. The fragment's
+        # next round publishes a fresh object. With the bucket policy no learner can
+        # write under sync/, so this is for storage faults and unconfined writers.
+        return self._older_fragment(p, st.version, self.manifest.fragment_shapes(p))
 
     def _older_fragment(self, p: int, version: int,
                         shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:

@@ -28,6 +28,8 @@ __all__ = [
     "RunManifest",
     "ContributionRecord",
     "FragmentState",
+    "DownlinkState",
+    "DOWNLINK_CODECS",
     "AcceptedContribution",
     "CommitRecord",
     "LearnerStateRecord",
@@ -223,6 +225,43 @@ class ContributionRecord:
         )
 
 
+DOWNLINK_CODECS = ("bf16", "int4")
+"""Codecs of a compressed downlink update (an fp32 downlink publishes no downlink entry)."""
+
+
+@dataclass(frozen=True)
+class DownlinkState:
+    """What learners download of one fragment version when the run's downlink is compressed
+    (``DilocoConfig.downlink_compression``; :mod:`atoll.core.downlink`)."""
+
+    view: BlobRef
+    """fp32 values learners hold at this version (``view_v``): a joiner's full state."""
+    update: BlobRef | None
+    """``encode(master_v - view_base)``: parts ``<name>::<part>`` of ``codec``; ``view_v =
+    view_base + decode(update)``. None: no chain from ``base`` (read ``view``)."""
+    base: int
+    """The version the update applies to (the fragment's previous version)."""
+    codec: str
+    block_size: int
+    """int4's elements per scale block (0 for bf16)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"view": self.view.to_dict(), "update": self.update.to_dict() if self.update else None,
+                "base": self.base, "codec": self.codec, "block_size": self.block_size}
+
+    @classmethod
+    def from_body(cls, body: Any) -> DownlinkState:
+        _need(isinstance(body, dict), "state[].downlink must be an object")
+        codec, update = body.get("codec"), body.get("update")
+        _need(codec in DOWNLINK_CODECS, f"state[].downlink.codec must be one of {DOWNLINK_CODECS}, got {codec!r}")
+        block_size = _int(body, "block_size")
+        _need(codec != "int4" or (block_size >= 2 and block_size % 2 == 0),
+              f"state[].downlink.block_size must be even and >= 2 for int4, got {block_size}")
+        return cls(view=BlobRef.from_body(body.get("view"), "state[].downlink.view"),
+                   update=None if update is None else BlobRef.from_body(update, "state[].downlink.update"),
+                   base=_int(body, "base"), codec=str(codec), block_size=block_size)
+
+
 @dataclass(frozen=True)
 class FragmentState:
     """One fragment in a commit record's state table."""
@@ -233,23 +272,42 @@ class FragmentState:
     """fp32 values of the fragment's parameters at that version."""
     momentum: BlobRef | None = None
     """Nesterov buffers (``momentum.<name>``) after that round; None before the first update."""
+    downlink: DownlinkState | None = None
+    """The compressed downlink of that version; None: learners hold ``params`` itself (an fp32
+    downlink, version 0, and records written before compressed downlinks: the key is omitted)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "params": self.params.to_dict(),
             "momentum": self.momentum.to_dict() if self.momentum else None,
         }
+        if self.downlink is not None:
+            out["downlink"] = self.downlink.to_dict()
+        return out
+
+    def refs(self) -> list[BlobRef]:
+        """Every payload this entry names (what retention keeps and ``atoll verify`` checks)."""
+        refs = [self.params] + ([self.momentum] if self.momentum is not None else [])
+        if self.downlink is not None:
+            refs.append(self.downlink.view)
+            if self.downlink.update is not None:
+                refs.append(self.downlink.update)
+        return refs
 
     @classmethod
     def from_body(cls, body: Any) -> FragmentState:
         _need(isinstance(body, dict), "state[] entries must be objects")
-        m = body.get("momentum")
-        return cls(
+        m, d = body.get("momentum"), body.get("downlink")
+        out = cls(
             version=_int(body, "version"),
             params=BlobRef.from_body(body.get("params"), "state[].params"),
             momentum=None if m is None else BlobRef.from_body(m, "state[].momentum"),
+            downlink=None if d is None else DownlinkState.from_body(d),
         )
+        _need(out.downlink is None or out.downlink.base < out.version,
+              f"state[].downlink.base must be below the version {out.version}")
+        return out
 
 
 @dataclass(frozen=True)

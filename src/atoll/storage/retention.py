@@ -5,7 +5,8 @@ learner state a new inner-state payload (parameters and AdamW moments: three mod
 every round a new global fragment and its momentum, every N rounds a whole-model checkpoint. The
 bucket is the truth, so this module decides from the bucket alone what is dead:
 
-* **Global state** (``sync/blobs``): only the versions of each fragment written in the last
+* **Global state** (``sync/blobs``: each version's master, momentum and, with a compressed
+  downlink, its view and update): only the versions of each fragment written in the last
   ``keep_rounds`` rounds, and the one current when that window began, stay readable. The
   synchronizer merges against the current and the previous version of a fragment (never older:
   ``Synchronizer.poll`` lists only those two base versions), so ``keep_rounds >= 2 P`` keeps
@@ -168,12 +169,12 @@ class _Planner:
         before = run._state_table(through)
         floors = tuple(st.version for st in before)
         kept_shas = {b.sha256 for b in run.manifest.initial}
-        kept_shas.update(ref.sha256 for st in before for ref in (st.params, st.momentum) if ref is not None)
+        kept_shas.update(ref.sha256 for st in before for ref in st.refs())
         for i, r in enumerate(range(start, latest + 1)):
             rec = run.read_commit(r)
             if rec is None:  # pragma: no cover - latest_round() said it is committed
                 continue
-            kept_shas.update(ref.sha256 for st in rec.state for ref in (st.params, st.momentum) if ref is not None)
+            kept_shas.update(ref.sha256 for st in rec.state for ref in st.refs())
             if i and i % 500 == 0:
                 self.log(f"  read {i} of {latest - start + 1} commit records in the window")
         plan = PrunePlan(latest=latest, through_round=through, floors=floors)
