@@ -323,10 +323,15 @@ class Learner:
                                  f"{self.plan.sizes[name]} (the run was created from a different model)")
 
     def _load_global_state(self, start_round: int | None) -> None:
-        """Overwrite the model with the global state of ``start_round`` (default: the latest)."""
+        """Overwrite the model with the global state of ``start_round`` (default: the latest), as
+        learners hold it: with a compressed downlink, each fragment's published view (the only
+        time a learner reads the whole state; no outer momentum)."""
         self.start_round = self.store.latest_round() if start_round is None else start_round
         self.summary.started_from_round = self.start_round
-        state = self.store.read_global_state(self.start_round)
+        state = self.store.read_global_state(self.start_round, momentum=False, view=True)
+        self.joined_views = set(range(self.plan.num_fragments)) - set(state.restored)
+        """Fragments joined at their published view (with a compressed downlink, the start of the
+        fetcher's update chains); one whose view did not read was joined at the master."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(state.params[name])
@@ -427,6 +432,14 @@ class Learner:
         if self.recipe.inner.schedule != "run":
             return None
         return min(1.0, max(self.versions) / self.recipe.max_rounds)
+
+    def held_views(self) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Host copies of the fragments this learner joined at their published view, for the
+        fetcher to apply compressed updates to (None: the run's downlink is fp32). Call it before
+        the first adopt."""
+        if self.config.downlink_compression == "fp32":
+            return None
+        return {p: {n: t.detach().to("cpu", copy=True) for n, t in self.bases[p].items()} for p in self.joined_views}
 
     def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor]) -> bool:
         """Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""

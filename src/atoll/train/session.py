@@ -14,7 +14,6 @@ its state first), or, without saving anything, when a newer incarnation fenced i
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -108,7 +107,8 @@ class LearnerSession:
         self.learner = learner
         if keeper.lease is not None:
             learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
-        fetcher = Fetcher(store, learner.start_round, options.poll_interval_s, retry=options.fetch_retry, log=log)
+        fetcher = Fetcher(store, learner.start_round, options.poll_interval_s, versions=learner.versions,
+                          views=learner.held_views(), retry=options.fetch_retry, log=log)
         self.fetcher = fetcher
         keeper.latest_round = lambda: fetcher.latest_round
         fetcher.start()
@@ -146,13 +146,10 @@ class LearnerSession:
         return None
 
     def adopt_ready(self) -> None:
-        """Overwrite every fragment the fetcher has a newer global version of."""
+        """Overwrite every fragment the fetcher has a newer global version of (its newest)."""
         assert self.fetcher is not None and self.learner is not None
-        while True:
-            try:
-                self.learner.adopt(*self.fetcher.ready.get_nowait())
-            except queue.Empty:
-                return
+        for version, fragment, values in self.fetcher.take():
+            self.learner.adopt(version, fragment, values)
 
     def after_step(self) -> None:
         """After a step was recorded: adopt new versions; in lock-step mode wait for the merged

@@ -22,6 +22,12 @@ merged, and it is no sign of life). The newest lease is read with one LIST per l
 (again when a new record of that learner appears); learners that never took a lease (incarnation
 0: the virtual driver, simulations) are unaffected.
 
+Compressed downlink (``DilocoConfig.downlink_compression`` bf16 or int4): the synchronizer keeps
+its fp32 master (what it merges into, resumes from and checkpoints) and also tracks the learners'
+*view* of every fragment; each new version is published with its update against that view and
+the view it leads to (:mod:`atoll.core.downlink`: error feedback, so the learners' copy stays
+within one quantization error of the master). The views are read back from the bucket on resume.
+
 Once it holds a lease (:meth:`Synchronizer.hold_lease`, which :func:`run_synchronizer` does),
 every :meth:`Synchronizer.poll` also heartbeats (at most every ``heartbeat_interval_s``) and
 raises :class:`~atoll.train.lease.RunStopped` if the run's stop marker says stopped, or
@@ -41,13 +47,15 @@ from typing import Any
 
 import torch
 
+from atoll.core.compress import encoded_nbytes
+from atoll.core.downlink import DownlinkStep, downlink_step
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import ROUND_RETRY
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, MergeWorkspace, synchronize_fragment
 from atoll.core.weights import impossible_counters, max_steps_since
-from atoll.storage.bucket import RunStore
+from atoll.storage.bucket import GlobalState, RunStore
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.liveness import Lease
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
@@ -224,6 +232,7 @@ class Synchronizer:
             self.optimizers.append(opt)
         timings = dict(state.timings or {})
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
+        self._load_views(state)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
         self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
@@ -234,6 +243,26 @@ class Synchronizer:
                 continue  # a void slot consumed nothing we can know of
             if rec is not None:
                 self._consume(rec)
+
+    def _load_views(self, state: GlobalState) -> None:
+        """The learners' view of every fragment as of ``state`` (a compressed downlink only: the
+        published views; a fragment that never published one is held as its master). A view
+        that does not read is replaced by the master, and that fragment's next version is
+        published without an update (learners read its view in full): nobody holds our stand-in."""
+        self.views: list[dict[str, torch.Tensor]] | None = None
+        self._unchained: set[int] = set()
+        if self.config.downlink_compression == "fp32":
+            return
+        held = self.store.read_global_state(state.round, momentum=False, view=True)
+        self.views = [self.plan.select(held.params, p) for p in range(self.plan.num_fragments)]
+        self._unchained = set(held.restored)
+
+    def _downlink(self, p: int, result: FragmentRoundResult | None) -> DownlinkStep | None:
+        """The new version's compressed update against the learners' view, and the view it leads to."""
+        if self.views is None or result is None:
+            return None
+        return downlink_step(result.new_params, self.views[p], self.config.downlink_compression,
+                             block_size=self.config.compression_block_size)
 
     def _consume(self, rec: CommitRecord) -> None:
         keys = {a.key for a in rec.accepted}
@@ -397,9 +426,12 @@ class Synchronizer:
             if result is None or key not in result.weights:
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
         val_loss = self._evaluate(r, p, result)
+        downlink = self._downlink(p, result)
         sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
         stats = round_stats(poll, accepted, result, val_loss=val_loss,
-                            fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark)
+                            fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark,
+                            downlink_bytes=None if downlink is None else
+                            sum(encoded_nbytes(e) for e in downlink.update.values()))
         self._wire_mark = sent
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
                                steady=self._rounds_closed > 0)
@@ -407,11 +439,11 @@ class Synchronizer:
             r, p, params=result.new_params if result is not None else None,
             momentum=opt.state_dict() if result is not None else None,
             accepted=accepted, rejected=rejected, timings=timings.to_dict(), stats=stats,
-            committed_by=self.options.synchronizer_id,
+            committed_by=self.options.synchronizer_id, downlink=downlink, downlink_chained=p not in self._unchained,
         )
         if not commit.won:
             return self._adopt(commit.record)
-        self._advance(commit.record, result, opt, timings)
+        self._advance(commit.record, result, opt, timings, downlink)
         if self.schedule.checkpoints(r):
             self.store.write_checkpoint(r)
         return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss)
@@ -482,7 +514,7 @@ class Synchronizer:
         return float(self.evaluate(params))
 
     def _advance(self, record: CommitRecord, result: FragmentRoundResult | None,
-                 opt: NesterovOuterOptimizer, timings: TimingEma) -> None:
+                 opt: NesterovOuterOptimizer, timings: TimingEma, downlink: DownlinkStep | None = None) -> None:
         """Our commit won: make its state ours."""
         self.round = record.round
         self._rounds_closed += 1
@@ -499,6 +531,9 @@ class Synchronizer:
                 self._spare_params[p] = retired
             self._merged_here.add(p)
             self._spare_momentum[p] = retired_opt.buffers
+            if self.views is not None and downlink is not None:
+                self.views[p] = downlink.view  # new tensors: never one of the recycled master buffers
+                self._unchained.discard(p)
         self.ema = timings
         self._consume(record)
 
@@ -612,10 +647,12 @@ def learner_wire(recs: Mapping[str, ContributionRecord]) -> dict[str, dict[str, 
 
 
 def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
-                val_loss: float | None, fragment_numel: int, wire: WireCounts | None = None) -> dict[str, Any]:
+                val_loss: float | None, fragment_numel: int, wire: WireCounts | None = None,
+                downlink_bytes: int | None = None) -> dict[str, Any]:
     """The commit record's ``stats``: round facts for people (pure; JSON-able). ``wire``: what the
     synchronizer's store sent since its previous commit (``stats["wire"]``); each contributor's
-    own report goes to ``stats["learner_wire"]``."""
+    own report goes to ``stats["learner_wire"]``. ``downlink_bytes``: the tensor bytes of a
+    compressed downlink update (default: the fp32 fragment, ``4 x fragment_numel``)."""
     merged = {a.key for a in accepted}
     recs = poll.accepted
     d = poll.decision
@@ -628,7 +665,8 @@ def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: F
         "tokens": sum(a.c_tokens for a in accepted),
         "steps": sum(a.c_steps for a in accepted),
         "bytes_in": sum(rec.payload.nbytes for k, rec in recs.items() if k in merged),
-        "bytes_out_per_learner": 4 * fragment_numel if result is not None else 0,
+        "bytes_out_per_learner": (4 * fragment_numel if downlink_bytes is None else downlink_bytes)
+        if result is not None else 0,
         "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
         "pools": {rec.learner_id: rec.info.get("pool") for rec in recs.values() if isinstance(rec.info.get("pool"), str)},
         "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in recs.values()

@@ -8,7 +8,9 @@ the synchronizer's quorum/grace clock is the same virtual clock. That makes hete
 quality benchmark uses it to compare methods at an equal token budget.
 
 Event order per learner step (as in the real loop): compute the step, publish the due fragment,
-then adopt every version committed so far. The synchronizer polls after every event and at the
+then adopt the newest version of every fragment committed so far, read as a learner's fetcher
+reads it (:class:`~atoll.train.fetcher.Follower`: the newest version only; with a compressed
+downlink, the chain of updates or the view). The synchronizer polls after every event and at the
 recheck times its policy asks for. In lock-step mode (K = M) a learner that must wait for a
 merged version simply does not get its next event until that version is committed.
 """
@@ -24,6 +26,7 @@ import torch
 
 from atoll.storage.bucket import RunStore
 from atoll.storage.wire import WireCounts
+from atoll.train.fetcher import Follower
 from atoll.train.inner import RecipeLearner
 from atoll.train.run import load_recipe
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
@@ -79,9 +82,9 @@ def run_virtual(
 ) -> VirtualResult:
     """Train the run in ``store`` until the learners have consumed ``token_budget`` tokens.
 
-    ``own_stores``: each learner on its own handle of the run, counted apart, reading every new
-    version itself (as separate processes do); the synchronizer on ``store``. Otherwise all share
-    ``store`` and read each new version once."""
+    ``own_stores``: each learner on its own handle of the run, counted apart (as separate
+    processes are); the synchronizer on ``store``. Otherwise all share ``store`` and its counts.
+    Either way each learner reads the new versions it adopts itself."""
     run = _VirtualRun(store, base_step_s=base_step_s, step_noise=step_noise, seed=seed,
                       sync_options=sync_options, log=log, own_stores=own_stores)
     result = run.result
@@ -121,7 +124,8 @@ class _VirtualRun:
         self.reader = store.sibling()
         self.readers = [h.sibling() for h in handles] if own_stores else [self.reader] * len(specs)
         self.seen_round = [lr.start_round for lr in self.learners]
-        self.fragment_cache: dict[int, dict[str, torch.Tensor]] = {}
+        self.followers = [Follower(reader, lr.versions, lr.held_views(), log=log)
+                          for reader, lr in zip(self.readers, self.learners, strict=True)]
         self.result = VirtualResult()
         self.merged: list[int] = []
         self.dts = [0.0] * len(self.learners)
@@ -145,16 +149,11 @@ class _VirtualRun:
         heapq.heappush(self.events, (t, self.seq, kind, i))
 
     def adopt_committed(self, i: int) -> None:
-        reader = self.readers[i]
-        for rec in reader.poll_commits(self.seen_round[i]):
-            if rec.updated:
-                if self.own_stores:  # every learner reads the new version itself
-                    self.learners[i].adopt(rec.round, rec.fragment, reader.read_global_fragment(rec.fragment, rec.round))
-                else:
-                    if rec.round not in self.fragment_cache:
-                        self.fragment_cache[rec.round] = reader.read_global_fragment(rec.fragment, rec.round)
-                    self.learners[i].adopt(rec.round, rec.fragment, self.fragment_cache[rec.round])
-            self.seen_round[i] = rec.round
+        records = self.readers[i].poll_commits(self.seen_round[i])
+        for version, fragment, values in self.followers[i].advance(records):
+            self.learners[i].adopt(version, fragment, values)
+        if records:
+            self.seen_round[i] = records[-1].round
 
     def wire(self) -> dict[str, WireCounts]:
         if not self.own_stores:
