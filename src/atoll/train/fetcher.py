@@ -171,7 +171,7 @@ class Fetcher(threading.Thread):
         failures = 0
         while not self.stop.is_set():
             try:
-                self._poll()
+                self.poll_once()
                 failures = 0
             except Exception as e:  # noqa: BLE001 - counted, logged and bounded below
                 failures += 1
@@ -186,7 +186,9 @@ class Fetcher(threading.Thread):
                 continue
             self.stop.wait(self.poll_interval_s)
 
-    def _poll(self) -> None:
+    def poll_once(self) -> None:
+        """One poll (the thread does one every ``poll_interval_s``): new commits, then the newest
+        version of each fragment they give a newer version of, into its slot."""
         records = self.store.poll_commits(self.after)
         for version, p, values in self.follower.advance(records):
             with self._lock:

@@ -1,0 +1,261 @@
+"""The downlink, end to end on a real local-folder bucket: learners read only what they adopt, and
+with a compressed downlink they hold the published view to the last bit, across a synchronizer
+restart, a joiner, damaged objects and a run of learner threads that trains."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import torch
+
+from atoll.core.downlink import downlink_step, drift_bound
+from atoll.storage import RunStore
+from atoll.storage import paths as P
+from atoll.storage.paths import to_url
+from atoll.storage.records import CommitRecord
+from atoll.storage.wire import WireCounts
+from atoll.train.fetcher import Fetcher, Follower
+from atoll.train.inner import InnerLoop, RecipeLearner
+from atoll.train.learner import Learner, LearnerOptions
+from atoll.train.recipe import smoke_recipe
+from atoll.train.run import create_run, make_evaluator
+from atoll.train.session import LearnerSession
+from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions, run_synchronizer
+
+Tensors = dict[str, torch.Tensor]
+
+
+def new_run(tmp_path: Path, codec: str = "int4", *, learners: int = 2, rounds: int = 1000) -> RunStore:
+    config, recipe = smoke_recipe(learners, max_rounds=rounds)
+    return create_run(to_url(str(tmp_path / "run")), config.replace(initial_grace_s=0.0, downlink_compression=codec),
+                      recipe)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def blob_file(store: RunStore, sha256: str) -> Path:
+    return Path(store.url.removeprefix("file://")) / P.blob_key(sha256)
+
+
+class Committer:
+    """New master versions by hand (the previous one plus noise), published as the synchronizer's
+    commit path publishes them."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.master = [store.read_global_fragment(p, 0) for p in range(store.plan.num_fragments)]
+        self.view = [dict(m) for m in self.master]
+        self.g = torch.Generator().manual_seed(0)
+        self.round = 0
+
+    def commit(self, p: int) -> CommitRecord:
+        self.round += 1
+        new = {n: t + 0.01 * torch.randn(t.shape, generator=self.g) for n, t in self.master[p].items()}
+        config = self.store.config
+        step = downlink_step(new, self.view[p], config.downlink_compression, block_size=config.compression_block_size) \
+            if config.downlink_compression != "fp32" else None
+        assert self.store.commit_round(self.round, p, params=new, downlink=step).won
+        self.master[p] = new
+        self.view[p] = step.view if step is not None else new
+        return self.store.read_commit(self.round)  # type: ignore[return-value]
+
+
+def test_the_fetcher_reads_only_the_newest_version_of_each_fragment(tmp_path: Path) -> None:
+    """Five versions land before a poll: one read per fragment (its newest), counted on the wire;
+    two more before the learner takes them: each replaces the one waiting, nothing piles up."""
+    store = new_run(tmp_path, codec="fp32")
+    c = Committer(store)
+    for p in (0, 1, 0, 1, 0):
+        c.commit(p)
+    joined = RunStore.open(store.url)
+    _ = joined.manifest  # a learner read it when it joined
+    reader = joined.sibling(metered_apart=True)
+    fetcher = Fetcher(reader, 0, 0.01, versions=[0, 0], log=lambda _: None)
+    before = reader.store.wire_counts()
+    fetcher.poll_once()
+    spent = reader.store.wire_counts() - before
+    root = Path(store.url.removeprefix("file://"))
+    records = sum((root / P.commit_key(r)).stat().st_size for r in range(1, 6))
+    newest = [c.store.read_commit(5).state[0].params.nbytes, c.store.read_commit(4).state[1].params.nbytes]
+    assert dict(fetcher.reads) == {"master": 2}
+    assert spent.bytes_down == records + sum(newest)  # every version would have read 5 payloads
+    assert fetcher.latest_round == 5
+    c.commit(1)
+    c.commit(0)
+    fetcher.poll_once()  # the learner took nothing meanwhile
+    assert dict(fetcher.reads) == {"master": 4}
+    ready = fetcher.take()
+    assert [(v, p) for v, p, _ in ready] == [(6, 1), (7, 0)]
+    assert same(ready[1][2], c.master[0]) and same(ready[0][2], c.master[1])
+    assert fetcher.take() == []
+
+
+def test_a_learner_applies_the_chain_of_updates_or_reads_the_view_whichever_is_fewer_bytes(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    c = Committer(store)
+    initial = [store.read_global_fragment(p, 0) for p in range(2)]
+    follower = Follower(RunStore.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
+
+    def follow() -> dict[int, tuple[int, Tensors]]:
+        records = follower.store.poll_commits(max(follower.versions))
+        return {p: (v, values) for v, p, values in follower.advance(records)}
+
+    c.commit(0)
+    c.commit(0)
+    got = follow()  # two int4 updates are fewer bytes than one fp32 view
+    assert dict(follower.reads) == {"update": 2} and got[0][0] == 2 and same(got[0][1], c.view[0])
+    for _ in range(8):
+        c.commit(0)
+    got = follow()  # eight are more
+    assert dict(follower.reads) == {"update": 2, "view": 1} and got[0][0] == 10 and same(got[0][1], c.view[0])
+    # A damaged update is skipped with its reason; the view is read in full.
+    dl = c.commit(0).state[0].downlink
+    assert dl is not None and dl.update is not None
+    blob_file(store, dl.update.sha256).write_bytes(b"garbage")
+    got = follow()
+    assert follower.reads["view"] == 2 and same(got[0][1], c.view[0])
+    assert "fragment 0 v11: downlink update unreadable" in follower.skipped[-1] and "truncated" in follower.skipped[-1]
+    # Update and view both gone: the fp32 master (within one quantization error); the next version
+    # cannot be chained to it and is read in full.
+    dl = c.commit(0).state[0].downlink
+    assert dl is not None and dl.update is not None
+    blob_file(store, dl.update.sha256).unlink()
+    blob_file(store, dl.view.sha256).unlink()
+    got = follow()
+    assert follower.reads["master"] == 1 and same(got[0][1], c.master[0]) and 0 not in follower.views
+    c.commit(0)
+    got = follow()
+    assert follower.reads["view"] == 3 and same(got[0][1], c.view[0])
+    c.commit(1)
+    assert same(follow()[1][1], c.view[1]) and follower.reads["update"] == 3
+
+
+def drive(sync: Synchronizer, learners: list[RecipeLearner], followers: list[Follower], rounds: int) -> None:
+    """Every learner steps, the synchronizer commits what can close, every learner adopts through
+    its follower (what its fetcher thread does), until ``rounds`` more rounds are committed."""
+    target, now = sync.round + rounds, [0.0]
+    sync.clock = lambda: now[0]
+    while sync.round < target:
+        for lr in learners:
+            lr.step()
+        now[0] += 1.0
+        while isinstance(sync.tick(), RoundSummary):
+            pass
+        for lr, f in zip(learners, followers, strict=True):
+            for v, p, values in f.advance(f.store.poll_commits(max(f.versions))):
+                lr.adopt(v, p, values)
+
+
+def assert_holds_the_views(learner: Learner, views: list[Tensors]) -> None:
+    for p, view in enumerate(views):
+        assert same({n: t.cpu() for n, t in learner.bases[p].items()}, view), (learner.learner_id, p)
+
+
+def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    learners = [RecipeLearner(RunStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
+    followers = [Follower(lr.store.sibling(), lr.versions, lr.held_views(), log=lambda _: None) for lr in learners]
+    sync = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    drive(sync, learners, followers, 6)
+    assert sync.views is not None
+    for lr in learners:
+        assert_holds_the_views(lr, sync.views)
+    again = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    assert again.views is not None and again._unchained == set()
+    assert all(same(a, b) for a, b in zip(again.views, sync.views, strict=True))
+    drive(again, learners, followers, 6)
+    assert all(f.reads["view"] == 0 and f.reads["master"] == 0 and f.reads["update"] > 0 for f in followers)
+    for lr in learners:
+        assert_holds_the_views(lr, again.views)
+    # The view is not the master, within one quantization error of each fragment's residual.
+    for p, view in enumerate(again.views):
+        st = store.fragment_state(p, again.versions[p])
+        assert st.downlink is not None
+        base = store.read_fragment_view(p, st.downlink.base)
+        master = again.fragments[p]
+        assert not same(master, view)
+        for n in view:
+            assert torch.all((master[n] - view[n]).abs() <= drift_bound(master[n] - base[n], "int4") + 1e-6)
+    # A joiner reads each fragment's view in full, and not the outer momentum.
+    joiner_store = RunStore.open(store.url).sibling(metered_apart=True)
+    joiner = RecipeLearner(joiner_store, "learner-1", log=lambda _: None)
+    assert_holds_the_views(joiner, again.views)
+    state = store.read_commit(again.round).state
+    views = sum(st.downlink.view.nbytes for st in state if st.downlink is not None)
+    momentum = sum(st.momentum.nbytes for st in state if st.momentum is not None)
+    joined: WireCounts = joiner_store.store.wire_counts()
+    assert views <= joined.bytes_down < views + momentum, (views, momentum, joined)
+    assert set(joiner.held_views() or {}) == {0, 1}
+
+
+def test_a_view_lost_before_a_restart_is_published_again_in_full(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    learners = [RecipeLearner(RunStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
+    followers = [Follower(lr.store.sibling(), lr.versions, lr.held_views(), log=lambda _: None) for lr in learners]
+    sync = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    drive(sync, learners, followers, 4)
+    st = store.read_commit(sync.round).state[0]
+    assert st.downlink is not None
+    blob_file(store, st.downlink.view.sha256).unlink()
+    again = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    assert again._unchained == {0}  # it cannot know the view learners hold: it stands in the master
+    drive(again, learners, followers, 2)
+    rec = store.read_commit(again.versions[0])
+    dl = rec.state[0].downlink
+    assert rec.round > sync.round and dl is not None and dl.update is None  # no chain: read the view
+    assert all(f.reads["view"] == 1 for f in followers) and again._unchained == set()
+    assert again.views is not None
+    for lr in learners:
+        assert_holds_the_views(lr, again.views)
+
+
+def learner_thread(url: str, learner_id: str, out: dict[str, LearnerSession]) -> None:
+    """A learner as its process runs it (lease, heartbeats, the fetcher thread), on atoll's own loop."""
+    store = RunStore.open(url)
+    loops: list[InnerLoop] = []
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
+        loops.append(InnerLoop(store, learner_id))
+        return loops[0].model, loops[0].opt, loops[0].describe()
+
+    session = LearnerSession(store, learner_id, build, log=lambda _: None,
+                             options=LearnerOptions(poll_interval_s=0.02, handle_sigterm=False, max_steps=2000))
+    with session:
+        assert session.learner is not None
+        learner, loop = session.learner, loops[0]
+        loop.resume(learner)
+        while session.exit_reason_now() is None:
+            tokens, loss, step_time_s = loop.step(learner)
+            learner.record_step(tokens, loss=loss, step_time_s=step_time_s)
+            session.after_step()
+    out[learner_id] = session
+
+
+def test_an_int4_downlink_run_of_learner_threads_trains_and_learners_hold_the_view(tmp_path: Path) -> None:
+    rounds = 24
+    store = new_run(tmp_path, rounds=rounds)
+    evaluate = make_evaluator(store)
+    initial = evaluate(store.read_global_state(0).params)
+    sessions: dict[str, LearnerSession] = {}
+    threads = [threading.Thread(target=learner_thread, args=(store.url, lid, sessions)) for lid in ("learner-0", "learner-1")]
+    for t in threads:
+        t.start()
+    last = run_synchronizer(RunStore.open(store.url), evaluate=evaluate, log=lambda _: None,
+                            options=SynchronizerOptions(poll_interval_s=0.02))
+    for t in threads:
+        t.join(timeout=120)
+    assert last == rounds and set(sessions) == {"learner-0", "learner-1"}
+    losses = [r.stats["val_loss"] for r in store.history() if "val_loss" in r.stats]
+    assert losses[-1] < initial - 0.5, (initial, losses)  # it trains (ln 256 = 5.55 untrained)
+    for lid, session in sessions.items():
+        learner, fetcher = session.learner, session.fetcher
+        assert learner is not None and fetcher is not None
+        assert session.summary.exit_reason == "finished" and learner.summary.aligned > 0
+        for p, v in enumerate(learner.versions):
+            assert same({n: t.cpu() for n, t in learner.bases[p].items()}, store.read_fragment_view(p, v)), (lid, p)
+        assert fetcher.reads["update"] > 0 and fetcher.reads["master"] == 0 and not fetcher.follower.skipped
+    assert math.isfinite(losses[-1])
