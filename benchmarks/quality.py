@@ -25,6 +25,22 @@ Rows (every label carries its outer and inner settings):
     each learner's own step counter, contiguous data shards): what the run-progress schedule and
     interleaved shards are worth.
 
+The communication front (``--pareto`` runs only it; ``--pareto-grid none`` leaves it out):
+decoupled K=1+grace rows at the best inner lr over uplink precision (fp32/bf16/int4) x downlink
+precision (fp32/bf16/int4) x H (8/24/48, P = min(8, H)) x round pacing (off/1), every learner on
+its own counted store (``atoll.storage.wire``), each with its bytes per token trained (up, down,
+requests per 1,000 tokens; the synchronizer's apart), effective H, merged-work share and final
+loss; a table and a plot (``quality-pareto.png``: loss against bytes per token, log x) per corpus,
+with the front (no other point with every seed run has fewer bytes and a lower loss; a point that
+diverged on any seed is never on it). The whole cross product is 54 points per corpus and seed,
+far too long for 2 cores, so ``--pareto-grid auto`` (default) runs a coordinate sweep around the
+reference (H = 8, fp32 both ways, no pacing: 8 points), then the cross product of each axis's
+values within ``--pareto-promising`` (4%) of the reference's loss (at most ``--pareto-max`` = 16
+points: middle values go first), at the first seed; the first seed's front and the points within
+2% of the reference then run at every seed. ``coord`` stops after the sweep, ``full`` runs all 54.
+
+    python benchmarks/quality.py --pareto --tokens 5e5                     # the front, both corpora, 2 seeds
+
 Columns: merged/rd is contributions merged per round; "merged work" is the share of the learners'
 fragment-token work (tokens x fragment size) that was merged into the global model (the rest
 was overwritten when a learner adopted a newer version before its work was merged).
@@ -56,13 +72,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from atoll.core.config import DilocoConfig, synchronous_diloco  # noqa: E402
-from atoll.runs.report import MergedWork  # noqa: E402
+from atoll.runs.report import MergedWork, effective_h  # noqa: E402
 from atoll.storage.paths import to_url  # noqa: E402
+from atoll.storage.wire import WireCounts  # noqa: E402
 from atoll.train import data as data_mod  # noqa: E402
 from atoll.train.model import GPTConfig, build_model, count_parameters, loss_fn  # noqa: E402
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step  # noqa: E402
 from atoll.train.run import create_run, make_evaluator  # noqa: E402
 from atoll.train.virtual import run_virtual  # noqa: E402
+from communication import dp_ring_bytes_per_token  # noqa: E402
 from corpora import corpus_spec  # noqa: E402
 
 M = 4
@@ -251,16 +269,29 @@ def calibrate_rounds(a: argparse.Namespace, config: DilocoConfig, spec: DataSpec
     return max(1, round(res.rounds * int(a.tokens) / res.tokens))
 
 
+def timing_key(config: DilocoConfig) -> str:
+    """What a config's virtual time depends on: everything but the codecs (a delta's precision
+    changes its bytes, never when a step or a round happens), so one calibration serves them all."""
+    d = config.to_dict()
+    for codec in CODEC_FIELDS:
+        if codec in d:
+            d[codec] = "fp32"
+    return json.dumps(d, sort_keys=True)
+
+
 def run_diloco(a: argparse.Namespace, model: dict, spec: DataSpec, config: DilocoConfig, inner_lr: float, seed: int,
-               root: Path, *, schedule: str = "run", rounds_cache: dict) -> dict:
-    key = json.dumps(config.to_dict(), sort_keys=True)  # virtual time: the same for every corpus
+               root: Path, *, schedule: str = "run", rounds_cache: dict, wire: bool = False) -> dict:
+    """One DiLoCo row. ``wire``: every learner on its own counted handle of the bucket (it reads
+    each new version itself, as separate processes do), and the row reports what crossed the wire."""
+    key = timing_key(config)  # virtual time: the same for every corpus
     if key not in rounds_cache:
-        rounds_cache[key] = calibrate_rounds(a, config, spec, root)
+        rounds_cache[key] = calibrate_rounds(a, config.replace(**{f: "fp32" for f in CODEC_FIELDS
+                                                                  if f in config.to_dict()}), spec, root)
     max_rounds = rounds_cache[key]
     recipe = _recipe(a, model, spec, inner_lr, seed, max_rounds, schedule)
     store = create_run(to_url(str(root / f"run-{time.monotonic_ns()}")), config, recipe)
     result = run_virtual(store, token_budget=int(a.tokens), evaluate=make_evaluator(store),
-                         eval_every_tokens=int(a.tokens) // a.evals)
+                         eval_every_tokens=int(a.tokens) // a.evals, own_stores=wire)
     # Merged work: tokens x fragment size of every merged contribution, over all the work done.
     total_numel = sum(store.plan.sizes.values())
     # A repeat (published again against the same base before adopting the round that merged the
@@ -274,12 +305,273 @@ def run_diloco(a: argparse.Namespace, model: dict, spec: DataSpec, config: Diloc
             merged_work += work
             per_learner[lid] = per_learner.get(lid, 0.0) + work
     tokens_of = {lid: steps * a.batch * a.context for lid, steps in result.steps.items()}
-    return {"curve": result.curve, "tokens": result.tokens, "bytes_per_token": result.bytes_moved / result.tokens,
-            "rounds": result.rounds, "max_rounds": max_rounds, "merged": result.merged_per_round,
-            "merged_share": merged_work / (result.tokens * total_numel),
-            "merged_share_per_learner": {lid: per_learner.get(lid, 0.0) / (tokens_of[lid] * total_numel)
-                                         for lid in tokens_of if tokens_of[lid]},
-            "steps": result.steps}
+    out = {"curve": result.curve, "tokens": result.tokens, "bytes_per_token": result.bytes_moved / result.tokens,
+           "rounds": result.rounds, "max_rounds": max_rounds, "merged": result.merged_per_round,
+           "merged_share": merged_work / (result.tokens * total_numel),
+           "merged_share_per_learner": {lid: per_learner.get(lid, 0.0) / (tokens_of[lid] * total_numel)
+                                        for lid in tokens_of if tokens_of[lid]},
+           "steps": result.steps, "effective_h": effective_h_of(store)}
+    if wire:
+        learners = sum((c for k, c in result.wire.items() if k != "synchronizer"), WireCounts())
+        out["wire"] = {"learners": learners.to_dict(),
+                       "synchronizer": result.wire.get("synchronizer", WireCounts()).to_dict()}
+    return out
+
+
+def effective_h_of(store) -> float:  # type: ignore[no-untyped-def]
+    """Mean inner steps per merged contribution after the first pass over the fragments
+    (:func:`atoll.runs.report.effective_h`): the effective H."""
+    got = effective_h(store.history()[store.plan.num_fragments:])
+    return got[0] if got else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+# The communication front: validation loss against bytes per token
+
+UPLINK_FIELD = "compression"
+"""DilocoConfig's precision of the deltas learners upload."""
+DOWNLINK_FIELD = "downlink_compression"
+"""DilocoConfig's precision of the new fragment versions learners fetch (fp32 where the field is absent)."""
+PACING_FIELD = "round_pacing"
+"""DilocoConfig's round pacing (fraction of H; 0 = off)."""
+CODEC_FIELDS = (UPLINK_FIELD, DOWNLINK_FIELD)
+CODECS = ("fp32", "bf16", "int4")
+DIVERGED_LOSS = math.log(256)
+"""A final validation loss at or above a uniform guess over bytes: the row diverged (or never learned)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ParetoPoint:
+    """One configuration of the front's grid (the decoupled K=1+grace config otherwise)."""
+
+    up: str = "fp32"
+    """Uplink: precision of the deltas."""
+    down: str = "fp32"
+    """Downlink: precision of the fetched fragments."""
+    h: int = 8
+    """H: inner steps between two syncs of one fragment."""
+    pacing: float = 0.0
+    """Round pacing (fraction of H; 0 = off)."""
+
+    def key(self, lr: float) -> str:
+        return f"pareto {lr:g} up={self.up} down={self.down} H={self.h} pace={self.pacing:g}"
+
+    @classmethod
+    def from_key(cls, key: str) -> ParetoPoint:
+        f = dict(kv.split("=") for kv in key.split()[2:])
+        return cls(up=f["up"], down=f["down"], h=int(f["H"]), pacing=float(f["pace"]))
+
+    def label(self) -> str:
+        pace = f", paced {self.pacing:g}" if self.pacing else ""
+        return f"up {self.up} / down {self.down}, H={self.h}{pace}"
+
+    def axes(self) -> dict[str, object]:
+        return {"up": self.up, "down": self.down, "h": self.h, "pacing": self.pacing}
+
+
+def pareto_config(base: DilocoConfig, pt: ParetoPoint, fragments: int) -> DilocoConfig:
+    """``base`` (the decoupled K=1+grace config) at point ``pt``: H = pt.h with P = min(fragments, H)
+    fragments (a small model has few tensors, and a commit record grows with P)."""
+    changes: dict[str, object] = {UPLINK_FIELD: pt.up, "inner_steps": pt.h, "num_fragments": min(fragments, pt.h)}
+    if pt.down != "fp32":
+        changes[DOWNLINK_FIELD] = pt.down
+    if pt.pacing:
+        changes[PACING_FIELD] = pt.pacing
+    return base.replace(**changes)
+
+
+def supported(pt: ParetoPoint) -> bool:
+    """Whether this build's DilocoConfig has the knobs ``pt`` needs."""
+    known = {f.name for f in dataclasses.fields(DilocoConfig)}
+    return (pt.down == "fp32" or DOWNLINK_FIELD in known) and (not pt.pacing or PACING_FIELD in known)
+
+
+def wire_per_token(r: dict) -> dict[str, float]:
+    """A wire-measured row's bytes and requests per token trained (all learners; synchronizer apart)."""
+    w, t = r["wire"], r["tokens"]
+    lw, sw = w["learners"], w["synchronizer"]
+    reqs = sum(lw[k] for k in ("puts", "gets", "heads", "lists", "deletes"))
+    return {"up": lw["bytes_up"] / t, "down": lw["bytes_down"] / t, "total": (lw["bytes_up"] + lw["bytes_down"]) / t,
+            "req_k": 1000 * reqs / t, "sync": (sw["bytes_up"] + sw["bytes_down"]) / t}
+
+
+def diverged(r: dict) -> bool:
+    v = final(r)
+    return not math.isfinite(v) or v >= DIVERGED_LOSS
+
+
+def axis_values(a: argparse.Namespace) -> dict[str, list]:
+    return {"up": a.pareto_ups.split(","), "down": a.pareto_downs.split(","),
+            "h": [int(x) for x in a.pareto_hs.split(",")], "pacing": [float(x) for x in a.pareto_pacing.split(",")]}
+
+
+def coordinate_points(axes: dict[str, list], ref: ParetoPoint) -> list[ParetoPoint]:
+    """The reference, then every other value of one axis at a time (the rest at the reference)."""
+    pts = [ref]
+    for axis, values in axes.items():
+        pts += [dataclasses.replace(ref, **{axis: v}) for v in values if v != getattr(ref, axis)]
+    return pts
+
+
+def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list], cap: int) -> list[ParetoPoint]:
+    """The cross product of the values ``keep`` names on each axis (each axis ordered as ``axes``);
+    while it exceeds ``cap`` points, drop from the largest axis its value nearest the middle (the
+    reference and the most compressed value stay)."""
+    keep = {ax: [v for v in axes[ax] if v in keep[ax]] for ax in axes}
+    while math.prod(len(v) for v in keep.values()) > cap:
+        ax = max(keep, key=lambda k: len(keep[k]))
+        inner = [v for v in keep[ax][1:-1] if v != getattr(ref, ax)]
+        if not inner:
+            break
+        keep[ax].remove(inner[0])
+    return [ParetoPoint(up=u, down=d, h=h, pacing=pc) for u in keep["up"] for d in keep["down"]
+            for h in keep["h"] for pc in keep["pacing"]]
+
+
+def front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Keys not dominated in (bytes per token, loss): no other point is as good on both and better on one."""
+    out = []
+    for k, (b, v) in points.items():
+        if not any((b2 <= b and v2 <= v) and (b2 < b or v2 < v) for k2, (b2, v2) in points.items() if k2 != k):
+            out.append(k)
+    return sorted(out, key=lambda k: points[k][0])
+
+
+def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: dict, row) -> None:  # type: ignore[no-untyped-def]
+    """The front's grid (``--pareto-grid``), at ``lr``: ``row(pt, seed)`` runs one point.
+
+    * ``coord``: the reference (H = 8, fp32 both ways, no pacing) and each other value of one axis
+      at a time;
+    * ``auto`` (default): ``coord``, then the cross product of the values within
+      ``--pareto-promising`` of the reference's loss on each axis (at most ``--pareto-max`` points:
+      middle values go first);
+    * ``full``: every point.
+    Then the reference and every point of the first seed's front, or close to the reference's loss,
+    run at the other seeds."""
+    axes = axis_values(a)
+    ref = ParetoPoint()
+    todo = coordinate_points(axes, ref) if a.pareto_grid in ("coord", "auto") else cross_points(
+        axes, ref, axes, 10**9)
+    todo = [pt for pt in todo if supported(pt)]
+    for pt in todo:
+        row(pt, seeds[0])
+    done = {pt: runs[pt.key(lr)][seeds[0]] for pt in todo if seeds[0] in runs.get(pt.key(lr), {})}
+    if ref not in done:
+        return
+    ref_loss = final(done[ref])
+    if a.pareto_grid == "auto":
+        ok = {pt for pt, r in done.items() if not diverged(r) and final(r) <= ref_loss * (1 + a.pareto_promising)}
+        keep = {ax: [v for v in vals if any(getattr(pt, ax) == v for pt in ok)] for ax, vals in axes.items()}
+        for pt in cross_points(axes, ref, keep, a.pareto_max):
+            if supported(pt) and pt not in done:
+                row(pt, seeds[0])
+                if seeds[0] in runs.get(pt.key(lr), {}):
+                    done[pt] = runs[pt.key(lr)][seeds[0]]
+    good = {pt: r for pt, r in done.items() if not diverged(r)}
+    first = set(front({pt.key(lr): (wire_per_token(r)["total"], final(r)) for pt, r in good.items()}))
+    again = [pt for pt, r in good.items() if pt == ref or pt.key(lr) in first
+             or final(r) <= ref_loss * (1 + a.pareto_promising / 2)]
+    for seed in seeds[1:]:
+        for pt in sorted(again, key=lambda p: wire_per_token(good[p])["total"]):
+            row(pt, seed)
+
+
+def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_params: int, seeds: list[int],
+                 say) -> dict:  # type: ignore[no-untyped-def]
+    """The front's table: every point run at ``lr``, then the front (all seeds run, none diverged)."""
+    keys = [k for k in runs if k.startswith(f"pareto {lr:g} ")]
+    ref_key = ParetoPoint().key(lr)
+    if not keys or ref_key not in runs:
+        return {}
+    tok_step = M * a.batch * a.context
+    dp32, dp16 = (dp_ring_bytes_per_token(n_params, M, tok_step, p) for p in ("fp32", "bf16"))
+    rows = {}
+    for k in keys:
+        vals = {sd: final(r) for sd, r in runs[k].items()}
+        same = [final(runs[ref_key][sd]) for sd in vals if sd in runs[ref_key]]
+        w = [wire_per_token(r) for r in runs[k].values()]
+        rows[k] = {"point": ParetoPoint.from_key(k).axes(), "mean": statistics.fmean(vals.values()),
+                   "spread": (max(vals.values()) - min(vals.values())) / 2, "n": len(vals), "seeds": vals,
+                   "ratio": statistics.fmean(vals.values()) / statistics.fmean(same) if same else float("nan"),
+                   "diverged": any(diverged(r) for r in runs[k].values()),
+                   **{f: statistics.fmean(x[f] for x in w) for f in w[0]},
+                   "effective_h": statistics.fmean(r["effective_h"] for r in runs[k].values()),
+                   "merged_share": statistics.fmean(r["merged_share"] for r in runs[k].values()),
+                   "complete": len(vals) == len(seeds)}
+        rows[k]["dp_fold"] = dp32 / rows[k]["total"]
+        rows[k]["dp16_fold"] = dp16 / rows[k]["total"]
+    full = {k: r for k, r in rows.items() if r["complete"] and not r["diverged"]}
+    on_front = front({k: (r["total"], r["mean"]) for k, r in full.items()})
+    for k, r in rows.items():
+        r["front"] = k in on_front
+    head = (f"{'config (decoupled K=1+grace, P=min(8,H))':42s} {'val loss':>8s} {'+-':>6s} {'n':>2s} {'/ H8 fp32':>9s} "
+            f"{'up B/tok':>9s} {'down B/tok':>10s} {'req/ktok':>8s} {'sync B/tok':>10s} {'vs DP fp32':>10s} "
+            f"{'vs DP bf16':>10s} {'eff H':>6s} {'merged work':>11s}")
+    say("")
+    say(f"-- communication front: loss against bytes per token (inner lr {lr:g}; learners' bytes up and down, "
+        f"payloads and records, per token trained; DP = ring all-reduce, M = {M}, every worker's bytes sent and "
+        f"received: {dp32:,.0f} B/token fp32, {dp16:,.0f} bf16) --")
+    say(head)
+    say("-" * len(head))
+    for k in sorted(rows, key=lambda k: rows[k]["total"]):
+        r = rows[k]
+        mark = " F" if r["front"] else (" x" if r["diverged"] else "")
+        say(f"{ParetoPoint.from_key(k).label() + mark:42s} {r['mean']:8.4f} {r['spread']:6.4f} {r['n']:2d} "
+            f"{r['ratio']:9.3f} {r['up']:9.1f} {r['down']:10.1f} {r['req_k']:8.2f} {r['sync']:10.1f} "
+            f"{'1/' + format(r['dp_fold'], '.0f'):>10s} {'1/' + format(r['dp16_fold'], '.0f'):>10s} "
+            f"{r['effective_h']:6.1f} {r['merged_share']:11.0%}")
+    say(f"(F: on the front: no point with all {len(seeds)} seeds run has fewer bytes and a lower loss; x: diverged on "
+        f"a seed (never a candidate); '/ H8 fp32' divides by the reference row's mean over the same seeds)")
+    say("front:")
+    for k in on_front:
+        r = rows[k]
+        say(f"  {ParetoPoint.from_key(k).label():40s} loss {r['mean']:.4f} ({r['ratio']:.3f}x H8 fp32), "
+            f"{r['total']:,.1f} B/token = 1/{r['dp_fold']:.0f} of DP fp32")
+    target = [k for k in full if full[k]["dp_fold"] >= a.pareto_target_fold and full[k]["ratio"] <= 1 + a.pareto_tol]
+    say(f"meets the target (<= 1/{a.pareto_target_fold:g} of DP fp32's bytes per token, loss <= "
+        f"{1 + a.pareto_tol:.2f}x H8 fp32, all seeds): "
+        + (", ".join(ParetoPoint.from_key(k).label() for k in sorted(target, key=lambda k: full[k]["mean"])) or "none"))
+    return {"rows": rows, "front": on_front, "target": target, "dp_bytes_per_token": {"fp32": dp32, "bf16": dp16}}
+
+
+def plot_pareto(report: dict, path: Path) -> None:
+    """Loss against bytes per token (log x), one panel per corpus, the front joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c for c in report["corpora"] if report["corpora"][c].get("pareto")]
+    if not names:
+        return
+    fig, axes = plt.subplots(1, len(names), figsize=(7.5 * len(names), 5.5), squeeze=False)
+    colors = {8: "tab:blue", 24: "tab:orange", 48: "tab:green"}
+    short = {"fp32": "32", "bf16": "16", "int4": "4"}
+    for ax, cname in zip(axes[0], names, strict=False):
+        p = report["corpora"][cname]["pareto"]
+        rows = p["rows"]
+        for r in rows.values():
+            pt = r["point"]
+            color = colors.get(pt["h"], "gray")
+            ax.scatter(r["total"], r["mean"], marker="*" if pt["pacing"] else "o", s=70 if pt["pacing"] else 30,
+                       facecolors=color if r["complete"] else "none", edgecolors=color)
+            ax.annotate(f"{short.get(pt['up'], pt['up'])}/{short.get(pt['down'], pt['down'])}",
+                        (r["total"], r["mean"]), fontsize=6, xytext=(3, -8), textcoords="offset points")
+        fr = [rows[k] for k in p["front"]]
+        ax.plot([r["total"] for r in fr], [r["mean"] for r in fr], "k--", lw=1, label="front (all seeds)")
+        for fold in (10, 100):
+            ax.axvline(p["dp_bytes_per_token"]["fp32"] / fold, color="gray", lw=0.8, ls=":")
+            ax.text(p["dp_bytes_per_token"]["fp32"] / fold, ax.get_ylim()[1], f" 1/{fold} DP", fontsize=7, va="top")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes per token trained (learners, up + down)")
+        ax.set_ylabel("final validation loss (mean over seeds)")
+        ax.set_title(f"{cname}: blue H=8, orange H=24, green H=48; * paced; hollow: first seed only; "
+                     "label up/down bits", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("atoll communication front: validation loss against bytes per token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,6 +615,29 @@ def main() -> int:
                     "with the same settings")
     ap.add_argument("--report-only", action="store_true", help="with --resume: train nothing, tabulate what is saved")
     ap.add_argument("--out", default="out")
+    g = ap.add_argument_group("communication front", "decoupled K=1+grace rows over uplink x downlink precision x H "
+                              "x round pacing, each with its bytes per token (learners' own counted stores)")
+    g.add_argument("--pareto", action="store_true", help="run only the front's rows (no DP or sweeps; inner lr "
+                   "--pareto-inner-lr)")
+    g.add_argument("--pareto-grid", default="auto", choices=("none", "coord", "auto", "full"),
+                   help="none: no front rows; coord: the reference (fp32 both ways, H=8, no pacing) and one axis "
+                   "at a time; auto: coord, then the cross product of each axis's values within --pareto-promising "
+                   "of the reference; full: the whole cross product (54 points by default)")
+    g.add_argument("--pareto-ups", default="fp32,bf16,int4", help="uplink precisions (the deltas)")
+    g.add_argument("--pareto-downs", default="fp32,bf16,int4", help="downlink precisions (the fetched fragments)")
+    g.add_argument("--pareto-hs", default="8,24,48", help="H values (P = min(--pareto-fragments, H))")
+    g.add_argument("--pareto-pacing", default="0,1", help="round pacing values (fraction of H; 0 = off)")
+    g.add_argument("--pareto-fragments", type=int, default=8, help="P for every H (at most H)")
+    g.add_argument("--pareto-inner-lr", type=float, default=6e-3,
+                   help="inner lr of the front's rows with --pareto (else the decoupled sweep's best)")
+    g.add_argument("--pareto-promising", type=float, default=0.04,
+                   help="auto: an axis value within this fraction of the reference's loss (first seed) joins the "
+                   "cross product; within half of it, a point reruns at every seed")
+    g.add_argument("--pareto-max", type=int, default=16, help="auto: most points in the cross product")
+    g.add_argument("--pareto-tol", type=float, default=0.02, help="the target's loss: at most this fraction above "
+                   "the reference")
+    g.add_argument("--pareto-target-fold", type=float, default=100, help="the target's bytes: at most 1/this of "
+                   "DP fp32's bytes per token")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out = Path(a.out)
@@ -331,6 +646,8 @@ def main() -> int:
     rows_all = [r for r in a.rows.split(",") if r]
     rows_first = [r for r in a.rows_first_seed.split(",") if r and r not in rows_all]
     rows_late = [r for r in a.rows_late.split(",") if r and r not in rows_all + rows_first]
+    if a.pareto:
+        rows_all, rows_first, rows_late = [], [], []
     model = {"vocab_size": 256, "context_tokens": a.context, "num_layers": a.layers, "num_heads": 4,
              "embed_dim": a.width}
     gpt = GPTConfig.from_dict(model)
@@ -403,8 +720,11 @@ def main() -> int:
                 losses = {lr: row(lr, seeds[0]) for lr in grid}
                 return min(losses, key=lambda lr: losses[lr] if math.isfinite(losses[lr]) else math.inf)
 
-            dp_lr = sweep([float(x) for x in a.dp_lrs.split(",")], dp_row)
-            inner_lr = sweep([float(x) for x in a.inner_lrs.split(",")], dec_row)
+            if a.pareto:  # the front alone, at the given inner lr
+                dp_lr, inner_lr = math.nan, a.pareto_inner_lr
+            else:
+                dp_lr = sweep([float(x) for x in a.dp_lrs.split(",")], dp_row)
+                inner_lr = sweep([float(x) for x in a.inner_lrs.split(",")], dec_row)
 
             def fixed(key: str, seed: int) -> None:
                 c = configs.get(key)
@@ -434,7 +754,7 @@ def main() -> int:
             lower = sorted(float(k.split()[1]) for k in runs if k.startswith("dp ") and float(k.split()[1]) < dp_lr)
             lower_inner = sorted(float(k.split()[1]) for k in runs if k.startswith("dec ")
                                  and float(k.split()[1]) < inner_lr)
-            for seed in seeds[1:]:
+            for seed in seeds[1:] if not a.pareto else ():
                 dp_row(dp_lr, seed)
                 if lower:
                     dp_row(lower[-1], seed)
@@ -445,6 +765,25 @@ def main() -> int:
                     fixed(key, seed)
             for key in rows_late:
                 fixed(key, seeds[0])
+
+            # -- the communication front -------------------------------------------------------
+            def pareto_row(pt: ParetoPoint, seed: int) -> float:
+                c = pareto_config(configs["decoupled"], pt, a.pareto_fragments)
+                return run(pt.key(inner_lr), f"{label_of('diloco', c, inner_lr)}, {pt.label()}", seed,
+                           lambda s: run_diloco(a, model, spec_for(s), c, inner_lr, s, root, rounds_cache=rounds_cache,
+                                                wire=True))
+
+            if a.pareto_grid != "none":
+                run_pareto(a, run, seeds, inner_lr, runs, pareto_row)
+            if a.pareto:
+                say("")
+                say(f"== {desc}; {int(a.tokens):,} tokens; GPT {a.layers} layers x d{a.width}, context {a.context} "
+                    f"({n_params:,} params); M = {M} learners x batch {a.batch}, learners 3-4 {SLOW}x slower; "
+                    f"seeds {a.seeds} ==")
+                report["corpora"][cname] = {"desc": desc, "inner_lr": inner_lr, "labels": labels,
+                                            "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()},
+                                            "pareto": pareto_table(a, runs, labels, inner_lr, n_params, seeds, say)}
+                continue
 
             # -- the table ------------------------------------------------------------------
             def stats(key: str) -> tuple[float, float, int]:
@@ -472,7 +811,8 @@ def main() -> int:
                       f"{'merged/rd':>9s} {'merged work':>11s} {'bytes/token':>11s} {'/ DP':>7s}")
             say(header)
             say("-" * len(header))
-            order = sorted(dp_keys, key=lambda k: float(k.split()[1])) + [k for k in runs if not k.startswith("dp ")]
+            order = sorted(dp_keys, key=lambda k: float(k.split()[1])) + [k for k in runs
+                                                                           if not k.startswith(("dp ", "pareto "))]
             table = []
             for key in order:
                 mean, spread, n = stats(key)
@@ -492,12 +832,16 @@ def main() -> int:
             report["corpora"][cname] = {"desc": desc, "table": table, "best_dp": best_dp, "dp_lr": dp_lr,
                                         "inner_lr": inner_lr,
                                         "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()},
-                                        "labels": labels}
+                                        "labels": labels,
+                                        "pareto": pareto_table(a, runs, labels, inner_lr, n_params, seeds, say)}
 
-    (out / "quality.txt").write_text("\n".join(lines) + "\n")
-    (out / "quality.json").write_text(json.dumps(report, indent=1, default=str))
-    plot(report, out / "quality.png")
-    print(f"wrote {out / 'quality.txt'}, {out / 'quality.json'} and {out / 'quality.png'}")
+    name = "quality-pareto" if a.pareto else "quality"
+    (out / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
+    if not a.pareto:
+        plot(report, out / "quality.png")
+    plot_pareto(report, out / "quality-pareto.png")
+    print(f"wrote {out / name}.txt, .json, .png" + ("" if a.pareto else f" and {out / 'quality-pareto.png'}"))
     return 0
 
 
@@ -511,7 +855,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(8 * len(names), 5.5), squeeze=False)
     for ax, cname in zip(axes[0], names, strict=False):
         c = report["corpora"][cname]
-        shown = [c["best_dp"]] + [k for k in c["runs"] if not k.startswith("dp ")]
+        shown = [c["best_dp"]] + [k for k in c["runs"] if not k.startswith(("dp ", "pareto "))]
         for key in shown:
             curves = [r["curve"] for r in c["runs"][key].values()]
             n = max(len(cv) for cv in curves)
