@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from atoll.core import LearnerCounters, align_fragment
+from atoll.core.align import PublishMarks, carry
 
 
 def test_overwrite_in_place_keeps_adamw_moments() -> None:
@@ -42,3 +43,52 @@ def test_alignment_errors() -> None:
         align_fragment(params, {"w": torch.zeros(3)})
     with pytest.raises(ValueError, match="fragment="):
         align_fragment(params, {"w": torch.ones(2)}, counters=LearnerCounters.fresh(1))
+
+
+def _fragment(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def test_keep_local_progress_carries_the_steps_since_the_last_publish_onto_the_new_version() -> None:
+    base, new_version = _fragment(0), _fragment(1)
+    params = {n: v.clone() for n, v in base.items()}
+    counters = LearnerCounters.fresh(1)
+    marks = PublishMarks(1)
+    for step in range(3):  # three steps, then a publish, then two more steps
+        counters.record_step(10)
+        for v in params.values():
+            v.add_(0.1 * (step + 1))
+    at_publish = {n: v.clone() for n, v in params.items()}
+    marks.mark(0, params, counters.fragments[0])
+    for v in params.values():
+        v.add_(0.5)
+    counters.record_step(7)
+    counters.record_step(7)
+    now = {n: v.clone() for n, v in params.items()}
+
+    kept = marks.unpublished(0, params, base, counters.fragments[0])
+    assert kept is not None and (kept.c_steps, kept.c_tokens) == (2, 14)
+    align_fragment(params, new_version, counters=counters, fragment=0, version=9)
+    marks.clear(0)
+    carry(params, counters.fragments[0], kept)
+    for n in params:  # the new version plus exactly what no contribution carries yet
+        assert torch.equal(params[n], new_version[n] + (now[n] - at_publish[n]))
+    fc = counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens) == (9, 2, 14)
+
+    # No publish since that alignment: the unpublished progress runs from the new base.
+    counters.record_step(3)
+    for v in params.values():
+        v.add_(1.0)
+    again = marks.unpublished(0, params, new_version, counters.fragments[0])
+    assert again is not None and (again.c_steps, again.c_tokens) == (3, 17)
+    for n in params:
+        assert torch.allclose(again.progress[n], params[n] - new_version[n])
+
+
+def test_nothing_is_carried_without_a_step_since_the_publish() -> None:
+    params, counters, marks = _fragment(2), LearnerCounters.fresh(1), PublishMarks(1)
+    counters.record_step(5)
+    marks.mark(0, params, counters.fragments[0])
+    assert marks.unpublished(0, params, _fragment(3), counters.fragments[0]) is None

@@ -5,6 +5,12 @@ same ``nn.Parameter`` objects keeps its AdamW moments), remembers the new value 
 the next delta, and resets that fragment's counters. Global versions are absolute values, not
 increments, so a learner that was away and missed several versions "applies every version it
 missed" by adopting the latest one.
+
+With ``DilocoConfig.keep_local_progress`` the learner keeps what no contribution carries yet: its
+progress on the fragment since it last published it (or, with no publish since it last aligned,
+since its base). The fragment becomes the new version plus that progress, and the counters carry
+its steps and tokens, so the next contribution (against the new version) delivers that work
+instead of dropping it (:class:`PublishMarks`, :func:`carry`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from atoll.core.weights import Counters
 
-__all__ = ["FragmentCounters", "LearnerCounters", "align_fragment"]
+__all__ = ["FragmentCounters", "LearnerCounters", "PublishMarks", "Unpublished", "align_fragment", "carry"]
 
 
 @dataclass
@@ -88,3 +94,56 @@ def align_fragment(
             raise ValueError("resetting counters needs fragment= and version=")
         counters.reset(fragment, version)
     return {n: v.detach().float().clone() for n, v in global_fragment.items()}
+
+
+@dataclass(frozen=True)
+class Unpublished:
+    """A learner's progress on one fragment that no contribution of it carries yet."""
+
+    progress: dict[str, torch.Tensor]
+    """Fragment values now minus at the mark, fp32, by parameter name."""
+
+    c_steps: int
+    """Inner steps since the mark."""
+
+    c_tokens: int
+    """Tokens since the mark."""
+
+
+class PublishMarks:
+    """Where each fragment's unpublished progress starts: its values and counters when the
+    learner last published it, or its base and zero counters when it has not published it since
+    it last aligned (:meth:`clear`). One copy of the fragment per mark: a model's worth at most."""
+
+    def __init__(self, num_fragments: int) -> None:
+        self._marks: list[tuple[dict[str, torch.Tensor], int, int] | None] = [None] * num_fragments
+
+    @torch.no_grad()
+    def mark(self, fragment: int, values: Mapping[str, torch.Tensor], counters: FragmentCounters) -> None:
+        """The learner publishes ``fragment`` now, at ``values`` and ``counters``."""
+        self._marks[fragment] = ({n: v.detach().float().clone() for n, v in values.items()},
+                                 counters.c_steps, counters.c_tokens)
+
+    def clear(self, fragment: int) -> None:
+        """The learner aligned ``fragment``: its unpublished progress starts at the new base."""
+        self._marks[fragment] = None
+
+    @torch.no_grad()
+    def unpublished(self, fragment: int, params: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor],
+                    counters: FragmentCounters) -> Unpublished | None:
+        """The progress since the mark (None when no step was taken since it)."""
+        mark = self._marks[fragment]
+        ref, steps, tokens = mark if mark is not None else (base, 0, 0)
+        if counters.c_steps <= steps:
+            return None
+        return Unpublished({n: params[n].detach().float() - ref[n] for n in ref},
+                           counters.c_steps - steps, counters.c_tokens - tokens)
+
+
+@torch.no_grad()
+def carry(params: Mapping[str, torch.Tensor], counters: FragmentCounters, unpublished: Unpublished) -> None:
+    """Right after an alignment: add the progress to the new values and carry its counters (the
+    next delta, against the new version, holds that work, and its counters say so)."""
+    for name, d in unpublished.progress.items():
+        params[name].add_(d.to(dtype=params[name].dtype, device=params[name].device))
+    counters.c_steps, counters.c_tokens = unpublished.c_steps, unpublished.c_tokens

@@ -106,6 +106,15 @@ class DilocoConfig:
     with K = 1 every arrival can close a round, so a merged contribution carries far fewer than H
     steps; 1 makes it carry about H. A run whose manifest has no such field reads as 0."""
 
+    keep_local_progress: bool = False
+    """On adopting a new global version of a fragment, keep the learner's progress on it that no
+    contribution carries yet (its steps since it last published the fragment: at least the
+    overlap tau): the fragment becomes the new version plus that progress, and the counters carry
+    those steps into the next contribution. False overwrites the fragment (the paper), and that
+    progress is lost: with H = 8 and tau = 2, a quarter of every learner's work at least. Applies
+    to one-process learners and DDP islands (FSDP2 islands overwrite). A run whose manifest has no
+    such field reads as False."""
+
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -170,6 +179,7 @@ class DilocoConfig:
             "round_pacing",
             "must be a fraction of H in [0, 1] (0: off)",
         )
+        need(isinstance(self.keep_local_progress, bool), "keep_local_progress", "must be True or False")
 
     @property
     def steps_between_rounds(self) -> float:

@@ -51,7 +51,8 @@ from atoll.core.pseudograd import check_same_layout, learner_delta
 from atoll.storage.bucket import RunStore
 from atoll.train.device import fragment_to_host, resolve_device
 from atoll.train.inner import InnerLoop, RecipeLearner, run_learner
-from atoll.train.learner import Learner, LearnerOptions, LearnerSummary, inner_state_tensors
+from atoll.train.inner_state import inner_state_tensors
+from atoll.train.learner import Learner, LearnerOptions, LearnerSummary
 from atoll.train.lease import die_with_parent
 from atoll.train.run import load_recipe
 

@@ -28,24 +28,25 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from atoll.core.align import LearnerCounters, align_fragment
+from atoll.core.align import LearnerCounters, PublishMarks, align_fragment, carry
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.validation import InvalidInput
 from atoll.storage.wire import wire_report
 from atoll.train.device import flat_fragment_to_device, fragment_delta_to_host
 from atoll.train.fetcher import FetchError
+from atoll.train.inner_state import load_inner_state, local_inner_state
 from atoll.train.publisher import Outbox, Outgoing
 from atoll.train.run import load_recipe
 
 __all__ = ["FetchError", "Learner", "LearnerExit", "LearnerOptions", "LearnerSummary", "Replica",
-           "STALLED_PUBLISHES", "Weights", "inner_state_tensors", "publish_due"]
+           "STALLED_PUBLISHES", "Weights", "publish_due"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,57 +166,6 @@ def publish_due(c_steps: int, inner_steps: int) -> bool:
     return n <= STALLED_PUBLISHES or (n & (n - 1)) == 0
 
 
-# -- the inner state a learner saves for rejoin ----------------------------------------------------
-def inner_state_tensors(states: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Optimizer state by parameter name -> the saved layout: ``adamw.<name>.<key>`` tensors, fp32,
-    on the host (any optimizer: the prefix is historical; tensors and numbers, nothing pickled).
-
-    The layout does not depend on how the island was sharded: a DDP island can rejoin as FSDP2
-    and back."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, st in states.items():
-        for key, value in (st or {}).items():
-            if key == "step" or not isinstance(value, torch.Tensor):
-                if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                    continue  # not a number (e.g. a flag): the optimizer rebuilds it
-                tensors[f"adamw.{name}.{key}"] = torch.as_tensor(value, dtype=torch.float32).reshape(1).cpu()
-            else:
-                tensors[f"adamw.{name}.{key}"] = value.detach().float().contiguous().cpu()
-    return tensors
-
-
-def local_inner_state(model: torch.nn.Module, opt: torch.optim.Optimizer, *,
-                      snapshot: bool = False) -> dict[str, torch.Tensor]:
-    """The optimizer's state in the saved layout; ``snapshot``: copies that the next optimizer
-    step will not change (on the CPU the saved layout otherwise shares the state's memory)."""
-    states = {name: opt.state.get(p, {}) for name, p in model.named_parameters()}
-    tensors = inner_state_tensors(states)
-    if snapshot:
-        live = {v.data_ptr() for st in states.values() for v in (st or {}).values() if isinstance(v, torch.Tensor)}
-        tensors = {k: t.clone() if t.data_ptr() in live else t for k, t in tensors.items()}
-    return tensors
-
-
-def load_inner_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Put a saved inner state (:func:`inner_state_tensors`' layout) into ``opt`` for ``model``."""
-    for name, p in model.named_parameters():
-        prefix = f"adamw.{name}."
-        keys = [k for k in tensors if k.startswith(prefix) and "." not in k[len(prefix):]]
-        if not keys:
-            continue
-        state: dict[str, Any] = {}
-        for k in keys:
-            key, value = k[len(prefix):], tensors[k]
-            if key == "step":  # AdamW keeps it as a 0-dim float tensor (on the host unless fused/capturable)
-                device = p.device if opt.defaults.get("fused") or opt.defaults.get("capturable") else "cpu"
-                state[key] = value.reshape(()).to(device).clone()
-            elif value.numel() == p.numel():
-                state[key] = value.to(p.device, p.dtype).reshape(p.shape).clone()
-            else:  # a per-parameter scalar or other shape: as saved
-                state[key] = value.to(p.device).clone()
-        opt.state[p] = state
-
-
 # -- where the weights live --------------------------------------------------------------------
 class Weights(Protocol):
     """Where a learner's parameters, bases and optimizer state live on this process: what
@@ -229,7 +179,7 @@ class Weights(Protocol):
         """Take a newer global version of ``fragment`` as its value and base; reset its counters."""
 
     def inner_state(self, learner: Learner, *, snapshot: bool) -> dict[str, torch.Tensor]:
-        """The optimizer state to save, in :func:`inner_state_tensors`' layout."""
+        """The optimizer state to save, in :func:`~atoll.train.inner_state.inner_state_tensors`' layout."""
 
     def broadcast(self, learner: Learner, fragments: list[int]) -> None:
         """Every rank of an island: take rank 0's values of ``fragments`` (after rank 0 adopted them)."""
@@ -339,6 +289,9 @@ class Learner:
         self.bases: list[dict[str, torch.Tensor]] = [flat_fragment_to_device(self.plan.select(state.params, p), self.device)
                       for p in range(self.plan.num_fragments)]
         self.counters = LearnerCounters.fresh(self.plan.num_fragments)
+        self.marks = PublishMarks(self.plan.num_fragments)
+        self.keeps_progress = self.config.keep_local_progress and isinstance(self.weights, Replica)
+        """Carry unpublished progress through an adoption (FSDP2 shards overwrite)."""
         for frag, v in enumerate(self.versions):
             self.counters.fragments[frag].base_version = v
 
@@ -410,6 +363,8 @@ class Learner:
                 "loss": round(loss, 6) if math.isfinite(loss) else None, "wire": self.wire_report()}
         outgoing = Outgoing(self.learner_id, p, fc.base_version, fc.frozen(), info, self.incarnation,
                             self.plan.fragment_numel(p))
+        if self.keeps_progress:  # every rank of an island, so that all of them carry the same
+            self.marks.mark(p, self.plan.select(self.params, p), fc)
         if not self.outbox.publish(outgoing, functools.partial(self.weights.delta_to_host, self, p),
                                    guard=self.publish_guard):
             return  # fenced, or another rank of the island publishes
@@ -442,10 +397,16 @@ class Learner:
         return {p: {n: t.detach().to("cpu", copy=True) for n, t in self.bases[p].items()} for p in self.joined_views}
 
     def adopt(self, round_: int, fragment: int, tensors: dict[str, torch.Tensor]) -> bool:
-        """Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters."""
+        """Overwrite a fragment with a newer global version (AdamW moments stay); reset its counters
+        (with ``keep_local_progress``: plus what no contribution carries yet, and its counters)."""
         if round_ <= self.versions[fragment]:
             return False
+        kept = self.marks.unpublished(fragment, self.params, self.bases[fragment],
+                                      self.counters.fragments[fragment]) if self.keeps_progress else None
         self.weights.adopt(self, fragment, round_, tensors)
+        self.marks.clear(fragment)
+        if kept is not None:
+            carry(self.params, self.counters.fragments[fragment], kept)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True

@@ -1,0 +1,57 @@
+"""keep_local_progress on the real Learner and Synchronizer (virtual clock): synchronous DiLoCo
+is unchanged to the last bit (a lock-step learner takes no step between its publish and its
+adoption), and in a decoupled run the work a learner did after publishing a fragment reaches the
+model instead of being overwritten, which the merged-work share counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from atoll.core.config import synchronous_diloco
+from atoll.runs.report import MergedWork
+from atoll.storage import RunStore
+from atoll.storage.paths import to_url
+from atoll.train.recipe import LearnerSpec, smoke_recipe
+from atoll.train.run import create_run
+from atoll.train.virtual import run_virtual
+
+from .test_loops import reference_synchronous_diloco
+
+
+def test_synchronous_diloco_is_unchanged_to_the_last_bit(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # same kernels as the reference
+    try:
+        config = synchronous_diloco(3, inner_steps=3).replace(keep_local_progress=True)
+        _, recipe = smoke_recipe(3, max_rounds=3)
+        store = create_run(to_url(str(tmp_path / "run")), config, recipe)
+        tokens_per_round = sum(s.batch_size for s in recipe.learners) * 64 * config.inner_steps
+        assert run_virtual(store, token_budget=3 * tokens_per_round).rounds == 3
+        got = store.read_global_state(3).params
+        want = reference_synchronous_diloco(recipe, config.replace(keep_local_progress=False), 3)
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _merged_share(tmp_path: Path, keep: bool) -> float:
+    config, recipe = smoke_recipe(4, max_rounds=100_000)
+    config = config.replace(num_fragments=4, inner_steps=4, overlap_steps=2, keep_local_progress=keep)
+    recipe = recipe.replace(learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=2,
+                                                       slowdown=1.5 if i == 3 else 1.0) for i in range(4)))
+    store = create_run(to_url(str(tmp_path / f"keep-{keep}")), config, recipe)
+    result = run_virtual(store, token_budget=4 * 2 * 64 * 24, step_noise=0.5, seed=1)
+    ledger, merged = MergedWork(), 0
+    for rec in store.history():
+        merged += sum(t for _, t in ledger.round(rec).values()) * store.plan.fragment_numel(rec.fragment)
+    assert RunStore.open(store.url, read_only=True).manifest.config.keep_local_progress is keep
+    return merged / (result.tokens * sum(store.plan.sizes.values()))
+
+
+def test_work_after_a_publish_is_merged_instead_of_overwritten(tmp_path: Path) -> None:
+    dropped, kept = _merged_share(tmp_path, False), _merged_share(tmp_path, True)
+    # Overwriting drops at least the tau = 2 steps after each publish of H = 4: about half.
+    assert dropped < 0.7 and kept > 0.8 and kept > dropped + 0.2, (dropped, kept)
