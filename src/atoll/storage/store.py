@@ -349,14 +349,15 @@ class ObjectStore:
             if attempt:
                 self.op_counts["retry"] += 1
                 self._sleep(self.retry.delay_s(attempt - 1, self._rng))
-            result: Any = _FAILED
+            result: object = _FAILED
             try:
                 if _FAULTS is not None:  # chaos only (ATOLL_FAULT_STORAGE)
                     _FAULTS.before(op)
-                result = fn()
+                value = fn()
+                result = value
                 if _FAULTS is not None:
                     _FAULTS.after(op)
-                return result
+                return value
             except Exception as e:  # noqa: BLE001 - classified below
                 result = e
                 if not is_transient(e):
