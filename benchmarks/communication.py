@@ -1,7 +1,7 @@
 """Communication: what Decoupled DiLoCo puts on the wire, per round and per token, against data-parallel.
 
-    python benchmarks/communication.py --quick     # the demo preset's config, 100 steps per fast learner: ~3 min
-    python benchmarks/communication.py             # demo, paper and compressed configs, 400 steps each: ~30 min
+    python benchmarks/communication.py --quick     # the demo preset's config, 100 steps per learner: 2-5 min
+    python benchmarks/communication.py             # demo, paper and compressed configs, 200 steps each: ~40 min
     python benchmarks/communication.py --configs demo,demo-int4 --steps 200
 
 Each config trains the demo recipe (tiny GPT, 4 learners with batch 8 x 128, one 1.5x slower) with
@@ -119,13 +119,23 @@ def measure(config: DilocoConfig, recipe: Recipe, *, steps: int, noise: float, s
         "join": {k: c.to_dict() for k, c in res.join_wire.items()},
         "records": {"learners": tracker.learners.to_dict(), "synchronizer": tracker.synchronizer.to_dict(),
                     "learner_tokens": tracker.learner_tokens},
-        "planned": {"up": planned.up_bytes_per_token, "down": planned.down_bytes_per_token,
-                    "sync": (planned.sync_up_bytes_per_round + planned.sync_down_bytes_per_round)
-                    / (planned.learners * planned.steps_per_round * tokens_per_step),
-                    "saves": planned.save_bytes_per_token},
+        "planned": planned_figures(planned, tokens_per_step),
         "dp": {p: dp_ring_bytes_per_token(params, len(recipe.learners), len(recipe.learners) * tokens_per_step, p)
                for p in ("fp32", "bf16")},
     }
+
+
+def planned_figures(planned, tokens_per_step: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The plan for all learners together, per round and per token (every learner contributing to
+    every round, one round per H / P steps of each learner)."""
+    m = planned.learners
+    tokens_per_round = m * planned.steps_per_round * tokens_per_step
+    return {"up": planned.up_bytes_per_token, "down": planned.down_bytes_per_token,
+            "puts": m * planned.up_requests_per_round, "gets": m * planned.down_requests_per_round,
+            "up_round": m * planned.up_bytes_per_round, "down_round": m * planned.down_bytes_per_round,
+            "sync_up_round": planned.sync_up_bytes_per_round, "sync_down_round": planned.sync_down_bytes_per_round,
+            "sync_up": planned.sync_up_bytes_per_round / tokens_per_round,
+            "sync_down": planned.sync_down_bytes_per_round / tokens_per_round, "saves": planned.save_bytes_per_token}
 
 
 def gpt_of(recipe: Recipe) -> GPTConfig:
@@ -162,12 +172,14 @@ def table(name: str, r: dict, say) -> None:  # type: ignore[no-untyped-def]
             f"{w['bytes_down'] / t:10.1f} {1000 * reqs / t:8.2f}")
     lw, p = r["learners"], r["planned"]
     total = (lw["bytes_up"] + lw["bytes_down"]) / t
-    say(f"{'planned (plan_wire)':16s} {'':39s} {'':10s} {'':10s} {p['up']:9.1f} {p['down']:10.1f}"
-        f"   learners; synchronizer {p['sync']:.1f} B/tok")
+    say(f"{'planned learners':16s} {p['puts']:7.2f} {p['gets']:7.2f} {'':23s} {p['up_round']:10,.0f} "
+        f"{p['down_round']:10,.0f} {p['up']:9.1f} {p['down']:10.1f}   (plan_wire; polls not planned)")
+    say(f"{'planned sync':16s} {'':39s} {p['sync_up_round']:10,.0f} {p['sync_down_round']:10,.0f} "
+        f"{p['sync_up']:9.1f} {p['sync_down']:10.1f}")
     rec = r["records"]
     if rec["learner_tokens"]:
         say(f"records' view (WireTracker): learners {(rec['learners']['bytes_up'] + rec['learners']['bytes_down']) / rec['learner_tokens']:.1f} "
-            f"B/tok over the tokens they reported, synchronizer {(rec['synchronizer']['bytes_up'] + rec['synchronizer']['bytes_down']) / t:.1f} B/tok")
+            f"B/tok (their own reports, joining included), synchronizer {(rec['synchronizer']['bytes_up'] + rec['synchronizer']['bytes_down']) / t:.1f} B/tok")
     join = sum((WireCounts(**v) for v in r["join"].values()), WireCounts())
     say(f"joining (once, not above): {join.line()}")
     say(f"learners, up + down: {total:,.1f} B/token, planned {p['up'] + p['down']:,.1f} "
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="", help="comma-separated names (default: demo with --quick, else all): "
                     "demo, paper, demo-bf16, demo-int4, demo-int4-h24-paced")
     ap.add_argument("--steps", type=int, default=0, help="inner steps per learner, on average (default 100 with "
-                    "--quick, else 400)")
+                    "--quick, else 200)")
     ap.add_argument("--noise", type=float, default=0.5, help="each step's virtual time spread by up to this fraction "
                     "(staggers the learners' publishes, as machines do)")
     ap.add_argument("--seed", type=int, default=0)
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}: choose from {sorted(known)}")
-    steps = a.steps or (100 if a.quick else 400)
+    steps = a.steps or (100 if a.quick else 200)
     recipe = recipe.replace(max_rounds=10**6, eval_every_rounds=0, checkpoint_every_rounds=0)
     n = count_parameters(build_model(gpt_of(recipe), device="meta"))
     out = Path(a.out)
