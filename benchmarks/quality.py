@@ -428,6 +428,12 @@ def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list],
             for h in keep["h"] for pc in keep["pacing"]]
 
 
+def parse_point(text: str) -> ParetoPoint:
+    """``UP/DOWN/H/PACING``, e.g. ``int4/bf16/24/1``."""
+    up, down, h, pacing = text.split("/")
+    return ParetoPoint(up=up, down=down, h=int(h), pacing=float(pacing))
+
+
 def front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Keys not dominated in (bytes per token, loss): no other point is as good on both and better on one."""
     out = []
@@ -445,13 +451,19 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
     * ``auto`` (default): ``coord``, then the cross product of the values within
       ``--pareto-promising`` of the reference's loss on each axis (at most ``--pareto-max`` points:
       middle values go first);
-    * ``full``: every point.
-    Then the reference and every point of the first seed's front, or close to the reference's loss,
-    run at the other seeds."""
+    * ``full``: every point;
+    * ``points``: the reference and ``--pareto-points``.
+    Then the reference and every point of the first seed's front, or within half of
+    ``--pareto-promising`` of the reference's loss (with ``points``: every point), run at the other
+    seeds."""
     axes = axis_values(a)
     ref = ParetoPoint()
-    todo = coordinate_points(axes, ref) if a.pareto_grid in ("coord", "auto") else cross_points(
-        axes, ref, axes, 10**9)
+    if a.pareto_grid == "points":
+        todo = [ref] + [parse_point(x) for x in a.pareto_points.split(",") if x]
+    elif a.pareto_grid in ("coord", "auto"):
+        todo = coordinate_points(axes, ref)
+    else:
+        todo = cross_points(axes, ref, axes, 10**9)
     todo = [pt for pt in todo if supported(pt)]
     for pt in todo:
         row(pt, seeds[0])
@@ -469,7 +481,7 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
                     done[pt] = runs[pt.key(lr)][seeds[0]]
     good = {pt: r for pt, r in done.items() if not diverged(r)}
     first = set(front({pt.key(lr): (wire_per_token(r)["total"], final(r)) for pt, r in good.items()}))
-    again = [pt for pt, r in good.items() if pt == ref or pt.key(lr) in first
+    again = [pt for pt, r in good.items() if a.pareto_grid == "points" or pt == ref or pt.key(lr) in first
              or final(r) <= ref_loss * (1 + a.pareto_promising / 2)]
     for seed in seeds[1:]:
         for pt in sorted(again, key=lambda p: wire_per_token(good[p])["total"]):
@@ -619,10 +631,13 @@ def main() -> int:
                               "x round pacing, each with its bytes per token (learners' own counted stores)")
     g.add_argument("--pareto", action="store_true", help="run only the front's rows (no DP or sweeps; inner lr "
                    "--pareto-inner-lr)")
-    g.add_argument("--pareto-grid", default="auto", choices=("none", "coord", "auto", "full"),
+    g.add_argument("--pareto-grid", default="auto", choices=("none", "coord", "auto", "full", "points"),
                    help="none: no front rows; coord: the reference (fp32 both ways, H=8, no pacing) and one axis "
                    "at a time; auto: coord, then the cross product of each axis's values within --pareto-promising "
-                   "of the reference; full: the whole cross product (54 points by default)")
+                   "of the reference; full: the whole cross product (54 points by default); points: the reference and "
+                   "--pareto-points")
+    g.add_argument("--pareto-points", default="", help="with --pareto-grid points: UP/DOWN/H/PACING,... (e.g. "
+                   "int4/int4/24/1)")
     g.add_argument("--pareto-ups", default="fp32,bf16,int4", help="uplink precisions (the deltas)")
     g.add_argument("--pareto-downs", default="fp32,bf16,int4", help="downlink precisions (the fetched fragments)")
     g.add_argument("--pareto-hs", default="8,24,48", help="H values (P = min(--pareto-fragments, H))")
