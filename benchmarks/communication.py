@@ -170,6 +170,10 @@ def table(name: str, r: dict, say) -> None:  # type: ignore[no-untyped-def]
         say(f"{who:16s} " + " ".join(f"{w[f] / rounds:7.2f}" for f, _ in KINDS)
             + f" {w['bytes_up'] / rounds:10,.0f} {w['bytes_down'] / rounds:10,.0f} {w['bytes_up'] / t:9.1f} "
             f"{w['bytes_down'] / t:10.1f} {1000 * reqs / t:8.2f}")
+    sw = r["wire"].get("synchronizer", WireCounts().to_dict())
+    say("requests per 1,000 tokens: " + "; ".join(
+        f"{who} " + " ".join(f"{k} {1000 * w[f] / t:.2f}" for f, k in KINDS)
+        for who, w in (("learners", r["learners"]), ("synchronizer", sw))))
     lw, p = r["learners"], r["planned"]
     total = (lw["bytes_up"] + lw["bytes_down"]) / t
     say(f"{'planned learners':16s} {p['puts']:7.2f} {p['gets']:7.2f} {'':23s} {p['up_round']:10,.0f} "
