@@ -52,10 +52,11 @@ def test_each_contribution_reports_everything_its_learner_sent_before_it(tmp_pat
         sent += rec.payload.nbytes + len(store.store.get(rec.key))
 
 
-@pytest.mark.parametrize("inner_steps,codec", [(2, "fp32"), (4, "int4")], ids=["H=P-fp32", "H=2P-int4"])
-def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: int, codec: str) -> None:
+@pytest.mark.parametrize("inner_steps,codec,downlink", [(2, "fp32", "fp32"), (4, "int4", "fp32"), (4, "int4", "int4")],
+                         ids=["H=P-fp32", "H=2P-int4-up", "H=2P-int4-both"])
+def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: int, codec: str, downlink: str) -> None:
     config, recipe = smoke_recipe(3, max_rounds=10_000)
-    config = dataclasses.replace(config, inner_steps=inner_steps, compression=codec)
+    config = dataclasses.replace(config, inner_steps=inner_steps, compression=codec, downlink_compression=downlink)
     url = to_url(str(tmp_path / "run"))
     store = create_run(url, config, recipe)
     params = store.read_global_state(0).params

@@ -139,6 +139,8 @@ COMMIT_RECORD_BYTES = 700
 """A commit record without its state table and contributors (round, chain, timings, stats)."""
 COMMIT_FRAGMENT_BYTES = 225
 """A commit record's state-table entry for one fragment (version, params and momentum refs)."""
+COMMIT_DOWNLINK_BYTES = 255
+"""What a compressed downlink adds to a state-table entry (view and update refs, base, codec)."""
 COMMIT_CONTRIBUTOR_BYTES = 380
 """A commit record's bytes per merged contributor (accepted entry, pool, loss, wire report)."""
 HEAD_BYTES = 40
@@ -160,11 +162,13 @@ class WirePlan:
     contribution_record_bytes: int
     """One contribution's record."""
     fragment_bytes: int
-    """One new global fragment as a learner fetches it."""
+    """One new global fragment version as a learner fetches it: the fp32 fragment, or with a
+    compressed downlink the update against the learners' view."""
     commit_record_bytes: int
     """One commit record (every learner reads each one)."""
     momentum_bytes: int
-    """The fragment's outer momentum, written by the synchronizer each round (fp32)."""
+    """The fragment's outer momentum, written by the synchronizer each round (fp32); the fp32
+    master and, with a compressed downlink, the learners' view are the same size."""
     learners: int
     """M: learners contributing to each round."""
     steps_per_round: float
@@ -177,6 +181,8 @@ class WirePlan:
     """One save of a learner's inner state for rejoin (AdamW's two moments, fp32)."""
     save_every_steps: int = 0
     """Steps between two saves (0: not counted)."""
+    downlink_compressed: bool = False
+    """The synchronizer also writes the learners' view and the update each round."""
 
     @property
     def up_bytes_per_round(self) -> int:
@@ -201,8 +207,10 @@ class WirePlan:
 
     @property
     def sync_up_bytes_per_round(self) -> int:
-        """The synchronizer's uplink per round: new fragment, its momentum, commit record, head."""
-        return self.fragment_bytes + self.momentum_bytes + self.commit_record_bytes + HEAD_BYTES
+        """The synchronizer's uplink per round: the new fp32 fragment, its momentum (and with a
+        compressed downlink the view and the update), commit record, head."""
+        downlink = self.momentum_bytes + self.fragment_bytes if self.downlink_compressed else 0
+        return 2 * self.momentum_bytes + downlink + self.commit_record_bytes + HEAD_BYTES
 
     @property
     def sync_down_bytes_per_round(self) -> int:
@@ -244,12 +252,14 @@ def _safetensors_bytes(n: int, precision: str, tensors: int, block_size: int) ->
 
 
 def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensors: int | None = None,
-              download_precision: str = "fp32", dp_precision: str = "bf16", save_every_steps: int = 0) -> WirePlan:
+              download_precision: str | None = None, dp_precision: str = "bf16",
+              save_every_steps: int = 0) -> WirePlan:
     """What a run of ``config`` on a model of ``params`` parameters in ``tensors`` tensors (default:
     one per fragment) puts on the wire, per round and per token; ``tokens_per_step``: tokens one
-    learner trains on per inner step. Deltas travel in ``config.compression``, new fragments in
-    ``download_precision`` (learners fetch the fp32 master). ``save_every_steps``: the recipe's
-    cadence of inner-state saves (0: leave them out)."""
+    learner trains on per inner step. Deltas travel in ``config.compression``, new versions in
+    ``download_precision`` (default ``config.downlink_compression``: the fp32 master, or a
+    compressed update a learner applies to its view). ``save_every_steps``: the recipe's cadence of
+    inner-state saves (0: leave them out)."""
     if params < 1 or tokens_per_step < 1:
         raise ValueError("need params >= 1 and tokens_per_step >= 1")
     p, m = config.num_fragments, config.num_learners
@@ -257,13 +267,16 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
     frag = math.ceil(params / p)
     block = config.compression_block_size
     dp = 2.0 * (m - 1) / m * encoded_bytes(params, dp_precision, block) / tokens_per_step if m > 1 else 0.0
+    down = download_precision or config.downlink_compression
+    compressed = down != "fp32"
     return WirePlan(
         fragment_params=frag,
         payload_bytes=_safetensors_bytes(frag, config.compression, per_fragment, block),
         contribution_record_bytes=CONTRIBUTION_RECORD_BYTES
         + per_fragment * (CONTRIBUTION_TENSOR_BYTES + TENSOR_NAME_CHARS),
-        fragment_bytes=_safetensors_bytes(frag, download_precision, per_fragment, block),
-        commit_record_bytes=COMMIT_RECORD_BYTES + p * COMMIT_FRAGMENT_BYTES + m * COMMIT_CONTRIBUTOR_BYTES,
+        fragment_bytes=_safetensors_bytes(frag, down, per_fragment, block),
+        commit_record_bytes=COMMIT_RECORD_BYTES + p * (COMMIT_FRAGMENT_BYTES + compressed * COMMIT_DOWNLINK_BYTES)
+        + m * COMMIT_CONTRIBUTOR_BYTES,
         momentum_bytes=_safetensors_bytes(frag, "fp32", per_fragment, block),
         learners=m,
         steps_per_round=config.inner_steps / p,
@@ -272,4 +285,5 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         save_bytes=2 * _safetensors_bytes(params, "fp32", tensors if tensors is not None else p, block)
         + CONTRIBUTION_RECORD_BYTES,  # two moments per parameter, and the state record
         save_every_steps=max(0, save_every_steps),
+        downlink_compressed=compressed,
     )
