@@ -71,6 +71,8 @@ IN_BODY: dict[str, str] = {
     "cli/test_stop.py": "processes",
     # A fake client stands in for the launches, but the fleet still reaches Prefect's API.
     "flows/test_fleet_clock.py": "prefect",
+    # Network namespaces with moto, a synchronizer and learners in them (benchmarks/wanlab.py).
+    "lab/test_wan_lab.py": "server",
     "storage/test_contract.py::test_checkpoint_loads_with_plain_safetensors": "processes",
     "storage/test_real_errors.py": "server",
     "train/test_hook.py": "processes",
