@@ -125,7 +125,8 @@ def label_of(kind: str, c: DilocoConfig | None, lr: float, extra: str = "") -> s
         head = f"sync DiLoCo K=M P=1 H={c.inner_steps}, {merge}"
     else:
         grace = "+grace" if c.grace_factor > 0 else ", no grace"
-        head = f"decoupled K={c.min_quorum}{grace} H=P={c.inner_steps} tau={c.overlap_steps}, {merge}"
+        hp = f"H=P={c.inner_steps}" if c.num_fragments == c.inner_steps else f"H={c.inner_steps} P={c.num_fragments}"
+        head = f"decoupled K={c.min_quorum}{grace} {hp} tau={c.overlap_steps}, {merge}"
     return f"{head}, {outer_label(c)}, inner lr {lr:g}{extra}"
 
 
