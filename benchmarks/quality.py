@@ -353,18 +353,22 @@ class ParetoPoint:
     """H: inner steps between two syncs of one fragment."""
     pacing: float = 0.0
     """Round pacing (fraction of H; 0 = off)."""
+    extra: str = ""
+    """More DilocoConfig settings, ``field:value;...`` (``--pareto-extra``), the same for every point."""
 
     def key(self, lr: float) -> str:
-        return f"pareto {lr:g} up={self.up} down={self.down} H={self.h} pace={self.pacing:g}"
+        extra = f" extra={self.extra}" if self.extra else ""
+        return f"pareto {lr:g} up={self.up} down={self.down} H={self.h} pace={self.pacing:g}{extra}"
 
     @classmethod
     def from_key(cls, key: str) -> ParetoPoint:
-        f = dict(kv.split("=") for kv in key.split()[2:])
-        return cls(up=f["up"], down=f["down"], h=int(f["H"]), pacing=float(f["pace"]))
+        f = dict(kv.split("=", 1) for kv in key.split()[2:])
+        return cls(up=f["up"], down=f["down"], h=int(f["H"]), pacing=float(f["pace"]), extra=f.get("extra", ""))
 
     def label(self) -> str:
         pace = f", paced {self.pacing:g}" if self.pacing else ""
-        return f"up {self.up} / down {self.down}, H={self.h}{pace}"
+        extra = f", {self.extra}" if self.extra else ""
+        return f"up {self.up} / down {self.down}, H={self.h}{pace}{extra}"
 
     def axes(self) -> dict[str, object]:
         return {"up": self.up, "down": self.down, "h": self.h, "pacing": self.pacing}
@@ -378,6 +382,11 @@ def pareto_config(base: DilocoConfig, pt: ParetoPoint, fragments: int) -> Diloco
         changes[DOWNLINK_FIELD] = pt.down
     if pt.pacing:
         changes[PACING_FIELD] = pt.pacing
+    for item in filter(None, pt.extra.split(";")):
+        name, _, value = item.partition(":")
+        default = getattr(DilocoConfig(), name)
+        changes[name] = (value.lower() in ("1", "true", "yes") if isinstance(default, bool)
+                         else type(default)(value) if default is not None else float(value))
     return base.replace(**changes)
 
 
@@ -425,7 +434,7 @@ def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list],
         if not inner:
             break
         keep[ax].remove(inner[0])
-    return [ParetoPoint(up=u, down=d, h=h, pacing=pc) for u in keep["up"] for d in keep["down"]
+    return [ParetoPoint(up=u, down=d, h=h, pacing=pc, extra=ref.extra) for u in keep["up"] for d in keep["down"]
             for h in keep["h"] for pc in keep["pacing"]]
 
 
@@ -458,9 +467,9 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
     ``--pareto-promising`` of the reference's loss (with ``points``: every point), run at the other
     seeds."""
     axes = axis_values(a)
-    ref = ParetoPoint()
+    ref = ParetoPoint(extra=a.pareto_extra)
     if a.pareto_grid == "points":
-        todo = [ref] + [parse_point(x) for x in a.pareto_points.split(",") if x]
+        todo = [ref] + [dataclasses.replace(parse_point(x), extra=a.pareto_extra) for x in a.pareto_points.split(",") if x]
     elif a.pareto_grid in ("coord", "auto"):
         todo = coordinate_points(axes, ref)
     else:
@@ -492,8 +501,8 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
 def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_params: int, seeds: list[int],
                  say) -> dict:  # type: ignore[no-untyped-def]
     """The front's table: every point run at ``lr``, then the front (all seeds run, none diverged)."""
-    keys = [k for k in runs if k.startswith(f"pareto {lr:g} ")]
-    ref_key = ParetoPoint().key(lr)
+    keys = [k for k in runs if k.startswith(f"pareto {lr:g} ") and ParetoPoint.from_key(k).extra == a.pareto_extra]
+    ref_key = ParetoPoint(extra=a.pareto_extra).key(lr)
     if not keys or ref_key not in runs:
         return {}
     tok_step = M * a.batch * a.context
@@ -643,6 +652,8 @@ def main() -> int:
     g.add_argument("--pareto-downs", default="fp32,bf16,int4", help="downlink precisions (the fetched fragments)")
     g.add_argument("--pareto-hs", default="8,24,48", help="H values (P = min(--pareto-fragments, H))")
     g.add_argument("--pareto-pacing", default="0,1", help="round pacing values (fraction of H; 0 = off)")
+    g.add_argument("--pareto-extra", default="", help="more DilocoConfig settings for every point of the front, "
+                   "field:value;... (e.g. keep_local_progress:1); the reference takes them too")
     g.add_argument("--pareto-fragments", type=int, default=8, help="P for every H (at most H)")
     g.add_argument("--pareto-inner-lr", type=float, default=6e-3,
                    help="inner lr of the front's rows with --pareto (else the decoupled sweep's best)")

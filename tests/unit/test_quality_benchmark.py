@@ -46,7 +46,7 @@ def test_pareto_row_reports_its_bytes(quality, tmp_path: Path) -> None:  # type:
     model = {"vocab_size": 256, "context_tokens": 16, "num_layers": 1, "num_heads": 2, "embed_dim": 16}
     spec, _ = corpus_spec("prose", code_mb=1.0)
     a = argparse.Namespace(tokens=quality.M * 2 * 16 * 24, batch=2, context=16, evals=2, eval_batches=1,
-                           pareto_tol=0.02, pareto_target_fold=100)
+                           pareto_tol=0.02, pareto_target_fold=100, pareto_extra="")
     base = quality.diloco_configs(8, 0.8, 0.0)["decoupled"]
     pt = quality.ParetoPoint(up="int4", down="int4", h=4)
     config = quality.pareto_config(base, pt, fragments=2)
@@ -83,3 +83,7 @@ def test_pareto_grid_and_front(quality) -> None:  # type: ignore[no-untyped-def]
     assert len(quality.cross_points(axes, P(), axes, 10**9)) == 54
     assert quality.front({"a": (1.0, 3.0), "b": (2.0, 2.0), "c": (2.0, 2.5), "d": (3.0, 2.0)}) == ["a", "b"]
     assert P.from_key(P(up="bf16", h=24, pacing=1.0).key(6e-3)) == P(up="bf16", h=24, pacing=1.0)
+    kept = P(h=24, extra="keep_local_progress:1;outer_lr:0.7")
+    assert P.from_key(kept.key(6e-3)) == kept
+    c = quality.pareto_config(quality.diloco_configs(8, 0.8, 0.0)["decoupled"], kept, fragments=8)
+    assert (c.keep_local_progress, c.outer_lr, c.inner_steps, c.num_fragments) == (True, 0.7, 24, 8)
