@@ -68,7 +68,8 @@ def test_liveness_is_the_newest_lease_and_its_own_heartbeat(hostile_backend: Bac
     assert live.incarnation == 1 and live.heartbeat is not None and live.heartbeat.step == 7
     assert live.heartbeat.round == 3 and live.exited_reason is None
     assert 0 <= live.heartbeat_age_s(time.time()) < 5 and live.is_alive(time.time(), 5)  # type: ignore[operator]
-    assert live.heartbeat_age_s(live.heartbeat.time + 100) == pytest.approx(100)
+    assert live.heartbeat_stored_at is not None  # both backends report when an object was written
+    assert live.heartbeat_age_s(live.heartbeat_stored_at + 100) == pytest.approx(100)
 
     new = store.take_learner_lease("l0")
     assert new.incarnation == 2
@@ -88,6 +89,32 @@ def test_liveness_is_the_newest_lease_and_its_own_heartbeat(hostile_backend: Bac
                   lambda: ro.write_heartbeat(new), lambda: ro.mark_stopped("x", "y"), lambda: ro.clear_stopped()):
         with pytest.raises(ReadOnlyError):
             write()
+
+
+@pytest.mark.parametrize("skew_s", [600.0, -600.0])
+def test_ages_are_on_the_store_s_clock_whatever_the_writer_s_clock_says(hostile_backend: Backend,
+                                                                        skew_s: float) -> None:
+    """A learner whose clock is ten minutes fast (or slow) writes its lease and heartbeats with
+    those times inside; the reader measures their ages against the time the store recorded for
+    each object, so the learner is alive now and its age grows from the moment it was written."""
+    url = hostile_backend.new_url()
+    store = hostile_backend.open(url)
+    skewed = lambda: time.time() + skew_s  # noqa: E731 - the writer's wall clock
+    lease = lc.take_lease(store.store, "l0", clock=skewed)
+    starting = store.learner_liveness("l0")  # no heartbeat yet: the lease's age counts
+    now = time.time()
+    assert starting.heartbeat is None and starting.lease_stored_at is not None
+    assert 0 <= starting.lease_age_s(now) < 5  # type: ignore[operator]
+    assert starting.lease_age_s(now + 90) == pytest.approx(now + 90 - starting.lease_stored_at)
+    assert starting.lease.started_at == pytest.approx(now + skew_s, abs=5)  # type: ignore[union-attr]
+    lc.write_heartbeat(store.store, lease, step=1, clock=skewed)
+    live = store.learner_liveness("l0")
+    now = time.time()
+    assert live.heartbeat is not None and live.heartbeat.time == pytest.approx(now + skew_s, abs=5)
+    assert 0 <= live.heartbeat_age_s(now) < 5 and live.is_alive(now, 30)  # type: ignore[operator]
+    # Dead a heartbeat timeout after its last heartbeat, not ten minutes early or late.
+    assert not live.is_alive(now + 31, 30) and live.is_alive(now + 25, 30)
+    assert live.lease_stored_at is None  # read only while there is no heartbeat
 
 
 def test_stop_marker_round_trip(hostile_backend: Backend) -> None:

@@ -52,6 +52,9 @@ def live_copies(store: Any, learner_id: str, *, env_var: str, marker: str, heart
     fenced copy that wakes up exits without another heartbeat, so it never counts."""
     mine = set(processes_with(env_var, marker))
     out = []
+    # A heartbeat's age on the store's clock (atoll.storage.liveness), not the learner's.
+    stored = {paths.parse_incarnation_key(i.name): i.modified_s
+              for i in store.store.list_info(paths.learner_heartbeats_prefix(learner_id))}
     for name in store.store.list(paths.learner_leases_prefix(learner_id)):
         n = paths.parse_incarnation_key(name)
         if n is None:
@@ -66,7 +69,8 @@ def live_copies(store: Any, learner_id: str, *, env_var: str, marker: str, heart
         if hb is None:
             continue
         beat = Heartbeat.from_body(load_record(hb, KIND_HEARTBEAT))
-        if beat.status == "alive" and time.time() - beat.time < heartbeat_timeout_s:
+        written = stored.get(n)
+        if beat.status == "alive" and time.time() - (beat.time if written is None else written) < heartbeat_timeout_s:
             out.append(n)
     return out
 

@@ -10,8 +10,13 @@ heartbeats and stop").
   overwritten by incarnation ``n`` every few seconds while it makes progress, and a last time
   with ``status="exited"`` and a reason when it exits cleanly. One key per incarnation, so a
   fenced copy can never overwrite the newer one's. Alive means a fresh heartbeat of the newest
-  lease, never a Prefect state. Ages use the writer's wall clock (hosts are assumed to run NTP:
-  clocks within a few seconds).
+  lease, never a Prefect state. Ages are measured on the **store's clock**: the time the store
+  recorded for the object (S3 ``LastModified``, GCS ``updated``, a local file's mtime), against
+  the reader's ``now``. A writer's clock never decides liveness (a learner whose clock is ten
+  minutes off is neither dead nor immortal to the training run); the times inside the records
+  are the writer's, kept for people and as the fallback where a backend reports no time. The
+  readers that decide (the training run, the supervisor, ``atoll stop``) are assumed to keep
+  their clock near the store's (NTP), as an object store's request signing already requires.
 * The **stop marker** ``sync/stop.json`` (overwritten) says whether the run was stopped by a
   person (``atoll stop``); learners and the synchronizer exit when they see ``stopped: true``.
 
@@ -189,6 +194,12 @@ class Liveness:
     """Objects that were ignored, and why (corrupt, oversized, misplaced)."""
     newest: int = 0
     """The newest lease number in the bucket, whatever its content (what fences older copies)."""
+    heartbeat_stored_at: float | None = None
+    """Unix time the store recorded for the heartbeat object (its clock, not the writer's); None
+    where the backend reports none."""
+    lease_stored_at: float | None = None
+    """Unix time the store recorded for the newest lease object (its clock), read only while that
+    incarnation has no heartbeat; None otherwise or if unknown."""
 
     @property
     def incarnation(self) -> int:
@@ -196,11 +207,21 @@ class Liveness:
         return self.lease.incarnation if self.lease is not None else 0
 
     def heartbeat_age_s(self, now: float) -> float | None:
-        """Seconds since the heartbeat (``now`` is Unix wall time; clocks are assumed within a
-        few seconds of each other); None when there is no heartbeat. Never negative."""
+        """Seconds since the heartbeat was stored, on the store's clock against the reader's
+        ``now`` (Unix time); the writer's own time only where the store reported none. None when
+        there is no heartbeat. Never negative."""
         if self.heartbeat is None:
             return None
-        return max(0.0, now - self.heartbeat.time)
+        written = self.heartbeat_stored_at if self.heartbeat_stored_at is not None else self.heartbeat.time
+        return max(0.0, now - written)
+
+    def lease_age_s(self, now: float) -> float | None:
+        """Seconds since the newest lease was taken, on the store's clock as :meth:`heartbeat_age_s`
+        (the taker's ``started_at`` only where the store reported no time); None without a lease."""
+        if self.lease is None:
+            return None
+        taken = self.lease_stored_at if self.lease_stored_at is not None else self.lease.started_at
+        return max(0.0, now - taken)
 
     @property
     def exited_reason(self) -> str | None:
@@ -247,6 +268,16 @@ def _keys(holder: str) -> tuple[str, Callable[[int], str], Callable[[int], str]]
 
 def _numbers(store: ObjectStore, prefix: str) -> list[int]:
     return sorted(n for name in store.list(prefix) if (n := paths.parse_incarnation_key(name)) is not None)
+
+
+def _stored_at(store: ObjectStore, prefix: str) -> dict[int, float]:
+    """Incarnation -> the time the store recorded for its object under ``prefix`` (one LIST)."""
+    out: dict[int, float] = {}
+    for info in store.list_info(prefix):
+        n = paths.parse_incarnation_key(info.name)
+        if n is not None and not info.is_dir and info.modified_s is not None and math.isfinite(info.modified_s):
+            out[n] = float(info.modified_s)
+    return out
 
 
 def newest_incarnation(store: ObjectStore, holder: str) -> int:
@@ -312,7 +343,8 @@ def _read(store: ObjectStore, key: str, kind: str) -> tuple[dict[str, Any] | Non
 
 
 def read_liveness(store: ObjectStore, holder: str) -> Liveness:
-    """The newest lease of ``holder`` and its heartbeat (one LIST, two GETs)."""
+    """The newest lease of ``holder`` and its heartbeat, with the time the store recorded for the
+    heartbeat (for the lease instead while there is no heartbeat yet): two LISTs, two GETs."""
     prefix, lease_key, heartbeat_key = _keys(holder)
     n = newest_incarnation(store, holder)
     if n == 0:
@@ -334,6 +366,10 @@ def read_liveness(store: ObjectStore, holder: str) -> Liveness:
             problems.append(f"{store.key_url(lease_key(n))}: {e.kind.value}: {e.reason[:300]}")
     heartbeat: Heartbeat | None = None
     body, why = _read(store, heartbeat_key(n), KIND_HEARTBEAT)
+    # Listed after the read: the time listed is that of the body read or of a newer one (an age
+    # a heartbeat interval short at worst, never one too long).
+    beats = paths.sync_heartbeats_prefix() if holder == SYNCHRONIZER_HOLDER else paths.learner_heartbeats_prefix(holder)
+    beat_at = _stored_at(store, beats).get(n) if body is not None else None
     if why:
         problems.append(why)
     elif body is not None:
@@ -344,7 +380,10 @@ def read_liveness(store: ObjectStore, holder: str) -> Liveness:
         except InvalidInput as e:
             heartbeat = None
             problems.append(f"{store.key_url(heartbeat_key(n))}: {e.kind.value}: {e.reason[:300]}")
-    return Liveness(lease, heartbeat, tuple(problems), newest=n)
+    # The lease's time matters only until the first heartbeat (a learner still starting).
+    lease_at = _stored_at(store, prefix).get(n) if lease is not None and heartbeat is None else None
+    return Liveness(lease, heartbeat, tuple(problems), newest=n,
+                    heartbeat_stored_at=beat_at if heartbeat is not None else None, lease_stored_at=lease_at)
 
 
 def write_stop_marker(store: ObjectStore, *, stopped: bool, reason: str, by: str,

@@ -56,11 +56,11 @@ def learner_deployment_name(pool: str, deployments: Mapping[str, str] | None = N
 
 def liveness_age_s(liveness: Any, now_unix: float) -> float | None:
     """Seconds since the newest incarnation last showed life: its heartbeat, or, before its first
-    heartbeat, its lease (a lease taken a moment ago is a process starting, not a dead one)."""
+    heartbeat, its lease (a lease taken a moment ago is a process starting, not a dead one). Both
+    on the store's clock (atoll.storage.liveness), never the learner's."""
     age: float | None = liveness.heartbeat_age_s(now_unix)
-    lease = liveness.lease
-    if age is None and lease is not None:
-        age = max(0.0, now_unix - float(lease.started_at))
+    if age is None:
+        age = liveness.lease_age_s(now_unix)
     return age
 
 
