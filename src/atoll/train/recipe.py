@@ -354,6 +354,10 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
       lr 1); RDA's merged step (its radius is the contributions' mean norm, not the norm of their
       mean) is still a little long at lr 1: 0.8 is 1.2-2.1% better on both corpora, 0.6 and 1.25
       worse (benchmarks/quality.py, docs/benchmarks.md).
+    * int4 deltas up and int4 updates down, with error feedback (core's defaults: fp32 both ways):
+      the communication front of benchmarks/quality.py --pareto puts int4 / int4 at H = 8 at 1.005x
+      the fp32 row's loss with 1/63 of data-parallel's bytes per token (fp32 both ways: 1/11). H = 24
+      reaches 1/189 at 1.029x and round pacing costs 3-4% at this scale, past the 2% budget.
     * Inner AdamW peak lr 6e-3: the best inner lr of the decoupled rows on both of the benchmark's
       corpora (grid 3e-3 / 6e-3 / 1.2e-2); warmup 20 own steps, then a cosine to 10% over the
       run's rounds (``schedule="run"``), so every learner, fast or slow, ends at the floor.
@@ -364,7 +368,8 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
       learner run ~3.5x more steps per round).
     """
     config = DilocoConfig(num_learners=num_learners, num_fragments=8, inner_steps=8, overlap_steps=2,
-                          min_quorum=1, initial_grace_s=1.0, outer_lr=0.8, outer_momentum=0.0)
+                          min_quorum=1, initial_grace_s=1.0, outer_lr=0.8, outer_momentum=0.0,
+                          compression="int4", downlink_compression="int4")
     recipe = Recipe(
         model="tiny",
         data=DataSpec(max_corpus_mb=4.0),
