@@ -45,7 +45,7 @@ def test_pareto_row_reports_its_bytes(quality, tmp_path: Path) -> None:  # type:
 
     model = {"vocab_size": 256, "context_tokens": 16, "num_layers": 1, "num_heads": 2, "embed_dim": 16}
     spec, _ = corpus_spec("prose", code_mb=1.0)
-    a = argparse.Namespace(tokens=quality.M * 2 * 16 * 24, batch=2, context=16, evals=2, eval_batches=1,
+    a = argparse.Namespace(tokens=quality.M * 2 * 16 * 12, batch=2, context=16, evals=2, eval_batches=1,
                            pareto_tol=0.02, pareto_target_fold=100, pareto_extra="")
     base = quality.diloco_configs(8, 0.8, 0.0)["decoupled"]
     pt = quality.ParetoPoint(up="int4", down="int4", h=4)
