@@ -553,7 +553,24 @@ def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_p
     say(f"meets the target (<= 1/{a.pareto_target_fold:g} of DP fp32's bytes per token, loss <= "
         f"{1 + a.pareto_tol:.2f}x H8 fp32, all seeds): "
         + (", ".join(ParetoPoint.from_key(k).label() for k in sorted(target, key=lambda k: full[k]["mean"])) or "none"))
-    return {"rows": rows, "front": on_front, "target": target, "dp_bytes_per_token": {"fp32": dp32, "bf16": dp16}}
+    return {"rows": rows, "front": on_front, "target": target, "dp_bytes_per_token": {"fp32": dp32, "bf16": dp16},
+            "markdown": pareto_markdown(rows)}
+
+
+def pareto_markdown(rows: dict) -> list[str]:
+    """The front's table as markdown (docs/benchmarks.md), fewest bytes first."""
+    out = ["| uplink / downlink, H, pacing | val loss / H8 fp32 | seeds | up | down | req / 1k tok | learners B/tok "
+           "| vs DP fp32 | eff. H | merged work | front |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in sorted(rows, key=lambda k: rows[k]["total"]):
+        r = rows[k]
+        pt = ParetoPoint.from_key(k)
+        pace = ", paced" if pt.pacing else ""
+        spread = f" (+-{r['spread']:.3f})" if r["n"] > 1 else ""
+        out.append(f"| {pt.up} / {pt.down}, H={pt.h}{pace} | {r['ratio']:.3f}x{spread} | {r['n']} | "
+                   f"{r['up']:.1f} | {r['down']:.1f} | {r['req_k']:.2f} | {r['total']:.1f} | 1/{r['dp_fold']:.0f} | "
+                   f"{r['effective_h']:.1f} | {r['merged_share']:.0%} | {'yes' if r['front'] else ('diverged' if r['diverged'] else '')} |")
+    return out
 
 
 def plot_pareto(report: dict, path: Path) -> None:
@@ -868,6 +885,10 @@ def main() -> int:
     if not a.pareto:
         plot(report, out / "quality.png")
     plot_pareto(report, out / "quality-pareto.png")
+    md = [f"### {c}\n\n" + "\n".join(v["pareto"]["markdown"]) + "\n" for c, v in report["corpora"].items()
+          if v.get("pareto")]
+    if md:
+        (out / "quality-pareto.md").write_text("\n".join(md))
     print(f"wrote {out / name}.txt, .json, .png" + ("" if a.pareto else f" and {out / 'quality-pareto.png'}"))
     return 0
 
