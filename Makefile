@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 
-.PHONY: test test-fast check demo venv clean postgres
+.PHONY: test test-fast check demo venv clean postgres faketime
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ check: venv
 postgres: venv
 	@sh .ci/ensure-postgres $(BIN)/python
 
+# libfaketime for the WAN lab's skewed-clock test: apt-get install faketime when missing (as root or
+# with passwordless sudo); elsewhere that test skips and says why.
+faketime:
+	@sh .ci/ensure-faketime
+
 # pytest with $(1) in a fresh PREFECT_HOME; every process it starts inherits ATOLL_TEST_TAG, and
 # .ci/leftovers fails the target if any of them outlives it (and stops them).
 define run_pytest
@@ -46,7 +51,7 @@ endef
 
 # The full suite: every tier, every real component (Prefect servers and stacks, moto, the GCS
 # emulator, PostgreSQL, learner processes), lint and types first. Longest groups start first.
-test: check postgres
+test: check postgres faketime
 	$(call run_pytest,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 # The inner loop: unit tests, the pure core and policies, storage on the memory and local backends;

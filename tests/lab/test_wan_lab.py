@@ -144,3 +144,58 @@ def test_a_site_cut_off_is_merged_again_once_its_link_is_back(lab_of) -> None:
     report = store.verify()
     assert report.ok, report.problems
     assert [r.round for r in store.history(1, store.latest_round())] == list(range(1, store.latest_round() + 1))
+
+
+@pytest.mark.skipif(wanlab.faketime_library() is None,
+                    reason="libfaketime is not installed (apt-get install faketime; `make test` installs it)")
+def test_sites_ten_minutes_fast_and_slow_stay_alive_are_fenced_orphaned_and_counted(lab_of) -> None:
+    """Site s0's wall clock is 10 minutes fast, s1's 10 minutes slow (libfaketime). Liveness is
+    measured on the store's clock, so both are alive, and s0's learner is dead within the timeout
+    once it is killed; fencing (lease numbers) and the orphan exit (the learner's monotonic clock)
+    do not read wall clocks; goodput counts both learners' merged work."""
+    from atoll.runs.report import GoodputTracker
+
+    lab = lab_of(wanlab.SiteSpec(name="s0"), wanlab.SiteSpec(name="s1"))
+    moto = wanlab.Moto(lab)
+    url, store = new_run(moto, 2)
+    run = wanlab.LabRun(lab, moto, url, {"learner-0": "s0", "learner-1": "s1"}, clock_skew={"s0": "+10m", "s1": "-10m"},
+                        learner_args=LEARNER_ARGS).start()
+    try:
+        wait_for(lambda: min(merged_after(store, 0).get(lid, 0) for lid in ("learner-0", "learner-1")) >= 2,
+                 600, "both skewed learners merged", lab)
+        now = time.time()
+        lives = {lid: store.learner_liveness(lid) for lid in ("learner-0", "learner-1")}
+        for lid, skew in (("learner-0", 600), ("learner-1", -600)):
+            beat = lives[lid].heartbeat
+            assert beat is not None and abs(beat.time - now - skew) < 120  # the writer's clock is off
+            assert lives[lid].is_alive(now, 30), (lid, lives[lid])  # ... and it is alive all the same
+
+        # Fencing: a second copy of learner-1 takes the next lease; the first exits fenced. (The
+        # second copy's orphan timeout is short, for the end of the test.)
+        first = run.learners["learner-1"]
+        run.start_learner("learner-1", "--orphan-timeout-s", "30")
+        wait_for(lambda: first.poll() is not None, 300, "the older copy of learner-1 to exit", lab)
+        assert "exit_reason=fenced" in (lab.log_dir / "learner-1-1.log").read_text()
+        assert store.learner_liveness("learner-1").incarnation == 2
+
+        # Death: learner-0 (clock 10 minutes fast) is dead to the reader within the timeout.
+        run.kill("learner-0")
+        wait_for(lambda: not store.learner_liveness("learner-0").is_alive(time.time(), 10), 120,
+                 "the killed fast-clock learner to look dead", lab)
+
+        # Goodput: both learners' merged work counts, and the figures are fractions.
+        tracker = GoodputTracker(store)
+        report = tracker.update()
+        assert report.goodput is not None and 0 < report.goodput <= 1
+        assert set(report.per_learner) == {"learner-0", "learner-1"}
+        assert all(0 < g <= 1 for g in report.per_learner.values())
+
+        # Orphan exit: with no synchronizer, the slow-clock learner exits by itself (its timeout
+        # runs on its monotonic clock).
+        assert run.synchronizer is not None
+        run.synchronizer.terminate()
+        run.synchronizer.wait(timeout=60)
+        wait_for(lambda: (store.learner_liveness("learner-1").exited_reason or "").startswith("orphaned"), 300,
+                 "learner-1 to exit orphaned", lab)
+    finally:
+        run.stop()
