@@ -1,8 +1,8 @@
 """Communication: what Decoupled DiLoCo puts on the wire, per round and per token, against data-parallel.
 
     python benchmarks/communication.py --quick     # the demo preset's config, 100 steps per learner: 2-5 min
-    python benchmarks/communication.py             # demo, paper and compressed configs, 200 steps each: ~40 min
-    python benchmarks/communication.py --configs demo,demo-int4 --steps 200
+    python benchmarks/communication.py             # demo, its fp32 and H = 24 variants, paper: 200 steps each, ~40 min
+    python benchmarks/communication.py --configs demo,demo-bf16 --steps 300
 
 Each config trains the demo recipe (tiny GPT, 4 learners with batch 8 x 128, one 1.5x slower) with
 the real learners and synchronizer on a virtual clock (:func:`atoll.train.virtual.run_virtual`,
@@ -35,7 +35,6 @@ polls once per step). Writes ``communication.png`` (bytes per token by direction
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import math
@@ -68,16 +67,18 @@ def dp_ring_bytes_per_token(n_params: int, workers: int, tokens_per_step: int, p
 
 
 def configs(base: DilocoConfig) -> dict[str, DilocoConfig]:
-    """The configs this benchmark knows, by name: the demo preset's (``demo``) and variants of it."""
-    m = base.num_learners
-    known = {f.name for f in dataclasses.fields(DilocoConfig)}
-    out = {"demo": base, "paper": paper(m)}
-    if "downlink_compression" in known:
-        out["demo-bf16"] = base.replace(compression="bf16", downlink_compression="bf16")
-        out["demo-int4"] = base.replace(compression="int4", downlink_compression="int4")
-        if "round_pacing" in known:
-            out["demo-int4-h24-paced"] = out["demo-int4"].replace(inner_steps=24, round_pacing=1.0)
+    """The configs this benchmark knows, by name: the demo preset's (``demo``), variants of it with
+    the precisions, H and pacing set explicitly, and the paper's (``paper``, M as the demo's)."""
+    out = {"demo": base, "paper": paper(base.num_learners)}
+    for codec in ("fp32", "bf16", "int4"):
+        out[f"demo-{codec}"] = base.replace(compression=codec, downlink_compression=codec, round_pacing=0.0)
+    out["demo-int4-h24"] = out["demo-int4"].replace(inner_steps=24)
+    out["demo-int4-h24-paced"] = out["demo-int4-h24"].replace(round_pacing=1.0)
     return out
+
+
+FULL = ("demo", "demo-fp32", "demo-int4-h24", "demo-int4-h24-paced", "paper")
+"""The configs a run without ``--quick`` or ``--configs`` measures."""
 
 
 def describe(c: DilocoConfig) -> str:
@@ -229,8 +230,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the demo config only, 100 steps per learner (~3 min)")
-    ap.add_argument("--configs", default="", help="comma-separated names (default: demo with --quick, else all): "
-                    "demo, paper, demo-bf16, demo-int4, demo-int4-h24-paced")
+    ap.add_argument("--configs", default="", help="comma-separated names (default: demo with --quick, else "
+                    f"{','.join(FULL)}): demo, paper, demo-fp32, demo-bf16, demo-int4, demo-int4-h24, demo-int4-h24-paced")
     ap.add_argument("--steps", type=int, default=0, help="inner steps per learner, on average (default 100 with "
                     "--quick, else 200)")
     ap.add_argument("--noise", type=float, default=0.5, help="each step's virtual time spread by up to this fraction "
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     base, recipe = demo_recipe()
     known = configs(base)
-    names = [n for n in a.configs.split(",") if n] or (["demo"] if a.quick else list(known))
+    names = [n for n in a.configs.split(",") if n] or (["demo"] if a.quick else list(FULL))
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}: choose from {sorted(known)}")
