@@ -1,6 +1,6 @@
 """Communication: what Decoupled DiLoCo puts on the wire, per round and per token, against data-parallel.
 
-    python benchmarks/communication.py --quick     # the demo preset's config, 100 steps per learner: 2-5 min
+    python benchmarks/communication.py --quick     # the demo preset's config, 80 steps per learner: 2-5 min
     python benchmarks/communication.py             # demo, its fp32 and H = 24 variants, paper: 200 steps each, ~40 min
     python benchmarks/communication.py --configs demo,demo-bf16 --steps 300
 
@@ -229,10 +229,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the demo config only, 100 steps per learner (~3 min)")
+    ap.add_argument("--quick", action="store_true", help="the demo config only, 80 steps per learner (2-5 min)")
     ap.add_argument("--configs", default="", help="comma-separated names (default: demo with --quick, else "
                     f"{','.join(FULL)}): demo, paper, demo-fp32, demo-bf16, demo-int4, demo-int4-h24, demo-int4-h24-paced")
-    ap.add_argument("--steps", type=int, default=0, help="inner steps per learner, on average (default 100 with "
+    ap.add_argument("--steps", type=int, default=0, help="inner steps per learner, on average (default 80 with "
                     "--quick, else 200)")
     ap.add_argument("--noise", type=float, default=0.5, help="each step's virtual time spread by up to this fraction "
                     "(staggers the learners' publishes, as machines do)")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}: choose from {sorted(known)}")
-    steps = a.steps or (100 if a.quick else 200)
+    steps = a.steps or (80 if a.quick else 200)
     recipe = recipe.replace(max_rounds=10**6, eval_every_rounds=0, checkpoint_every_rounds=0)
     n = count_parameters(build_model(gpt_of(recipe), device="meta"))
     out = Path(a.out)
