@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from atoll.runs.healing import HealingPolicy
+from atoll.storage.paths import learner_heartbeat_key
 from atoll.tasks.fleet import LearnerFleet, learner_tag, pool_tag, run_tag
 
 pytestmark = pytest.mark.timeout(240)
@@ -135,8 +136,11 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path
         # A zombie: Prefect says Running, but the lease it holds has a heartbeat 100 s old.
         newest = runs["learner-0"][0]
         client.set_flow_run_state(newest.id, Running(), force=True)
-        write_heartbeat(store.store, take_lease(store.store, "learner-0", flow_run_id=str(newest.id)),
-                        clock=lambda: time.time() - 100.0)
+        lease = take_lease(store.store, "learner-0", flow_run_id=str(newest.id))
+        write_heartbeat(store.store, lease, clock=lambda: time.time() - 100.0)
+        # Ages are on the store's clock: the heartbeat object itself is 100 s old (a local mtime).
+        old = time.time() - 100.0
+        os.utime(store.store.path(learner_heartbeat_key("learner-0", lease.incarnation)), (old, old))
         zombie = {a.learner_id: a for a in fleet.reconcile(liveness=live())}
         assert zombie["learner-0"].action == "zombie-relaunched", zombie["learner-0"].reason
         state = client.read_flow_run(newest.id).state

@@ -5,6 +5,7 @@ is idempotent (two passes, or two supervisors, launch one flow run per crash).""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from atoll.runs.options import TrainingRunOptions
 from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.liveness import take_lease, write_heartbeat
-from atoll.storage.paths import to_url
+from atoll.storage.paths import sync_heartbeat_key, to_url
 from atoll.tasks.queries import learner_tag, run_tag
 
 from .test_deploy import _client, deployed  # noqa: F401 - the fixture
@@ -65,6 +66,8 @@ def test_supervisor_relaunches_crashed_and_zombie_runs(deployed: dict[str, str],
         zstore = RunStore.open(zombie_url)
         lease = take_lease(zstore.store, "synchronizer", flow_run_id=str(zombie.id))
         write_heartbeat(zstore.store, lease, clock=lambda: time.time() - 100.0)
+        old = time.time() - 100.0  # ages are on the store's clock: the object itself is 100 s old
+        os.utime(zstore.store.path(sync_heartbeat_key(lease.incarnation)), (old, old))
         hstore = RunStore.open(healthy_url)
         take_lease(hstore.store, "synchronizer", flow_run_id=str(healthy.id))
 
