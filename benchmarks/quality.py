@@ -27,17 +27,19 @@ Rows (every label carries its outer and inner settings):
 
 The communication front (``--pareto`` runs only it; ``--pareto-grid none`` leaves it out):
 decoupled K=1+grace rows at the best inner lr over uplink precision (fp32/bf16/int4) x downlink
-precision (fp32/bf16/int4) x H (8/24/48, P = min(8, H)) x round pacing (off/1), every learner on
+precision (fp32/bf16/int4) x H (8/16/24/48, P = min(8, H)) x round pacing (off/1), every learner on
 its own counted store (``atoll.storage.wire``), each with its bytes per token trained (up, down,
 requests per 1,000 tokens; the synchronizer's apart), effective H, merged-work share and final
 loss; a table and a plot (``quality-pareto.png``: loss against bytes per token, log x) per corpus,
 with the front (no other point with every seed run has fewer bytes and a lower loss; a point that
-diverged on any seed is never on it). The whole cross product is 54 points per corpus and seed,
+diverged on any seed is never on it). The whole cross product is 72 points per corpus and seed,
 far too long for 2 cores, so ``--pareto-grid auto`` (default) runs a coordinate sweep around the
-reference (H = 8, fp32 both ways, no pacing: 8 points), then the cross product of each axis's
+reference (H = 8, fp32 both ways, no pacing: 9 points), then the cross product of each axis's
 values within ``--pareto-promising`` (4%) of the reference's loss (at most ``--pareto-max`` = 16
-points: middle values go first), at the first seed; the first seed's front and the points within
-2% of the reference then run at every seed. ``coord`` stops after the sweep, ``full`` runs all 54.
+points: an axis value another one beats on bytes and loss goes first, then the worst loss), at the
+first seed; the first seed's front and the points within
+2% of the reference then run at every seed. ``coord`` stops after the sweep, ``full`` runs all 72,
+``points`` the reference and the points given (``--pareto-points int4/int4/16/0,...``).
 
     python benchmarks/quality.py --pareto --tokens 5e5                     # the front, both corpora, 2 seeds
 
@@ -423,17 +425,29 @@ def coordinate_points(axes: dict[str, list], ref: ParetoPoint) -> list[ParetoPoi
     return pts
 
 
-def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list], cap: int) -> list[ParetoPoint]:
-    """The cross product of the values ``keep`` names on each axis (each axis ordered as ``axes``);
-    while it exceeds ``cap`` points, drop from the largest axis its value nearest the middle (the
-    reference and the most compressed value stay)."""
+def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list], cap: int,
+                 sweep: dict[ParetoPoint, tuple[float, float]] | None = None) -> list[ParetoPoint]:
+    """The cross product of the values ``keep`` names on each axis (each axis ordered as ``axes``).
+    While it exceeds ``cap`` points, one value (never the reference's) goes from the axis with the
+    most values: the one whose coordinate-sweep point (``sweep``: point -> (bytes per token, loss))
+    another value of the same axis beats on both, else the one with the highest loss; without
+    ``sweep``, the value nearest the middle of the axis."""
     keep = {ax: [v for v in axes[ax] if v in keep[ax]] for ax in axes}
+    sweep = sweep or {}
     while math.prod(len(v) for v in keep.values()) > cap:
         ax = max(keep, key=lambda k: len(keep[k]))
-        inner = [v for v in keep[ax][1:-1] if v != getattr(ref, ax)]
-        if not inner:
-            break
-        keep[ax].remove(inner[0])
+        score = {v: sweep.get(dataclasses.replace(ref, **{ax: v})) for v in keep[ax]}
+        droppable = [v for v in keep[ax] if v != getattr(ref, ax)]
+        if all(score[v] is not None for v in keep[ax]) and droppable:
+            beaten = [v for v in droppable if any(score[w][0] <= score[v][0] and score[w][1] <= score[v][1]  # type: ignore[index]
+                                                  for w in keep[ax] if w != v)]
+            drop = beaten[0] if beaten else max(droppable, key=lambda v: score[v][1])  # type: ignore[index]
+        else:
+            inner = [v for v in keep[ax][1:-1] if v != getattr(ref, ax)]
+            if not inner:
+                break
+            drop = inner[0]
+        keep[ax].remove(drop)
     return [ParetoPoint(up=u, down=d, h=h, pacing=pc, extra=ref.extra) for u in keep["up"] for d in keep["down"]
             for h in keep["h"] for pc in keep["pacing"]]
 
@@ -460,7 +474,7 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
       at a time;
     * ``auto`` (default): ``coord``, then the cross product of the values within
       ``--pareto-promising`` of the reference's loss on each axis (at most ``--pareto-max`` points:
-      middle values go first);
+      values the sweep shows beaten on bytes and loss go first, then the worst losses);
     * ``full``: every point;
     * ``points``: the reference and ``--pareto-points``.
     Then the reference and every point of the first seed's front, or within half of
@@ -484,7 +498,8 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
     if a.pareto_grid == "auto":
         ok = {pt for pt, r in done.items() if not diverged(r) and final(r) <= ref_loss * (1 + a.pareto_promising)}
         keep = {ax: [v for v in vals if any(getattr(pt, ax) == v for pt in ok)] for ax, vals in axes.items()}
-        for pt in cross_points(axes, ref, keep, a.pareto_max):
+        sweep = {pt: (wire_per_token(r)["total"], final(r)) for pt, r in done.items()}
+        for pt in cross_points(axes, ref, keep, a.pareto_max, sweep):
             if supported(pt) and pt not in done:
                 row(pt, seeds[0])
                 if seeds[0] in runs.get(pt.key(lr), {}):
@@ -661,13 +676,13 @@ def main() -> int:
     g.add_argument("--pareto-grid", default="auto", choices=("none", "coord", "auto", "full", "points"),
                    help="none: no front rows; coord: the reference (fp32 both ways, H=8, no pacing) and one axis "
                    "at a time; auto: coord, then the cross product of each axis's values within --pareto-promising "
-                   "of the reference; full: the whole cross product (54 points by default); points: the reference and "
+                   "of the reference; full: the whole cross product (72 points by default); points: the reference and "
                    "--pareto-points")
     g.add_argument("--pareto-points", default="", help="with --pareto-grid points: UP/DOWN/H/PACING,... (e.g. "
                    "int4/int4/24/1)")
     g.add_argument("--pareto-ups", default="fp32,bf16,int4", help="uplink precisions (the deltas)")
     g.add_argument("--pareto-downs", default="fp32,bf16,int4", help="downlink precisions (the fetched fragments)")
-    g.add_argument("--pareto-hs", default="8,24,48", help="H values (P = min(--pareto-fragments, H))")
+    g.add_argument("--pareto-hs", default="8,16,24,48", help="H values (P = min(--pareto-fragments, H))")
     g.add_argument("--pareto-pacing", default="0,1", help="round pacing values (fraction of H; 0 = off)")
     g.add_argument("--pareto-extra", default="", help="more DilocoConfig settings for every point of the front, "
                    "field:value;... (e.g. keep_local_progress:1); the reference takes them too")

@@ -71,16 +71,25 @@ def test_pareto_row_reports_its_bytes(quality, tmp_path: Path) -> None:  # type:
 
 
 def test_pareto_grid_and_front(quality) -> None:  # type: ignore[no-untyped-def]
-    """The coordinate sweep varies one axis at a time; the cross product keeps the reference and the
-    most compressed value of an axis when it must shrink; the front keeps the undominated points."""
+    """The coordinate sweep varies one axis at a time; the cross product sheds, while too large, a
+    value the sweep shows beaten on bytes and loss, then the worst loss, never the reference's; the
+    front keeps the undominated points."""
     P = quality.ParetoPoint
-    axes = {"up": ["fp32", "bf16", "int4"], "down": ["fp32", "bf16", "int4"], "h": [8, 24, 48], "pacing": [0.0, 1.0]}
+    axes = {"up": ["fp32", "bf16", "int4"], "down": ["fp32", "bf16", "int4"], "h": [8, 16, 24, 48],
+            "pacing": [0.0, 1.0]}
     coord = quality.coordinate_points(axes, P())
-    assert coord[0] == P() and len(coord) == 8 and len(set(coord)) == 8
+    assert coord[0] == P() and len(coord) == 9 and len(set(coord)) == 9
     assert all(sum(getattr(p, ax) != getattr(P(), ax) for ax in axes) == 1 for p in coord[1:])
-    cross = quality.cross_points(axes, P(), axes, 16)
-    assert len(cross) <= 16 and P() in cross and P(up="int4", down="int4", h=48, pacing=1.0) in cross
-    assert len(quality.cross_points(axes, P(), axes, 10**9)) == 54
+    assert len(quality.cross_points(axes, P(), axes, 10**9)) == 72
+    # (bytes per token, loss) of the sweep: bf16 costs more bytes than int4 for no better loss; H
+    # = 48 has the worst loss; pacing saves bytes at a higher loss.
+    sweep = {P(): (500.0, 2.60), P(up="bf16"): (400.0, 2.61), P(up="int4"): (300.0, 2.60),
+             P(down="bf16"): (380.0, 2.61), P(down="int4"): (280.0, 2.60), P(h=16): (250.0, 2.62),
+             P(h=24): (170.0, 2.66), P(h=48): (85.0, 2.79), P(pacing=1.0): (370.0, 2.70)}
+    cross = quality.cross_points(axes, P(), axes, 24, sweep)
+    assert len(cross) == 24 and P() in cross and P(up="int4", down="int4", h=16, pacing=1.0) in cross
+    assert not any(p.up == "bf16" or p.down == "bf16" or p.h == 48 for p in cross)
+    assert len(quality.cross_points(axes, P(), axes, 16)) <= 16  # no sweep: middle values go first
     assert quality.front({"a": (1.0, 3.0), "b": (2.0, 2.0), "c": (2.0, 2.5), "d": (3.0, 2.0)}) == ["a", "b"]
     assert P.from_key(P(up="bf16", h=24, pacing=1.0).key(6e-3)) == P(up="bf16", h=24, pacing=1.0)
     kept = P(h=24, extra="keep_local_progress:1;outer_lr:0.7")
