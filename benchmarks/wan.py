@@ -3,7 +3,7 @@
     python benchmarks/wan.py                          # profiles unshaped, 1000, 100, 20 Mbit/s; kills
     python benchmarks/wan.py --quick                  # small budget, profiles 100 and 20, a short kill phase
     python benchmarks/wan.py --profiles 20 --no-kills # one profile
-    python benchmarks/wan.py --outages                # partitions, a bucket and a Prefect outage (docs)
+    python benchmarks/wan.py --outages                # partitions, a bucket and a Prefect outage, checked
 
 Per link profile (every site's link shaped to the same rate both ways, one run each):
 
@@ -549,6 +549,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-count", type=int, default=6)
     p.add_argument("--ddp-checkpoint-every", type=int, default=20)
     p.add_argument("--outages", action="store_true", help="partitions and outages instead (benchmarks/wan_outages.py)")
+    p.add_argument("--scenarios", default="partition-2m,partition-10m,bucket-2m,prefect-2m",
+                   help="with --outages: which ones")
+    p.add_argument("--outage-scale", type=float, default=1.0, help="with --outages: fault durations x this")
+    p.add_argument("--ddp-partition", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --outages: DDP with a site cut off as long as partition-2m")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="profiles 100,20; 60 DDP steps; a 3-minute kill phase with 3 kills")
@@ -561,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.profiles, args.ddp_steps, args.ddp_evals = "100,20", 60, 3
         args.kill_minutes, args.kill_count, args.ddp_checkpoint_every = 3.0, 3, 10
+        args.outage_scale = 0.25
     if args.outages:
         import wan_outages
 
@@ -610,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                 schedule = kill_schedule(args.seed, args.kill_minutes * 60, len(site_names), args.kill_count)
                 say(f"kills at {args.kill_profile:g} Mbit/s: {len(schedule)} SIGKILLs over {args.kill_minutes:g} min")
                 kill_results.append(atoll_under_kills(lab, engine, store_of, config, recipe, schedule, args))
+                _save(out, results, kill_results)
+                print(kill_table(kill_results), flush=True)
                 kill_results.append(ddp_under_kills(lab, recipe, out / "ddp-kills", schedule, args))
                 _save(out, results, kill_results)
         finally:

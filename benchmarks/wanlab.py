@@ -477,6 +477,7 @@ def _rate(rate_mbit: float | None) -> str:
 
 
 def _unwind(signum: int, frame: Any) -> None:
+    print(f"wan lab: got signal {signum} (from outside); tearing the lab down", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
