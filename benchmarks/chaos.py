@@ -25,9 +25,11 @@ Reported per mode, from the bucket and from Prefect:
   per learner): goal 0;
 * relaunch latency of learners and of the training run (SIGKILL -> a newer incarnation
   heartbeats), p50 / p95;
-* goodput: the learners' merged work in learner-seconds (merged steps / P x the learner's step
-  time) over the learner-seconds the run had (M x its wall time from the first commit); and the
-  work share (merged / done) that ``atoll status`` reports;
+* goodput, as the paper defines it (``atoll status``): time in useful training steps over the
+  time learners were available (not waiting, not down or redoing steps after a restart); the
+  merged-work share (the part of that training the model kept); and merged learner-seconds
+  (merged steps / P x the learner's step time) over the learner-seconds the run had (M x its wall
+  time from the first commit), about the product of the two;
 * contributors per round.
 
 Prints the table and writes ``chaos.png`` (cumulative goodput and contributors per round, over
@@ -68,6 +70,8 @@ fleet each learner has its own machine and the control plane (training run, serv
 its own; on one small machine, free-running learners would otherwise take the cores the training
 run needs to close rounds (6 learners on 2 cores: ~5 s a round, where the plain runner takes 0.3 s)."""
 BUCKET = "atoll-chaos"
+MOTO_S3 = Path(__file__).resolve().parents[1] / "tests" / "moto_s3.py"
+"""moto's S3 server with atomic create-once (plain moto lets two racing creates of a key both win)."""
 PLOT_GOODPUT_AFTER_S = 60.0
 
 
@@ -195,10 +199,13 @@ class ModeResult:
     not_back: int
     goodput_wall: float
     work_share: float | None
+    """The merged-work share: merged training over training run."""
     faults: dict[str, int]
     timeline: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds since the first commit, contributors, cumulative goodput) per round."""
     contributors: float = 0.0
+    goodput: float | None = None
+    """The paper's goodput: time in useful training steps over time available."""
     unrecorded: int = 0
     """Committed rounds with no Completed round flow run (a person could not open them in the UI)."""
 
@@ -216,7 +223,7 @@ class MotoProcess:
 
         port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        self.proc = subprocess.Popen([sys.executable, str(MOTO_S3), "-H", "127.0.0.1", "-p", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while True:
@@ -406,12 +413,12 @@ def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], comp
     m = args.learners
     for rec in history:
         tracker.add([rec])
-        useful = tracker.report().useful_s
+        useful = tracker.report().merged_s
         elapsed = max(1e-9, rec.created_at - t0)
         timeline.append((rec.created_at - t0, len(rec.accepted), useful / (m * elapsed) if rec.created_at > t0 else 0.0))
     final = tracker.report()
     in_soak = [t for t in timeline if 0 < t[0] <= t_end - t0]
-    useful_in_soak = final.useful_s
+    useful_in_soak = final.merged_s
     return ModeResult(
         name=name, wall_s=t_end - t0, rounds=latest, lost=lost,
         duplicated=sum(1 for n in completed.values() if n > 1), chain_ok=report.ok,
@@ -419,7 +426,7 @@ def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], comp
         learner_kills=kills["learner"], run_kills=kills["run"] + kills["run-before-commit"],
         run_kills_before_commit=kills["run-before-commit"], skipped=kills["skipped"],
         relaunch_s=watcher.relaunch_s, not_back=len(watcher.pending),
-        goodput_wall=useful_in_soak / (m * max(1e-9, t_end - t0)), work_share=final.goodput,
+        goodput_wall=useful_in_soak / (m * max(1e-9, t_end - t0)), work_share=final.merged_share, goodput=final.goodput,
         faults=_fault_counts(fault_dir), timeline=timeline,
         contributors=statistics.mean(c for _, c, _ in in_soak) if in_soak else 0.0,
         unrecorded=sum(1 for r in range(1, latest + 1) if round_flow_name(r) not in completed))
@@ -490,8 +497,11 @@ def table(results: list[ModeResult]) -> str:
                                                          f"{pct(r.relaunch_s['run'], .95)}", ""),
         ("killed and never back by the end", lambda r: str(r.not_back), "0"),
         ("contributors per round (mean)", lambda r: f"{r.contributors:.2f}", ""),
-        ("goodput: merged learner-s / available", lambda r: f"{100 * r.goodput_wall:.1f}%", ""),
-        ("work share: merged / done", lambda r: "-" if r.work_share is None else f"{100 * r.work_share:.1f}%", ""),
+        ("goodput (paper): useful training s / available", lambda r: "-" if r.goodput is None
+         else f"{100 * r.goodput:.1f}%", ""),
+        ("merged-work share: merged / trained", lambda r: "-" if r.work_share is None
+         else f"{100 * r.work_share:.1f}%", ""),
+        ("merged learner-s / wall learner-s", lambda r: f"{100 * r.goodput_wall:.1f}%", ""),
         ("commits held for a kill", lambda r: str(r.faults.get("held commits", 0)), ""),
     ]
     head = f"{'measure':<50}" + "".join(f"{r.name:>22}" for r in results) + f"{'goal':>10}"
@@ -516,8 +526,8 @@ def plot(results: list[ModeResult], out: Path) -> Path:
         b.plot([t for t, _, _ in r.timeline if t > 0], [c for t, c, _ in r.timeline if t > 0], ".", ms=2,
                label=r.name, alpha=0.6)
     a.set_ylim(0, 100)
-    a.set_ylabel(f"goodput so far (%, from t = {PLOT_GOODPUT_AFTER_S:g} s)")
-    a.set_title("chaos soak: goodput and contributors per round (same kill schedule)")
+    a.set_ylabel(f"merged learner-s / wall (%, from t = {PLOT_GOODPUT_AFTER_S:g} s)")
+    a.set_title("chaos soak: merged work and contributors per round (same kill schedule)")
     a.legend()
     b.set_ylabel("contributors merged")
     b.set_xlabel("seconds since the first commit")

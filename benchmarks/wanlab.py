@@ -78,6 +78,8 @@ SITE_DEV = "wan0"
 """A site's interface (inside its namespace); DDP's ``GLOO_SOCKET_IFNAME``."""
 BUCKET = "atoll-wan"
 MOTO_PORT = 9000
+MOTO_S3 = Path(__file__).resolve().parents[1] / "tests" / "moto_s3.py"
+"""moto's S3 server with atomic create-once (plain moto lets two racing creates of a key both win)."""
 PREFECT_PORT = 4200
 LOCK_FILE = Path("/run/lock/atoll-wanlab.lock")
 FAKETIME_LIBS = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
@@ -500,7 +502,7 @@ class Moto:
 
     def __init__(self, lab: Lab) -> None:
         self.lab = lab
-        self.proc = lab.popen("cloud", [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)],
+        self.proc = lab.popen("cloud", [sys.executable, str(MOTO_S3), "-H", "0.0.0.0", "-p", str(MOTO_PORT)],
                               name="moto")
         self.cloud_endpoint = f"http://127.0.0.1:{MOTO_PORT}"
         self.site_endpoint = f"http://{lab.bucket_ip}:{MOTO_PORT}"

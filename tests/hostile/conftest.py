@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -29,14 +30,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def hostile_moto_endpoint() -> Iterator[str]:
-    """moto's S3 server (its ThreadedMotoServer) in a child process: on the suite's 2 cores it then
-    runs beside the test process instead of competing with it for one interpreter lock."""
+    """moto's S3 server (tests/moto_s3.py: create-once made atomic) in a child process: on the
+    suite's 2 cores it then runs beside the test process instead of competing with it for one
+    interpreter lock."""
     port = _free_port()
-    code = ("import logging, sys, time; from moto.server import ThreadedMotoServer; "
-            "[logging.getLogger(n).setLevel(logging.ERROR) for n in ('werkzeug', 'moto')]; "
-            f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "
-            "print('ready', flush=True); sys.stdin.read(); s.stop()")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    script = Path(__file__).resolve().parents[1] / "moto_s3.py"
+    proc = subprocess.Popen([sys.executable, str(script), "-p", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
@@ -50,8 +49,7 @@ def hostile_moto_endpoint() -> Iterator[str]:
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
+        proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:

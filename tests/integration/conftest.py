@@ -45,10 +45,10 @@ class S3:
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3]:
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
+    import moto_s3
+
+    server = moto_s3.start(free_port())
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"

@@ -103,10 +103,9 @@ class Backend:
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
+    import moto_s3
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
+    server = moto_s3.start(free_port())
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"

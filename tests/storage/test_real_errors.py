@@ -130,10 +130,10 @@ def raised_by(fn) -> BaseException:
 def test_s3_server_gone_is_transient_and_retried() -> None:
     import boto3
     import botocore.exceptions
-    from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
+    import moto_s3
+
+    server = moto_s3.start(free_port())
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     try:
