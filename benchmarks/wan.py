@@ -405,8 +405,8 @@ def atoll_under_kills(lab: wanlab.Lab, engine: Any, store_of: Callable[[str], An
     in_window = [r for r in store.history(1, latest) if r.created_at <= t0 + window]
     tracker.add(in_window)
     report = tracker.report()
-    return KillResult("atoll", window, kills, skipped, report.useful_s, report.useful_s / (len(sites) * window),
-                      {"rounds": len(in_window), "work share": report.goodput})
+    return KillResult("atoll", window, kills, skipped, report.merged_s, report.merged_s / (len(sites) * window),
+                      {"rounds": len(in_window), "merged-work share": report.merged_share})
 
 
 def _wait_first(fn: Callable[[], Any], timeout_s: float, tick: Callable[[], None] | None = None) -> Any:

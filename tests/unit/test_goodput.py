@@ -28,7 +28,9 @@ b was killed after step 9 and restarted from its state saved at step 5: its coun
 * b: useful (3 + 6 + 2 + 3) / P = 7 steps; spent = 10 + (9 - 7) = 12; step time median(0.2, 0.2, 0.4, 0.2, 0.3) = 0.2 s.
 * d: useful 0; spent 4; step time 0.5 s.
 
-useful = 5 * 0.1 + 7 * 0.2 + 0 = 1.9 s; spent = 8 * 0.1 + 12 * 0.2 + 4 * 0.5 = 5.2 s; goodput = 1.9 / 5.2.
+merged = 5 * 0.1 + 7 * 0.2 + 0 = 1.9 s; training = 8 * 0.1 + 12 * 0.2 + 4 * 0.5 = 5.2 s; merged-work
+share = 1.9 / 5.2. These records carry no process clocks (``up_s``, ``train_s``): each learner counts as
+training all its available time, so goodput is steps not redone over steps run: (5.2 - 2 * 0.2) / 5.2.
 
 Each contribution is against its learner's last alignment of the fragment (``BASES``). One
 published again against the same version as the learner's previous merged one would carry that
@@ -37,6 +39,7 @@ work again: only its steps beyond it count (the last test).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import uuid
 
@@ -73,10 +76,11 @@ ROUNDS = {
     4: (["b10"], {"a8": RejectionKind.LATE}),
     5: (["b7"], {}),
 }
-USEFUL_S, SPENT_S = 5 * 0.1 + 7 * 0.2, 8 * 0.1 + 12 * 0.2 + 4 * 0.5
+MERGED_S, TRAINING_S = 5 * 0.1 + 7 * 0.2, 8 * 0.1 + 12 * 0.2 + 4 * 0.5
 
 
-def write_run(contributions: dict = CONTRIBUTIONS) -> tuple[RunStore, dict[str, str]]:
+def write_run(contributions: dict = CONTRIBUTIONS, clocks: dict | None = None) -> tuple[RunStore, dict[str, str]]:
+    """``clocks``: name -> (up_s, train_s, meter) of the process that published it."""
     store = RunStore.open(f"memory://atoll-goodput-{uuid.uuid4().hex[:8]}/run")
     config = DilocoConfig(num_learners=3, num_fragments=2, inner_steps=2, overlap_steps=1, min_quorum=1)
     plan = plan_fragments(SHAPES, num_fragments=2, inner_steps=2)
@@ -89,6 +93,9 @@ def write_run(contributions: dict = CONTRIBUTIONS) -> tuple[RunStore, dict[str, 
                                  c_tokens=64 * c_steps, payload=BlobRef(sha, 100),
                                  tensors={n: {"codec": "fp32", "shape": list(SHAPES[n])} for n in plan.fragments[fragment]},
                                  created_at=created, info={"step": step, "step_time_s": step_time, "pool": "p"})
+        if clocks and name in clocks:
+            up, train, meter = clocks[name]
+            rec = dataclasses.replace(rec, info={**rec.info, "up_s": up, "train_s": train, "wire": {"meter": meter}})
         assert store.store.create(key, dump_record(KIND_CONTRIBUTION, seal(KIND_CONTRIBUTION, rec.to_dict())))
         keys[name] = key
     return store, keys
@@ -111,11 +118,15 @@ def test_goodput_by_hand_with_a_restart_and_re_run_steps() -> None:
     for r in ROUNDS:
         commit(store, keys, r)
     report = GoodputTracker(store).update()
-    assert report.useful_s == pytest.approx(USEFUL_S) and report.useful_s == pytest.approx(1.9)
-    assert report.spent_s == pytest.approx(SPENT_S) and report.spent_s == pytest.approx(5.2)
-    assert report.goodput == pytest.approx(1.9 / 5.2)
-    assert report.per_learner == pytest.approx({"a": 5 / 8, "b": 7 / 12, "d": 0.0})
-    assert report.line() == "goodput 36.5% (1.9 s of 5.2 s learner time in committed rounds)"
+    assert report.merged_s == pytest.approx(MERGED_S) and report.merged_s == pytest.approx(1.9)
+    assert report.training_s == pytest.approx(TRAINING_S) and report.training_s == pytest.approx(5.2)
+    assert report.merged_share == pytest.approx(1.9 / 5.2)
+    assert report.merged_per_learner == pytest.approx({"a": 5 / 8, "b": 7 / 12, "d": 0.0})
+    assert report.goodput == pytest.approx(4.8 / 5.2) and report.available_s == pytest.approx(5.2)
+    assert report.per_learner == pytest.approx({"a": 1.0, "b": 10 / 12, "d": 1.0})
+    assert report.learners["b"].restarting_s == pytest.approx(0.4) and report.learners["b"].waiting_s == 0
+    assert report.line() == ("goodput 92.3% (4.8 s in useful training steps of 5.2 s learner time); "
+                             "merged-work share 36.5% (1.9 s of 5.2 s of training merged)")
 
 
 def test_goodput_followed_round_by_round_equals_the_whole_run_at_once() -> None:
@@ -127,12 +138,12 @@ def test_goodput_followed_round_by_round_equals_the_whole_run_at_once() -> None:
     commit(store, keys, 2)
     # After two rounds: a useful 3 of 4 steps; b 4.5 of 6; d 0 of 4 (step times as above).
     partial = tracker.update()
-    assert partial.useful_s == pytest.approx(3 * 0.1 + 4.5 * 0.2)
-    assert partial.spent_s == pytest.approx(4 * 0.1 + 6 * 0.2 + 4 * 0.5)
+    assert partial.merged_s == pytest.approx(3 * 0.1 + 4.5 * 0.2)
+    assert partial.training_s == pytest.approx(4 * 0.1 + 6 * 0.2 + 4 * 0.5)
     for r in (3, 4, 5):
         commit(store, keys, r)
         tracker.update()
-    assert tracker.update().goodput == pytest.approx(1.9 / 5.2)
+    assert tracker.update().merged_share == pytest.approx(1.9 / 5.2)
     assert tracker.update() == GoodputTracker(store).update()
 
 
@@ -143,8 +154,8 @@ def test_no_restart_means_no_re_run_steps() -> None:
     for r in ROUNDS:
         commit(store, keys, r)
     report = GoodputTracker(store).update()
-    assert report.per_learner["b"] == pytest.approx(7 / 14)
-    assert report.spent_s == pytest.approx(8 * 0.1 + 14 * 0.2 + 4 * 0.5)
+    assert report.merged_per_learner["b"] == pytest.approx(7 / 14)
+    assert report.training_s == pytest.approx(8 * 0.1 + 14 * 0.2 + 4 * 0.5)
 
 
 def test_a_repeat_against_the_same_version_counts_only_its_new_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,5 +166,24 @@ def test_a_repeat_against_the_same_version_counts_only_its_new_steps(monkeypatch
     for r in ROUNDS:
         commit(store, keys, r)
     report = GoodputTracker(store).update()
-    assert report.per_learner["a"] == pytest.approx((2 + 4 + 2) / 2 / 8)
-    assert report.useful_s == pytest.approx(USEFUL_S - 2 / 2 * 0.1)
+    assert report.merged_per_learner["a"] == pytest.approx((2 + 4 + 2) / 2 / 8)
+    assert report.merged_s == pytest.approx(MERGED_S - 2 / 2 * 0.1)
+
+
+def test_goodput_from_the_learners_process_clocks() -> None:
+    """With ``up_s`` and ``train_s`` (seconds since its process came up, and in steps), a learner's
+    time splits into training, waiting and down. b's first process came up at t = 0.5 (b3 at 1.5
+    after 1.0 s up) and reported last at 3.5 (b9: up 3.0 s, 1.8 s in steps); its second came up
+    at 4.0 (b7 at 4.5 after 0.5 s up) and reported last at 5.5 (b10: up 1.5 s, 1.0 s in steps).
+    So b was available 5.0 s, up 4.5 s, down 0.5 s, in steps 2.8 s, waiting 1.7 s; steps 6..9 ran
+    twice (2 steps x 0.2 s redone): useful 2.4 s, goodput 2.4 / 5.0; merged 7 of 12 steps."""
+    clocks = {"b3": (1.0, 0.6, "m1"), "b6": (2.0, 1.2, "m1"), "b9": (3.0, 1.8, "m1"),
+              "b7": (0.5, 0.4, "m2"), "b10": (1.5, 1.0, "m2")}
+    store, keys = write_run(clocks=clocks)
+    for r in ROUNDS:
+        commit(store, keys, r)
+    b = GoodputTracker(store).update().learners["b"]
+    assert b.available_s == pytest.approx(5.0) and b.down_s == pytest.approx(0.5)
+    assert b.training_s == pytest.approx(2.8) and b.waiting_s == pytest.approx(1.7)
+    assert b.redone_s == pytest.approx(0.4) and b.restarting_s == pytest.approx(0.9)
+    assert b.goodput == pytest.approx(2.4 / 5.0) and b.merged_share == pytest.approx(7 / 12)

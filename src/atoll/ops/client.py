@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +19,7 @@ from atoll.ops.procs import free_port
 from atoll.ops.stack import LocalStack
 from atoll.runs.manage import new_run_url
 from atoll.runs.options import TrainingRunOptions
-from atoll.runs.report import last_val_loss
+from atoll.runs.report import last_val_loss, plural
 from atoll.storage.bucket import RunStore
 
 __all__ = ["launch_training", "follow", "run_demo"]
@@ -41,7 +42,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
                     if latest > shown:
                         rec = store.read_commit(latest)
                         loss = last_val_loss(store.history(max(1, latest - 20), latest))
-                        print(f"  [{state}] round {latest}: {len(rec.accepted) if rec else 0} learners merged"
+                        print(f"  [{state}] round {latest}: {plural(len(rec.accepted) if rec else 0, 'learner')} merged"
                               + (f", validation loss {loss:.4f}" if loss is not None else ""), flush=True)
                         shown = latest
                 last_print = time.monotonic()
@@ -72,7 +73,12 @@ def launch_training(options: TrainingRunOptions, *, in_process: bool = False, wa
         print(f"bucket: {run_url}", flush=True)
     if not wait:
         return 0
-    state, loss = follow(fr.id, run_url, options.storage_options)
+    try:
+        state, loss = follow(fr.id, run_url, options.storage_options)
+    except KeyboardInterrupt:  # only the following stops: the training run is not this process's child
+        print(f"stopped following; the training run goes on on its worker (`atoll stop {run_url}` stops it)",
+              flush=True)
+        raise
     print(f"training run {state}; final validation loss {loss}; bucket {run_url}", flush=True)
     return 0 if state == "Completed" else 1
 
@@ -111,14 +117,15 @@ def run_demo(directory: str | Path = DEMO_DIR, *, learners: int = 0, rounds: int
             f"  round history:         atoll status {run_url}",
         ]), flush=True)
         if keep_up:
-            print(f"the stack stays up at {stack.ui_url}; Ctrl-C to stop", flush=True)
-            while True:
-                time.sleep(1)
-        else:
-            print(f"(the Prefect database stays in {root / 'prefect'}: `atoll up --home {root / 'prefect'}` "
-                  "shows these runs again)", flush=True)
+            print(f"the stack stays up at {stack.ui_url}; Ctrl-C (or SIGTERM) stops it", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):  # the way a kept-up demo ends: not a failure
+                while not (gone := stack.exited()):
+                    time.sleep(1)
+                print(f"{gone} exited", flush=True)
+        print(f"(the Prefect database stays in {root / 'prefect'}: `atoll up --home {root / 'prefect'}` "
+              "shows these runs again)", flush=True)
         return 0 if state == "Completed" else 1
-    except KeyboardInterrupt:
-        return 130
     finally:
+        # Also on Ctrl-C or SIGTERM during training (atoll.ops.signals): the KeyboardInterrupt goes on up.
+        print("stopping the local stack ...", flush=True)
         stack.stop()

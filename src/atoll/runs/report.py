@@ -4,20 +4,24 @@ Pure functions over :class:`~atoll.storage.bucket.RunStore` records (no Prefect 
 the Prefect tasks that write artifacts and by ``atoll status``, which must work with no Prefect at
 all.
 
-**Goodput** (docs/prefect.md): the share of learner time that ended up in committed rounds.
+Two figures (docs/prefect.md, "Goodput and merged-work share"), per learner and for the run:
 
-* Every inner step of learner m feeds all P fragments, and a committed round r merges, for its
-  fragment, a contribution carrying ``c_steps`` steps of m. So m's *useful* steps are
-  ``sum(c_steps over m's merged contributions) / P``: a step counts fully once its work on every
-  fragment reached the global model. Work that did not (a contribution that was late, superseded,
-  rejected, or the steps between a publish and the next alignment, which alignment overwrites)
-  does not count. A learner that publishes a fragment again before it adopts the round that
-  merged its previous contribution (same base version) carries that merged work again: only
-  the steps beyond it count (:class:`MergedWork`).
-* m's *spent* steps are the steps it ran: the highest local step counter it reported, plus the
-  steps it ran twice after a restart (the counter went back to its last saved state).
-* Both are weighted by m's measured step time (median of the ``step_time_s`` it reports), so the
-  ratio is learner *time*: ``goodput = sum_m useful_m * t_m / sum_m spent_m * t_m``.
+* **goodput**, as the paper defines it: the time learners spent in *useful training steps* over
+  the time they were available. A learner is available from the start of its first process to
+  its last report; in that time it is training (inner steps), waiting (a process up but not in a
+  step: start-up, publishing, adopting) or down (no process up, between a crash and its
+  relaunch). Steps it ran again after a restart (its counter went back to its last save) are
+  recovery, not useful. Its processes report how long they have been up and in steps
+  (``info.up_s``, ``info.train_s``); older records without them count as training all the time.
+* **merged-work share**: the part of the training steps run whose work the model kept. Every
+  inner step of learner m feeds all P fragments, and a committed round merges, for its
+  fragment, a contribution carrying ``c_steps`` steps of m; so m's merged steps are
+  ``sum(c_steps over m's merged contributions) / P``. Work that did not reach the model (a
+  contribution that was late, superseded, rejected, or the steps between a publish and the next
+  alignment, which alignment overwrites) does not count. A learner that publishes a fragment
+  again before it adopts the round that merged its previous contribution (same base version)
+  carries that merged work again: only the steps beyond it count (:class:`MergedWork`). The
+  share is merged steps over steps run (redone ones included), weighted by step time.
 
 Only the bucket is read (commit records and the contribution records they name), so goodput is
 the same whether or not the Prefect database that ran the run still exists.
@@ -45,6 +49,8 @@ __all__ = [
     "ContributionRow",
     "GoodputReport",
     "GoodputTracker",
+    "LearnerTime",
+    "RoundPoint",
     "RoundWire",
     "WireTracker",
     "contribution_rows",
@@ -56,6 +62,9 @@ __all__ = [
     "run_status",
     "check_run",
     "checkpoint_rounds",
+    "figure_lines",
+    "learner_time_table",
+    "plural",
     "round_flow_name",
     "slug",
 ]
@@ -67,6 +76,11 @@ def slug(text: str) -> str:
     while "--" in out:
         out = out.replace("--", "-")
     return out.strip("-") or "run"
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 learner``, ``2 learners``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def round_flow_name(round_: int) -> str:
@@ -151,18 +165,73 @@ def contribution_rows(store: RunStore, record: CommitRecord,
     return rows
 
 
+@dataclass(frozen=True)
+class LearnerTime:
+    """Where one learner's time went, from its contribution records (seconds of its own clock).
+
+    ``available_s`` runs from the start of its first process to its last report. In it:
+    ``training_s`` (inner steps run, redone ones included), ``waiting_s`` (a process up but not in
+    a step: start-up, publishing, adopting, fetching) and ``down_s`` (no process up: between a
+    crash and the relaunched process). ``redone_s``: steps run again after a restart (its counter
+    went back to its last save). ``merged_s``: the steps whose work reached the global model."""
+
+    available_s: float
+    training_s: float
+    waiting_s: float
+    down_s: float
+    redone_s: float
+    merged_s: float
+    tokens_per_s: float | None = None
+
+    @property
+    def useful_s(self) -> float:
+        """Time in useful training steps: steps run, less those run again after a restart."""
+        return max(0.0, self.training_s - self.redone_s)
+
+    @property
+    def restarting_s(self) -> float:
+        """Time lost to failures: no process up, plus steps redone after a restart."""
+        return self.down_s + self.redone_s
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_s / self.available_s if self.available_s > 0 else 0.0
+
+    @property
+    def merged_share(self) -> float:
+        return self.merged_s / self.training_s if self.training_s > 0 else 0.0
+
+
 @dataclass
 class GoodputReport:
+    """The run's two figures (docs/prefect.md, "Goodput and merged-work share").
+
+    * ``goodput`` (the paper's): time learners spent in useful training steps over the time they
+      were available (not waiting, not down or redoing steps after a restart);
+    * ``merged_share``: the part of the training steps run whose work the model kept (merged in a
+      committed round)."""
+
     goodput: float | None
-    useful_s: float
-    spent_s: float
+    merged_share: float | None = None
+    useful_s: float = 0.0
+    available_s: float = 0.0
+    merged_s: float = 0.0
+    training_s: float = 0.0
     per_learner: dict[str, float] = field(default_factory=dict)
+    """Goodput per learner."""
+    learners: dict[str, LearnerTime] = field(default_factory=dict)
+
+    @property
+    def merged_per_learner(self) -> dict[str, float]:
+        return {lid: t.merged_share for lid, t in self.learners.items()}
 
     def line(self) -> str:
         if self.goodput is None:
             return "goodput: n/a (no learner work recorded yet)"
-        return (f"goodput {100 * self.goodput:.1f}% ({self.useful_s:.1f} s of {self.spent_s:.1f} s learner time "
-                f"in committed rounds)")
+        share = f"{100 * self.merged_share:.1f}%" if self.merged_share is not None else "-"
+        return (f"goodput {100 * self.goodput:.1f}% ({self.useful_s:.1f} s in useful training steps of "
+                f"{self.available_s:.1f} s learner time); merged-work share {share} ({self.merged_s:.1f} s "
+                f"of {self.training_s:.1f} s of training merged)")
 
 
 class MergedWork:
@@ -309,17 +378,46 @@ def _per(n: int, tokens: float) -> str:
     return f"{n / tokens:,.1f}" if tokens > 0 else "-"
 
 
+MAX_REPORTED_S = 1e8
+"""A learner's reported ``up_s`` / ``train_s`` count only within [0, this] (they are its own numbers)."""
+
+
 @dataclass
 class _LearnerWork:
     merged_steps: int = 0
     events: list[tuple[float, int]] = field(default_factory=list)  # (created_at, local step)
     step_times: list[float] = field(default_factory=list)
+    procs: dict[str, list[float]] = field(default_factory=dict)
+    """Process (meter or incarnation) -> [came up at, last report at, up_s, train_s], its own clock."""
+    tokens_per_step: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundPoint:
+    """One committed round, for the run's plots (:mod:`atoll.runs.plots`)."""
+
+    round: int
+    at: float
+    """When it was committed (the synchronizer's clock, seconds since the epoch)."""
+    tokens: float
+    """Tokens of training merged into the model so far."""
+    val_loss: float | None
+    bytes_: int
+    """Bytes the synchronizer and the round's learners moved for it."""
+    pools: dict[str, int]
+    """Contributors merged, by pool."""
+    goodput: float | None = None
+    merged_share: float | None = None
+    """The run's figures so far, where sampled (:attr:`GoodputTracker.sample_every`)."""
 
 
 class GoodputTracker:
-    """Goodput so far, updated one committed round at a time (each contribution record read once)."""
+    """Goodput and merged-work share so far, updated one committed round at a time (each contribution
+    record read once); ``series`` keeps one :class:`RoundPoint` per round for the plots."""
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: RunStore, *, sample_every: int = 1, keep: int = 100_000) -> None:
+        """``sample_every``: the run's figures go into ``series`` every that many rounds (and at
+        the end of each :meth:`add`); ``keep``: rounds of ``series`` kept (the oldest go first)."""
         self.store = store
         self.cache: dict[str, ContributionRecord | None] = {}
         self.after = 0
@@ -328,6 +426,10 @@ class GoodputTracker:
         self.merged = MergedWork()
         self.wire = WireTracker()
         """The run's traffic, from the same commit records (they carry it: nothing more is read)."""
+        self.sample_every = sample_every
+        self.keep = keep
+        self.series: list[RoundPoint] = []
+        self._tokens = 0.0
 
     def _note(self, rec: ContributionRecord) -> _LearnerWork:
         work = self.learners.setdefault(rec.learner_id, _LearnerWork())
@@ -342,13 +444,21 @@ class GoodputTracker:
         st = _finite(rec.info.get("step_time_s"))
         if st is not None and 0 < st <= 86_400.0:
             work.step_times.append(st)
+        if 0 < rec.c_steps < 2**53 and 0 <= rec.c_tokens < 2**53:
+            work.tokens_per_step = rec.c_tokens / rec.c_steps
+        up, train = _finite(rec.info.get("up_s")), _finite(rec.info.get("train_s"))
+        if up is not None and train is not None and 0 <= train <= up <= MAX_REPORTED_S and math.isfinite(rec.created_at):
+            proc = meter_from_report(rec.info.get("wire")) or f"incarnation-{rec.incarnation}"
+            seen = work.procs.setdefault(proc, [rec.created_at - up, rec.created_at, up, train])
+            seen[:] = [min(seen[0], rec.created_at - up), max(seen[1], rec.created_at), max(seen[2], up),
+                       max(seen[3], train)]
         return work
 
     def add(self, records: Iterable[CommitRecord]) -> None:
         records = [r for r in records if r.round > self.after]
         prefetch_contributions(self.store, (k for r in records for k in (*(a.key for a in r.accepted), *r.rejected)),
                                self.cache)
-        for record in records:
+        for i, record in enumerate(records):
             if record.round <= self.after:
                 continue
             new_tokens = 0
@@ -362,8 +472,25 @@ class GoodputTracker:
                 rec = _read_contribution(self.store, key, self.cache)
                 if rec is not None:
                     self._note(rec)
-            self.wire.add(record, tokens_merged=new_tokens / self.store.plan.num_fragments)
+            merged = new_tokens / self.store.plan.num_fragments
+            wire = self.wire.add(record, tokens_merged=merged)
             self.after = record.round
+            self._point(record, merged, wire, sample=i == len(records) - 1 or record.round % self.sample_every == 0)
+
+    def _point(self, record: CommitRecord, merged: float, wire: RoundWire, *, sample: bool) -> None:
+        self._tokens += merged
+        pools: dict[str, int] = {}
+        named = record.stats.get("pools")
+        for a in record.accepted:
+            pool = named.get(a.learner_id) if isinstance(named, Mapping) else None
+            pools[str(pool) if isinstance(pool, str) else "?"] = pools.get(str(pool) if isinstance(pool, str) else "?", 0) + 1
+        report = self.report() if sample else None
+        self.series.append(RoundPoint(
+            round=record.round, at=record.created_at, tokens=self._tokens, val_loss=_finite(record.stats.get("val_loss")),
+            bytes_=wire.synchronizer.bytes_total + wire.learners.bytes_total, pools=pools,
+            goodput=report.goodput if report else None, merged_share=report.merged_share if report else None))
+        if len(self.series) > self.keep:
+            del self.series[: len(self.series) - self.keep]
 
     def update(self) -> GoodputReport:
         """Read the rounds committed since the last call, then report."""
@@ -374,22 +501,44 @@ class GoodputTracker:
 
     def report(self) -> GoodputReport:
         p = self.store.plan.num_fragments
-        useful = spent = 0.0
-        per: dict[str, float] = {}
-        for lid, work in self.learners.items():
-            t = statistics.median(work.step_times) if work.step_times else 1.0
-            steps = [step for _, step in sorted(work.events)]
-            # The highest counter reached, plus every step run twice after a restart (the
-            # counter went back to the learner's last saved state).
-            reruns = sum(max(0, a - b) for a, b in zip(steps, steps[1:], strict=False))
-            spent_steps = (max(steps) if steps else 0) + reruns
-            useful_steps = work.merged_steps / p
-            spent_steps = max(spent_steps, math.ceil(useful_steps))
-            useful += useful_steps * t
-            spent += spent_steps * t
-            per[lid] = useful_steps / spent_steps if spent_steps else 0.0
-        return GoodputReport(goodput=(useful / spent) if spent > 0 else None, useful_s=useful, spent_s=spent,
-                             per_learner=per)
+        times = {lid: _learner_time(work, p) for lid, work in self.learners.items()}
+        available = sum(t.available_s for t in times.values())
+        training = sum(t.training_s for t in times.values())
+        useful = sum(t.useful_s for t in times.values())
+        merged = sum(t.merged_s for t in times.values())
+        return GoodputReport(goodput=useful / available if available > 0 else None,
+                             merged_share=merged / training if training > 0 else None,
+                             useful_s=useful, available_s=available, merged_s=merged, training_s=training,
+                             per_learner={lid: t.goodput for lid, t in times.items()}, learners=times)
+
+
+def _learner_time(work: _LearnerWork, p: int) -> LearnerTime:
+    """Where a learner's time went (:class:`LearnerTime`). Steps are timed by the learner's median
+    step time; with its processes' own clocks (``up_s``, ``train_s``) the time available and in
+    steps come from them, otherwise (older records) it is taken to have trained all the time."""
+    t = statistics.median(work.step_times) if work.step_times else 1.0
+    steps = [step for _, step in sorted(work.events)]
+    # The highest counter reached, plus every step run twice after a restart (the counter went
+    # back to the learner's last saved state).
+    redone = sum(max(0, a - b) for a, b in zip(steps, steps[1:], strict=False))
+    ran = (max(steps) if steps else 0) + redone
+    merged_steps = work.merged_steps / p
+    ran = max(ran, math.ceil(merged_steps))
+    training = ran * t
+    available, up = training, training
+    if work.procs:
+        procs = work.procs.values()
+        available = max(v[1] for v in procs) - min(v[0] for v in procs)
+        up = min(available, sum(v[2] for v in procs))
+        measured = min(up, sum(v[3] for v in procs))
+        if measured > 0:
+            training = measured
+    share = min(1.0, merged_steps / ran) if ran else 0.0
+    redone_s = min(training, redone * t)
+    tps = work.tokens_per_step / t if work.tokens_per_step is not None and work.step_times else None
+    return LearnerTime(available_s=max(available, training), training_s=training, waiting_s=max(0.0, up - training),
+                       down_s=max(0.0, available - up), redone_s=redone_s, merged_s=share * training,
+                       tokens_per_s=tps)
 
 
 # Stats in a commit record are free-form JSON for people: any of them may be a string, a list, a
@@ -488,17 +637,43 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         f"| effective H: steps since last sync (mean of merged) | {_fmt_num(eff_h, '.1f')}"
         + (f" (H = {inner_steps})" if inner_steps else "") + " |",
     ]
-    if goodput is not None:
-        lines.append(f"| goodput so far | {goodput.line().removeprefix('goodput ')} |")
+    if goodput is not None and goodput.goodput is not None:
+        lines.append(f"| goodput so far (time in useful training steps / time available) | "
+                     f"{100 * goodput.goodput:.1f}% |")
+        lines.append(f"| merged-work share so far (training the model kept) | {_pct(goodput.merged_share)} |")
     if rows:
         lines += ["", CONTRIBUTIONS_HEADING, "", "| " + " | ".join(CONTRIBUTION_COLUMNS) + " |",
                   "|---" * len(CONTRIBUTION_COLUMNS) + "|"]
         lines += [f"| {r.learner} | {r.pool or '-'} | {r.tokens:,} | {r.steps} | {round(r.weight, 6)} | "
                   f"{_short(r.status).replace('|', '/')} |" for r in rows]
-    if goodput is not None and goodput.per_learner:
-        lines += ["", "| learner | goodput so far |", "|---|---|"]
-        lines += [f"| {lid} | {100 * g:.1f}% |" for lid, g in sorted(goodput.per_learner.items())]
+    if goodput is not None and goodput.learners:
+        lines += ["", *learner_time_table(goodput)]
     return "\n".join(lines) + "\n"
+
+
+def figure_lines(report: GoodputReport) -> list[str]:
+    """The run's two figures, each with what it means (``atoll status``)."""
+    if report.goodput is None:
+        return [report.line()]
+    return [f"goodput {100 * report.goodput:.1f}%: time in useful training steps over time available "
+            f"({report.useful_s:.1f} s of {report.available_s:.1f} learner-s; not waiting, not restarting)",
+            f"merged-work share {_pct(report.merged_share)}: the part of that training the model kept "
+            f"({report.merged_s:.1f} s of {report.training_s:.1f} s merged in committed rounds)"]
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.1f}%" if x is not None else "-"
+
+
+def learner_time_table(goodput: GoodputReport) -> list[str]:
+    """Per learner, as markdown: goodput, merged-work share and where its time went."""
+    out = ["| learner | goodput so far | merged-work share | training s | waiting s | restarting s | tokens/s |",
+           "|---|---|---|---|---|---|---|"]
+    for lid, t in sorted(goodput.learners.items()):
+        tps = f"{t.tokens_per_s:,.0f}" if t.tokens_per_s is not None else "-"
+        out.append(f"| {lid} | {100 * t.goodput:.1f}% | {100 * t.merged_share:.1f}% | {t.training_s:.1f} | "
+                   f"{t.waiting_s:.1f} | {t.restarting_s:.1f} | {tps} |")
+    return out
 
 
 def _wire_rows(record: CommitRecord, wire: WireTracker | None) -> list[str]:
@@ -576,8 +751,10 @@ def last_val_loss(records: Iterable[CommitRecord]) -> float | None:
     return loss
 
 
-def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
-    """Everything ``atoll status`` prints: the run, its round history, loss, goodput. Bucket only."""
+def run_status(store: RunStore, *, last: int | None = None, tracker: GoodputTracker | None = None) -> list[str]:
+    """Everything ``atoll status`` prints: the run, its round history, loss, goodput and merged-work
+    share. Bucket only. ``tracker``: a fresh tracker to fill (its ``series`` and report then make
+    the run's plots, :mod:`atoll.runs.plots`)."""
     m = store.manifest
     latest = store.latest_round()
     recipe = m.extra.get("recipe", {}) if isinstance(m.extra, Mapping) else {}
@@ -598,11 +775,20 @@ def run_status(store: RunStore, *, last: int | None = None) -> list[str]:
     shown = records[-last:] if last else records
     if records:
         lines += ["", *history_table(shown)]
-        tracker = GoodputTracker(store)
+        tracker = tracker if tracker is not None else GoodputTracker(store)
+        tracker.sample_every = max(1, len(records) // 200)
         tracker.add(records)
         loss = last_val_loss(records)
+        report = tracker.report()
         lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
-                  tracker.report().line(), effective_h_line(records, c.inner_steps, c.round_pacing)]
+                  *figure_lines(report), effective_h_line(records, c.inner_steps, c.round_pacing)]
+        if report.learners:
+            lines += ["", f"{'learner':<16} {'goodput':>8} {'merged':>7} {'training s':>10} {'waiting s':>9} "
+                          f"{'restarting s':>12} {'tokens/s':>9}"]
+            lines += [f"{lid:<16} {100 * t.goodput:>7.1f}% {100 * t.merged_share:>6.1f}% {t.training_s:>10.1f} "
+                      f"{t.waiting_s:>9.1f} {t.restarting_s:>12.1f} "
+                      f"{(f'{t.tokens_per_s:,.0f}' if t.tokens_per_s is not None else '-'):>9}"
+                      for lid, t in sorted(report.learners.items())]
         wire = tracker.wire.lines()
         lines += ["", *wire] if wire else []
     ckpts = checkpoint_rounds(store)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -243,6 +244,10 @@ class Learner:
         self.data_cursor: Callable[[], dict[str, Any] | None] = lambda: None
         """The driver's data position, saved with the inner state (atoll's own loop: its batch stream)."""
         self.step_ema: float | None = None
+        self.up_since = time.monotonic()
+        """When this process' learner came up: its contributions report how long ago (``info.up_s``)."""
+        self.train_s = 0.0
+        """Seconds this process spent in inner steps (``info.train_s``; goodput, docs/prefect.md)."""
         self.pending: list[tuple[int, int, int]] = []  # lock-step: (due step, fragment, base version)
         self.exit_reason = ""
         self.exit_detail = ""
@@ -354,13 +359,15 @@ class Learner:
             del s.losses[:-LOSS_WINDOW]
         if step_time_s is not None:
             self.step_ema = step_time_s if self.step_ema is None else 0.9 * self.step_ema + 0.1 * step_time_s
+            self.train_s += max(0.0, step_time_s)
 
     def publish(self, p: int) -> None:
         """Publish fragment ``p`` against the version last aligned to, with its counters."""
         fc = self.counters.fragments[p]
         loss = self.summary.last_loss
         info = {"step": self.step_count, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
-                "loss": round(loss, 6) if math.isfinite(loss) else None, "wire": self.wire_report()}
+                "loss": round(loss, 6) if math.isfinite(loss) else None, "wire": self.wire_report(),
+                "train_s": round(self.train_s, 3), "up_s": round(time.monotonic() - self.up_since, 3)}
         outgoing = Outgoing(self.learner_id, p, fc.base_version, fc.frozen(), info, self.incarnation,
                             self.plan.fragment_numel(p))
         if self.keeps_progress:  # every rank of an island, so that all of them carry the same

@@ -421,11 +421,13 @@ class Synchronizer:
         r, p = poll.round, poll.fragment
         rejected = dict(poll.rejected)
         result, opt = self._merge(p, poll.accepted, rejected)
+        merged_at = self.clock()
         accepted = accepted_contributions(poll.accepted, result)
         for key in poll.accepted:  # accepted by the quorum rule but not by the merge: say so
             if result is None or key not in result.weights:
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
         val_loss = self._evaluate(r, p, result)
+        evaluated_at = self.clock()
         downlink = self._downlink(p, result)
         sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
         stats = round_stats(poll, accepted, result, val_loss=val_loss,
@@ -433,6 +435,7 @@ class Synchronizer:
                             downlink_bytes=None if downlink is None else
                             sum(encoded_nbytes(e) for e in downlink.update.values()))
         self._wire_mark = sent
+        stats["merge_s"], stats["eval_s"] = round(merged_at - poll.polled_at_s, 4), round(evaluated_at - merged_at, 4)
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
                                steady=self._rounds_closed > 0)
         commit = self.store.commit_round(
@@ -446,7 +449,12 @@ class Synchronizer:
         self._advance(commit.record, result, opt, timings, downlink)
         if self.schedule.checkpoints(r):
             self.store.write_checkpoint(r)
-        return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss)
+        # The round's phases on this synchronizer's clock, for the round's flow run in the UI.
+        phases = {"opened_at_s": poll.opened_at_s, "quorum_at_s": poll.decision.quorum_at_s,
+                  "closed_at_s": poll.polled_at_s, "merged_at_s": merged_at, "evaluated_at_s": evaluated_at,
+                  "committed_at_s": self.clock()}
+        return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss,
+                            info={"phases": phases})
 
     def round_wire(self) -> WireCounts:
         """What this synchronizer's store sent since its previous commit (or since it started):
