@@ -96,7 +96,13 @@ CHEAP_SHARED = frozenset({"moto_endpoint", "gcs_endpoint", "hostile_moto_endpoin
 """Fixtures of this suite wider than a test that cost too little to keep their tests on one worker:
 each worker that needs one starts its own (in milliseconds)."""
 
-GROUP_ORDER = ("chaos", "prefect", "postgres")
+SHARED_GROUPS = {"chaos": "stack", "postgres": "stack", "wan_lab": "lab"}
+"""Modules whose tests run on one worker one after the other though they share no fixture: each
+brings up a whole stack of its own (a Prefect server, workers, learner processes, network
+namespaces), and two of them at once on 2 cores starve each other (the eight-learner PostgreSQL run
+timed out beside the chaos run)."""
+
+GROUP_ORDER = ("stack", "prefect", "lab")
 """Groups known to be long, queued first in this order; other groups follow, then single tests."""
 
 
@@ -131,6 +137,9 @@ def _tiers(item: pytest.Item, rel: str) -> set[str]:
 
 def _group(item: pytest.Item, rel: str) -> str | None:
     """The xdist group of a test that shares a dear fixture wider than itself, else None."""
+    stem = Path(rel).stem.removeprefix("test_")
+    if stem in SHARED_GROUPS:
+        return SHARED_GROUPS[stem]
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
@@ -141,7 +150,7 @@ def _group(item: pytest.Item, rel: str) -> str | None:
         if not defs or name in CHEAP_SHARED or defs[-1].scope == "function":
             continue
         if TESTS in Path(inspect.getfile(defs[-1].func)).resolve().parents:  # not pytest's own
-            return Path(rel).stem.removeprefix("test_")
+            return stem
     return None
 
 
