@@ -69,6 +69,7 @@ IN_BODY: dict[str, str] = {
     "cli/test_hostile_run_dirs.py::test_fifo_as_a_commit_record": "processes",
     "cli/test_hostile_run_dirs.py::test_missing_run_through_a_real_process": "processes",
     "cli/test_stop.py": "processes",
+    "cli/test_shutdown.py": "processes",
     # A fake client stands in for the launches, but the fleet still reaches Prefect's API.
     "flows/test_fleet_clock.py": "prefect",
     # Network namespaces with moto, a synchronizer and learners in them (benchmarks/wanlab.py).

@@ -781,11 +781,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     debug = args.debug or os.environ.get("ATOLL_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    from atoll.ops.signals import exit_status, stop_on_signals
+
     try:
-        return int(handler(args) or 0)
-    except KeyboardInterrupt:
-        print("atoll: interrupted", file=sys.stderr)
-        return 130
+        # SIGTERM (and SIGHUP) unwind like Ctrl-C: every command stops its children on the way out.
+        with stop_on_signals():
+            return int(handler(args) or 0)
+    except KeyboardInterrupt as e:
+        print(f"atoll: interrupted ({e})" if str(e) else "atoll: interrupted", file=sys.stderr)
+        return exit_status(e)
     except _user_errors() as e:
         if debug:
             raise

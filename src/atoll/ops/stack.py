@@ -25,6 +25,7 @@ from typing import Any
 from atoll.ops.defaults import DEFAULT_POOLS, DEFAULT_PORT
 from atoll.ops.postgres import LocalPostgres, normalize_database_url
 from atoll.ops.procs import descendants, free_port, kill_quietly, signal_group
+from atoll.ops.signals import deferred_stop
 
 __all__ = ["LocalStack", "free_port", "prefect_env", "descendants", "QUIET_PREFECT_ENV"]
 
@@ -127,8 +128,9 @@ class LocalStack:
         if url is not None:
             env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the legacy name would be read first
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = url
-        self.server = self._popen([sys.executable, "-m", "prefect", "server", "start", "--host", self.host,
-                                   "--port", str(self.port)], "server", env)
+        with deferred_stop():  # a stop signal between the start and the record would orphan the server
+            self.server = self._popen([sys.executable, "-m", "prefect", "server", "start", "--host", self.host,
+                                       "--port", str(self.port)], "server", env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
@@ -154,10 +156,18 @@ class LocalStack:
             ensure_pools(self.pools)
 
     def start_worker(self, pool: str) -> subprocess.Popen[bytes]:
-        proc = self._popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-                            "--name", f"atoll-{pool}-{os.getpid()}"], f"worker-{pool}", self.env())
-        self.workers[pool] = proc
+        with deferred_stop():  # started and recorded for stop() as one step
+            proc = self._popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type",
+                                "process", "--name", f"atoll-{pool}-{os.getpid()}"], f"worker-{pool}", self.env())
+            self.workers[pool] = proc
         return proc
+
+    def exited(self) -> str | None:
+        """The first of the stack's processes that has exited ("server", "worker cpu-fast"), or None."""
+        for name, p in [("server", self.server), *((f"worker {k}", w) for k, w in self.workers.items())]:
+            if p is not None and p.poll() is not None:
+                return f"{name} (status {p.returncode})"
+        return None
 
     def start(self) -> LocalStack:
         self.start_server()
@@ -222,12 +232,6 @@ def run_stack_forever(*, port: int = DEFAULT_PORT, pools: Sequence[str] = DEFAUL
     stack = LocalStack(home=home, port=free_port(port), pools=pools,
                        log_dir=Path(home) / "logs" if home else Path("out") / "stack-logs",
                        database=database, database_url=database_url)
-    stop = {"now": False}
-
-    def on_term(signum: int, frame: Any) -> None:
-        stop["now"] = True
-
-    previous = signal.signal(signal.SIGTERM, on_term)
     print(f"starting Prefect server on {stack.ui_url} (logs in {stack.log_dir}) ...", flush=True)
     try:
         stack.start()
@@ -244,17 +248,13 @@ def run_stack_forever(*, port: int = DEFAULT_PORT, pools: Sequence[str] = DEFAUL
             print("deployments: " + ", ".join(names), flush=True)
         print(f"Prefect UI: {stack.ui_url}\nworkers: {', '.join(pools)} (process pools)\n"
               f"in another shell: export PREFECT_API_URL={stack.api_url}; atoll train --preset demo\n"
-              "Ctrl-C stops the server, the workers and the flow runs they started.", flush=True)
-        while not stop["now"]:
-            for name, p in [("server", stack.server), *stack.workers.items()]:
-                if p is not None and p.poll() is not None:
-                    print(f"{name} exited with {p.returncode}; stopping the stack", flush=True)
-                    stop["now"] = True
+              "Ctrl-C (or SIGTERM) stops the server, the workers and the flow runs they started.", flush=True)
+        while not (gone := stack.exited()):
             time.sleep(1.0)
-    except KeyboardInterrupt:
+        print(f"{gone} exited; stopping the stack", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under atoll.ops.signals.stop_on_signals (the CLI)
         pass
     finally:
         print("stopping the local stack ...", flush=True)
         stack.stop()
-        signal.signal(signal.SIGTERM, previous)
     return 0
