@@ -115,6 +115,19 @@ class DilocoConfig:
     to one-process learners and DDP islands (FSDP2 islands overwrite). A run whose manifest has no
     such field reads as False."""
 
+    max_weight_share: float | None = 0.9
+    """Largest normalised weight one contribution may get in a round with two or more (at least
+    1/n with n contributions): a heavier one is capped and the others scaled up in proportion.
+    Weights come from counters the learners report, so this bounds what one learner's claims
+    can buy. 0.9 leaves honest rounds as they are unless one learner brings over nine times the
+    weight of all others together; None turns the cap off (docs/threat-model.md)."""
+
+    max_learner_speedup: float | None = 4.0
+    """How much faster than the fastest other live learner (its step time as the synchronizer
+    observes it) a learner may step: a contribution's steps count for weighting at most
+    H + max_learner_speedup x (time since its base version was committed) / that step time;
+    a claim above it is clipped, not rejected (docs/threat-model.md). None turns the clip off."""
+
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, msg: str) -> None:
             if not ok:
@@ -180,6 +193,13 @@ class DilocoConfig:
             "must be a fraction of H in [0, 1] (0: off)",
         )
         need(isinstance(self.keep_local_progress, bool), "keep_local_progress", "must be True or False")
+        need(self.max_weight_share is None or (isinstance(self.max_weight_share, int | float)
+                                               and 0.0 < self.max_weight_share <= 1.0),
+             "max_weight_share", "must be None or a share in (0, 1]")
+        need(self.max_learner_speedup is None or (isinstance(self.max_learner_speedup, int | float)
+                                                  and math.isfinite(self.max_learner_speedup)
+                                                  and self.max_learner_speedup >= 1.0),
+             "max_learner_speedup", "must be None or a finite ratio >= 1")
 
     @property
     def steps_between_rounds(self) -> float:

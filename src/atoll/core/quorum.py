@@ -39,9 +39,11 @@ __all__ = [
     "QuorumPolicy",
     "TimingEma",
     "TimingEstimates",
+    "bounded_step_sample",
     "decide_round",
     "grace_window_s",
     "pace_until_s",
+    "publication_steps",
 ]
 
 
@@ -190,6 +192,27 @@ def pace_until_s(policy: QuorumPolicy, opened_at_s: float, step_s: float | None)
     if policy.max_wait_s is not None:
         ends.append(opened_at_s + policy.max_wait_s)
     return min(ends) if ends else None
+
+
+def publication_steps(offsets: Sequence[int], from_fragment: int, to_fragment: int, inner_steps: int) -> int:
+    """Inner steps an honest learner runs between publishing ``from_fragment`` and publishing
+    ``to_fragment`` next (the schedule's offsets t_p: ``(t_to - t_from) mod H``, a whole H when it
+    is the same slot). A learner that skipped publishes ran more, never fewer: dividing the time
+    between the two arrivals by this gives an upper bound on its step time."""
+    gap = (int(offsets[to_fragment]) - int(offsets[from_fragment])) % int(inner_steps)
+    return gap if gap > 0 else int(inner_steps)
+
+
+def bounded_step_sample(reported_s: float | None, observed_s: float | None) -> float | None:
+    """One learner's step-time sample for xi_step: its own report only as a hint inside what the
+    synchronizer observed of it (the time between two of its records arriving, per inner step
+    the schedule puts between them). No observation yet (a learner's first record since this
+    synchronizer started) gives no sample, whatever it reports. No report gives no sample either:
+    the observation alone overstates the step time whenever rounds, not learners, set the pace
+    (records wait to be listed until their fragment's round opens)."""
+    if observed_s is None or reported_s is None or not (observed_s >= 0 and math.isfinite(observed_s)):
+        return None
+    return min(reported_s, observed_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,12 +7,14 @@ the detail. Commit records store the two as separate fields (``{"kind": ..., "de
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["RejectionKind", "Rejection", "STORAGE_KINDS", "MAX_DETAIL_CHARS"]
+__all__ = ["RejectionKind", "Rejection", "STORAGE_KINDS", "MAX_DETAIL_CHARS", "MAX_RECORDED_PER_LEARNER",
+           "MAX_RECORDED_REJECTIONS", "MAX_SUMMARY_LEARNERS", "summarize_rejections"]
 
 MAX_DETAIL_CHARS = 500
 """Longest detail a rejection keeps (longer text is cut, with its length noted)."""
@@ -130,3 +132,51 @@ class Rejection:
         if text.startswith("late:"):
             return cls(RejectionKind.LATE, text[len("late:"):].strip())
         return cls(RejectionKind.UNSPECIFIED, text)
+
+
+MAX_RECORDED_PER_LEARNER = 8
+"""Rejections a commit record lists per learner (its prefix); the rest are counted by kind."""
+
+MAX_RECORDED_REJECTIONS = 1024
+"""Rejections a commit record lists in all (about 1 MB at most with the detail cap)."""
+
+MAX_SUMMARY_LEARNERS = 64
+"""Learners named in the count of unlisted rejections; the others are added up under ``"*"``."""
+
+
+def summarize_rejections(rejected: Mapping[str, Rejection], owner: Callable[[str], str], *,
+                         per_owner: int = MAX_RECORDED_PER_LEARNER, total: int = MAX_RECORDED_REJECTIONS,
+                         ) -> tuple[dict[str, Rejection], dict[str, Any]]:
+    """What a commit record lists of a round's rejections, and a count of the rest.
+
+    Rejections come from what learners wrote (any number of objects in a learner's own prefix),
+    so a record that listed them all could be made larger than any reader accepts. Listed: per
+    ``owner(key)`` (the learner whose prefix holds the key) at most ``per_owner``, round-policy
+    kinds first (late, superseded, fenced, ...: what a person looks for), then by key; at most
+    ``total`` in all. The rest are counted: ``{"count": n, "by_learner": {owner: {kind: n}}}``
+    naming at most :data:`MAX_SUMMARY_LEARNERS` owners (the others under ``"*"``); an empty dict
+    when everything is listed. The listed part is exactly ``rejected`` when nothing is cut.
+    """
+    if len(rejected) <= min(per_owner, total):
+        return dict(rejected), {}
+    order = sorted(rejected, key=lambda k: (rejected[k].kind in STORAGE_KINDS, k))
+    kept: dict[str, Rejection] = {}
+    per: Counter[str] = Counter()
+    cut: dict[str, Counter[str]] = {}
+    for key in order:
+        who = owner(key)
+        if per[who] < per_owner and len(kept) < total:
+            per[who] += 1
+            kept[key] = rejected[key]
+        else:
+            cut.setdefault(who, Counter())[rejected[key].kind.value] += 1
+    if not cut:
+        return kept, {}
+    named = sorted(cut, key=lambda w: (-sum(cut[w].values()), w))
+    by_learner = {w: dict(sorted(cut[w].items())) for w in named[:MAX_SUMMARY_LEARNERS]}
+    rest: Counter[str] = Counter()
+    for w in named[MAX_SUMMARY_LEARNERS:]:
+        rest.update(cut[w])
+    if rest:
+        by_learner["*"] = dict(sorted(rest.items()))
+    return kept, {"count": sum(sum(c.values()) for c in cut.values()), "by_learner": by_learner}

@@ -18,9 +18,13 @@ from atoll.core.merge import merge_fragment_unscaled
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.pseudograd import check_same_layout, outer_gradients
 from atoll.core.rejection import Rejection, RejectionKind
-from atoll.core.weights import Counters, contribution_weights, unweighable
+from atoll.core.weights import Counters, cap_weight_share, contribution_weights, unweighable
 
-__all__ = ["FragmentContribution", "FragmentRoundResult", "MergeWorkspace", "synchronize_fragment"]
+__all__ = ["FragmentContribution", "FragmentRoundResult", "MergeWorkspace", "synchronize_fragment",
+           "MIN_NORM_HISTORY"]
+
+MIN_NORM_HISTORY = 3
+"""Accepted update norms of a fragment the outlier guard needs before it compares against them."""
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -206,14 +210,20 @@ def synchronize_fragment(
     outlier_norm_ratio: float | None = None,
     workspace: MergeWorkspace | None = None,
     out: Tensors | None = None,
+    norm_history: Sequence[float] = (),
+    max_weight_share: float | None = None,
 ) -> FragmentRoundResult | None:
     """Merge ``contributions`` into ``current`` and take one Nesterov outer step.
 
     ``bases`` maps a global version number to the fragment's value at that version (at least
     every base version a contribution names). Contributions whose base is unknown, whose layout
     does not match, whose values are not finite, or whose outer-gradient norm exceeds
-    ``outlier_norm_ratio`` times the median of the round get weight 0 with a reason. Returns
-    None (and leaves the optimizer untouched) if nothing is left to merge.
+    ``outlier_norm_ratio`` times the median of the round (with 3 or more) or times the median
+    of ``norm_history`` (the fragment's recent merged update norms, with
+    :data:`MIN_NORM_HISTORY` or more: the guard that works with K = 1) get weight 0 with a
+    reason. ``max_weight_share`` caps any one contribution's normalised weight
+    (:func:`~atoll.core.weights.cap_weight_share`). Returns None (and leaves the optimizer
+    untouched) if nothing is left to merge.
 
     ``workspace`` (kept by the caller across rounds) holds the round's intermediates instead of
     fresh buffers; ``out`` (fp32 tensors of ``current``'s layout, aliasing no input, e.g. a
@@ -227,7 +237,8 @@ def synchronize_fragment(
     buffers = _RoundBuffers(workspace, current)
     valid, invalid = _validate(current, bases, contributions)
     grads = _reanchor(current, bases, valid, buffers)
-    weighed = _weigh(valid, grads, weighting=weighting, outlier_norm_ratio=outlier_norm_ratio)
+    weighed = _weigh(valid, grads, weighting=weighting, outlier_norm_ratio=outlier_norm_ratio,
+                     norm_history=norm_history, max_weight_share=max_weight_share)
     if not weighed.accepted:
         return None
     update, factors, radii = _merge(weighed, rule=merge, embedding_names=embedding_names,
@@ -292,7 +303,8 @@ def _reanchor(current: Tensors, bases: Mapping[int, Tensors], valid: Sequence[Fr
 
 
 def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torch.Tensor]], *,
-           weighting: str, outlier_norm_ratio: float | None) -> _Weighed:
+           weighting: str, outlier_norm_ratio: float | None, norm_history: Sequence[float] = (),
+           max_weight_share: float | None = None) -> _Weighed:
     """Weight 0 for non-finite outer gradients and norm outliers; the ``weighting`` rule for the rest."""
     measured: list[_Measured] = []
     rejected: dict[str, Rejection] = {}
@@ -304,12 +316,15 @@ def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torc
             continue
         measured.append(_Measured(contribution=c, grad=v, tensor_norms=per_tensor, norm=n))
     outliers = _outliers(measured, outlier_norm_ratio)
+    outliers.update(_history_outliers([m for m in measured if m.contribution.key not in outliers],
+                                      outlier_norm_ratio, norm_history))
     rejected.update(outliers)
     kept = [m for m in measured if m.contribution.key not in outliers]
     w = contribution_weights({m.contribution.key: m.contribution.counters for m in kept}, rule=weighting)
     rejected.update(w.rejected)
     accepted = [m for m in kept if m.contribution.key in w.weights]
-    return _Weighed(accepted=accepted, weights=[w.weights[m.contribution.key] for m in accepted],
+    shares = cap_weight_share(w.weights, max_weight_share)
+    return _Weighed(accepted=accepted, weights=[shares[m.contribution.key] for m in accepted],
                     norms={m.contribution.key: m.norm for m in measured}, rejected=rejected)
 
 
@@ -323,6 +338,28 @@ def _outliers(measured: Sequence[_Measured], ratio: float | None) -> dict[str, R
     return {m.contribution.key: Rejection(RejectionKind.OUTLIER,
                                           f"norm {m.norm:.3g} > {ratio:g} x median {median:.3g}")
             for m in measured if m.norm > ratio * median}
+
+
+def _history_outliers(measured: Sequence[_Measured], ratio: float | None,
+                      history: Sequence[float]) -> dict[str, Rejection]:
+    """Contributions whose norm exceeds ``ratio`` times the median of the fragment's recent
+    merged update norms: the outlier guard for rounds too small to compare within (K = 1).
+
+    Skipped when two or more distinct learners are over it in one round (a real change of scale,
+    e.g. a new learning-rate phase, that one learner alone cannot fake), so the fragment can
+    never be locked out of updates by its own history."""
+    usable = [h for h in history if math.isfinite(h) and h >= 0]
+    if ratio is None or len(usable) < MIN_NORM_HISTORY:
+        return {}
+    median = statistics.median(usable)
+    if not median > 0:
+        return {}
+    over = [m for m in measured if m.norm > ratio * median]
+    if len({m.contribution.learner_id for m in over}) >= 2:
+        return {}
+    return {m.contribution.key: Rejection(
+        RejectionKind.OUTLIER, f"norm {m.norm:.3g} > {ratio:g} x the fragment's recent median update norm {median:.3g}")
+        for m in over}
 
 
 def _merge(weighed: _Weighed, *, rule: str, embedding_names: Collection[str], rda_embeddings: bool,

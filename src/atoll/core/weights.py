@@ -21,6 +21,9 @@ __all__ = [
     "impossible_counters",
     "max_steps_since",
     "MIN_STEP_S",
+    "plausible_steps",
+    "clip_counters",
+    "cap_weight_share",
 ]
 
 
@@ -120,3 +123,59 @@ def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "token
     total = math.fsum(raw.values())
     weights = {k: v / total for k, v in raw.items()} if total > 0 else {}
     return WeightResult(weights=weights, rejected=rejected)
+
+
+def plausible_steps(elapsed_s: float, *, min_step_s: float | None, inner_steps: int,
+                    speedup: float | None) -> int | None:
+    """The most inner steps a contribution's weight may count: what its observed time could
+    have produced, ``H + speedup * elapsed_s / min_step_s``.
+
+    ``elapsed_s`` is the time since its base version was committed, on the synchronizer's own
+    clock (up to when the synchronizer first listed the record); ``min_step_s`` is the fleet's
+    observed minimum plausible step time (of the *other* live learners: a learner's own reports
+    never loosen its own bound); ``speedup`` is how much faster than that a learner may step.
+    ``+ H`` covers the steps a learner may carry into a contribution from before it aligned
+    (local progress kept past the overlap). None (no bound) when there is no step time to go by
+    or the bound is off. An honest learner that is not more than ``speedup`` times faster than
+    the fastest other learner stays under it; a claim above it is clipped (:func:`clip_counters`),
+    not rejected: the steps may be honest, the weight they ask for is not proven.
+    """
+    if speedup is None or min_step_s is None or not (min_step_s > 0 and math.isfinite(min_step_s)):
+        return None
+    if not (math.isfinite(elapsed_s) and elapsed_s > 0):
+        elapsed_s = 0.0
+    return int(inner_steps) + int(speedup * elapsed_s / min_step_s)
+
+
+def clip_counters(c: Counters, max_steps: int | None) -> Counters:
+    """``c`` with ``c_steps`` at most ``max_steps`` and ``c_tokens`` cut in proportion (tokens per
+    step unchanged), so its weight c_tokens^2 / c_steps is what ``max_steps`` steps could earn.
+    Unchanged (the same object) when within the bound. Integers only."""
+    if max_steps is None or c.c_steps <= max_steps or c.c_steps <= 0 or max_steps <= 0:
+        return c
+    return Counters(c_steps=max_steps, c_tokens=max(1, c.c_tokens * max_steps // c.c_steps))
+
+
+def cap_weight_share(weights: Mapping[str, float], max_share: float | None) -> dict[str, float]:
+    """Normalised weights with no single one above ``max(max_share, 1 / n)``: capped ones are
+    set to the cap and the rest scaled up in proportion to fill the remainder (repeated until
+    none is over). The same values, bit for bit, when none is over the cap (or ``max_share`` is
+    None, or there are fewer than two weights)."""
+    n = len(weights)
+    if max_share is None or n < 2:
+        return dict(weights)
+    cap = max(float(max_share), 1.0 / n)
+    if all(w <= cap for w in weights.values()):
+        return dict(weights)
+    capped: set[str] = set()
+    scaled = dict(weights)
+    while True:
+        free = 1.0 - cap * len(capped)
+        rest = {k: w for k, w in weights.items() if k not in capped}
+        total = math.fsum(rest.values())
+        scaled = {k: (w * free / total if total > 0 else free / len(rest)) for k, w in rest.items()}
+        over = {k for k, w in scaled.items() if w > cap}
+        if not over or len(capped) + len(over) >= n:
+            break
+        capped |= over
+    return {k: cap if k in capped else min(scaled[k], cap) for k in weights}
