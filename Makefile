@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 
-.PHONY: test test-fast check demo venv clean postgres faketime
+.PHONY: test test-fast check demo venv clean postgres faketime chromium
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ postgres: venv
 faketime:
 	@sh .ci/ensure-faketime
 
+# Headless Chromium for the real-browser test of the Prefect UI (tests/integration/test_ui.py): apt-get
+# install chromium when missing (as root or with passwordless sudo); elsewhere that test skips and says why.
+chromium:
+	@sh .ci/ensure-chromium
+
 # pytest with $(1) in a fresh PREFECT_HOME; every process it starts inherits ATOLL_TEST_TAG, and
 # .ci/leftovers fails the target if any of them outlives it (and stops them).
 define run_pytest
@@ -51,7 +56,7 @@ endef
 
 # The full suite: every tier, every real component (Prefect servers and stacks, moto, the GCS
 # emulator, PostgreSQL, learner processes), lint and types first. Longest groups start first.
-test: check postgres faketime
+test: check postgres faketime chromium
 	$(call run_pytest,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 # The inner loop: unit tests, the pure core and policies, storage on the memory and local backends;
