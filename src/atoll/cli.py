@@ -244,6 +244,8 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="round history of a run, from its bucket (no Prefect needed)")
     p.add_argument("run_url")
     p.add_argument("--last", type=int, default=20, help="show the last N rounds (0: all; default %(default)s)")
+    p.add_argument("--plot", metavar="DIR", help="also write the run's plots as PNGs under DIR (loss, goodput and "
+                                                 "merged-work share, contributors, bytes, learners)")
     _add_storage_option(p)
     p.set_defaults(handler=_status)
 
@@ -640,12 +642,18 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from atoll.runs.report import run_status
+    from atoll.runs.report import GoodputTracker, run_status
 
     if args.last < 0:
         raise ValueError(f"--last must be >= 0, got {args.last}")
     store = _open_existing(args.run_url, _kv(args.storage_option) or None)
-    print("\n".join(run_status(store, last=args.last or None)))
+    tracker = GoodputTracker(store)
+    print("\n".join(run_status(store, last=args.last or None, tracker=tracker)))
+    if args.plot:
+        from atoll.runs.plots import write_plots
+
+        written = write_plots(args.plot, tracker)
+        print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none (no round committed yet)")
     return 0
 
 

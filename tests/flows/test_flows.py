@@ -77,12 +77,18 @@ def test_round_artifacts_match_the_bucket(smoke_run) -> None:
             assert sum(1 for r in rows if r["status"] != "accepted") == len(record.rejected)
             assert all(r["pool"] == "cpu-fast" for r in rows if r["status"] == "accepted")
             assert f"# Round {round_} of 6" in summary and "quorum reached after" in summary
-            assert "goodput so far" in summary and "| learner | goodput so far |" in summary
+            assert "goodput so far" in summary and "| learner | goodput so far | merged-work share |" in summary
+            assert "merged-work share so far" in summary
             assert "steps since last sync" in summary and "(H = " in summary
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(type={"any_": ["progress"]}))
         assert any(a.key == "run-smoke-run-summary-progress" and float(a.data) == 100.0 for a in progress)
         goodput = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["run-smoke-goodput"]}))
-        assert goodput and all("goodput" in a.data for a in goodput)
+        assert goodput and all("goodput" in a.data and "merged-work share" in a.data for a in goodput)
+        # The run's plots, drawn at the end of the training run, on it.
+        [plots] = client.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["run-smoke-plots"]}))
+        assert plots.type == "markdown" and plots.data.count("](data:image/png;base64,") == 5
+        assert "goodput" in plots.data and "merged-work share" in plots.data
+        assert len(plots.data) < 500_000  # small PNGs: far under what the server accepts
 
 
 def test_goodput_and_status_come_from_the_bucket(smoke_run) -> None:
@@ -90,10 +96,30 @@ def test_goodput_and_status_come_from_the_bucket(smoke_run) -> None:
     report = GoodputTracker(store).update()
     assert report.goodput is not None and 0.0 < report.goodput <= 1.0
     assert smoke_run.result["goodput"] == pytest.approx(report.goodput)
-    lines = run_status(store)
+    assert report.merged_share is not None and 0.0 < report.merged_share <= 1.0
+    assert smoke_run.result["merged_share"] == pytest.approx(report.merged_share)
+    for t in report.learners.values():  # every second of a learner is training, waiting or restarting
+        assert t.training_s + t.waiting_s + t.down_s == pytest.approx(t.available_s)
+        assert 0 < t.goodput <= 1 and t.tokens_per_s is not None and t.tokens_per_s > 0
+    tracker = GoodputTracker(store)
+    lines = run_status(store, tracker=tracker)
     assert "6 of 6 rounds committed (finished)" in lines[1]
-    assert any(line.startswith("goodput") for line in lines)
+    assert any(line.startswith("goodput ") and "useful training steps" in line for line in lines)
+    assert any(line.startswith("merged-work share ") for line in lines)
     assert sum(1 for line in lines if line.strip().split(" ")[0].isdigit()) == 6
+    assert [p.round for p in tracker.series] == list(range(1, 7)) and tracker.series[-1].goodput == report.goodput
+    assert any(p.val_loss is not None for p in tracker.series)
+
+
+def test_status_plots_come_from_the_bucket(smoke_run, tmp_path) -> None:
+    """``atoll status --plot DIR``: the run's PNGs from the bucket alone."""
+    from atoll.cli import main
+
+    assert main(["status", smoke_run.url, "--plot", str(tmp_path / "plots")]) == 0
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == sorted(f"{n}.png" for n in ("loss", "figures", "contributors", "bytes", "learners"))
+    for p in (tmp_path / "plots").iterdir():
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000
 
 
 def test_training_run_on_a_finished_run_continues_and_commits_nothing(smoke_run) -> None:

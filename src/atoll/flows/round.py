@@ -21,8 +21,10 @@ If another synchronizer committed the round first, its commit is adopted and onl
 
 **Recorded rounds** (``TrainingRunOptions.record_rounds``): :func:`recorded_round` runs the same
 loop inline in the training-run process, calling the two tasks' functions directly (no task
-runs), so a round never waits for the Prefect API; the recorder then creates the round's flow run
-(already Completed, with its real duration in the state message) and writes its artifacts on it.
+runs), so a round never waits for the Prefect API; the recorder's thread creates the round's flow
+run Running when the round opens and completes it when it commits (so its duration is the
+round's), with a task run per phase (await-quorum, grace, merge, evaluate, commit) at its real
+times, its log lines and its artifact.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def recorded_round(ctx: RunContext, round_number: int, log: Any) -> dict[str, An
     the run's recorder creates its flow run afterwards (``record_rounds``: Completed, named
     ``round-000017``, tagged like a round flow run, with the same artifacts and event)."""
     t0 = time.time()
+    recorder = ctx.round_recorder()
+    recorder.open(round_number)  # its flow run is Running from now on, on the server's clock
     summary = _round(ctx, round_number, log, await_quorum.fn, merge_and_commit.fn, None)
-    ctx.round_recorder().submit(round_number, None, seconds=time.time() - t0)
+    recorder.submit(round_number, None, seconds=time.time() - t0, phases=summary.get("phases", ()))
     return summary
 
 

@@ -252,6 +252,7 @@ def _close_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], seg: _S
     loss = last_val_loss(records)
     goodput = report.goodput if report is not None and seg.recorder.recorded else (
         seg.summaries[-1].get("goodput") if seg.summaries else None)
+    merged = report.merged_share if report is not None and seg.recorder.recorded else None
     status = "stopped" if seg.stopped else "finished" if finished else f"continues from round {latest + 1}"
     create_markdown_artifact(
         key=keys["run"], description=f"run {info.run_id}",
@@ -259,11 +260,16 @@ def _close_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], seg: _S
                   f"| rounds committed | {latest} of {info.max_rounds} |\n"
                   f"| rounds in this flow run | {len(seg.summaries)} in {time.monotonic() - seg.started_at:.0f} s |\n"
                   f"| final validation loss | {f'{loss:.4f}' if loss is not None else '-'} |\n"
-                  f"| goodput | {f'{100 * goodput:.1f}%' if goodput is not None else '-'} |\n"
+                  f"| goodput (time in useful training steps / time available) | "
+                  f"{f'{100 * goodput:.1f}%' if goodput is not None else '-'} |\n"
+                  f"| merged-work share (training the model kept) | "
+                  f"{f'{100 * merged:.1f}%' if merged is not None else '-'} |\n"
+                  f"| plots | artifact `{keys['plots']}` |\n"
                   f"| checkpoints | {', '.join(map(str, store.list_checkpoints())) or '-'} |\n"),
     )
     out: dict[str, Any] = {"run_url": info.run_url, "run_id": info.run_id, "rounds": latest, "val_loss": loss,
-                           "goodput": goodput, "action": info.action, "stopped": seg.stopped}
+                           "goodput": goodput, "merged_share": merged, "action": info.action,
+                           "stopped": seg.stopped}
     if not seg.stopped and not finished:
         ctx.release()  # stop heartbeating and drain the recorder before the next segment takes the lease
         nxt = _hand_over(ctx, info, keys, latest, seg.deployment, log)
@@ -271,7 +277,7 @@ def _close_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], seg: _S
         return out
     emit(RUN_FINISHED, run_resource(info.run_id, info.run_url),
          {"rounds": latest, "max_rounds": info.max_rounds, "stopped": seg.stopped, "val_loss": loss,
-          "goodput": goodput}, flow_runs={"training-run": prefect_flow_run.id})
+          "goodput": goodput, "merged_share": merged}, flow_runs={"training-run": prefect_flow_run.id})
     log.info(f"run {info.run_id} {status} at round {latest}; validation loss {loss}; bucket {info.run_url}")
     return out
 

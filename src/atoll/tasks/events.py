@@ -88,5 +88,6 @@ def emit_round_committed(run_id: str, run_url: str, record: CommitRecord, rows: 
         "reason": s.get("reason"), "tokens": s.get("tokens"), "val_loss": s.get("val_loss"),
         "steps_since_sync": steps_since_sync(rows),
         "goodput": goodput.goodput if goodput is not None else None,
+        "merged_share": goodput.merged_share if goodput is not None else None,
     }
     return emit(ROUND_COMMITTED, run_resource(run_id, run_url), payload, flow_runs={"flow-run": flow_run_id})

@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -44,6 +45,9 @@ from atoll.runs.report import (
     GoodputReport,
     GoodputTracker,
     contribution_rows,
+    figure_lines,
+    learner_time_table,
+    plural,
     round_markdown,
     slug,
 )
@@ -68,16 +72,21 @@ def artifact_keys(run_id: str) -> dict[str, str]:
     """Artifact keys of a run (lowercase and dashes, as Prefect requires). A round's own artifact has
     no key (see :meth:`RoundRecorder._write_with`)."""
     s = slug(run_id)
-    return {"goodput": f"{s}-goodput",
+    return {"goodput": f"{s}-goodput", "plots": f"{s}-plots",
             "run": f"{s}-run-summary", "progress": f"{s}-run-summary-progress", "segment": f"{s}-segment"}
 
 
 def goodput_markdown(run_id: str, round_: int, goodput: GoodputReport) -> str:
-    return (f"# Goodput of run `{run_id}` after round {round_}\n\n{goodput.line()}\n\n"
-            "| learner | goodput |\n|---|---|\n"
-            + "".join(f"| {lid} | {100 * g:.1f}% |\n" for lid, g in sorted(goodput.per_learner.items()))
-            + "\nLearner time that ended up in committed rounds ÷ learner time spent, from the bucket "
-              "(docs/prefect.md).")
+    return (f"# Goodput and merged-work share of run `{run_id}` after round {round_}\n\n"
+            + "".join(f"* {line}\n" for line in figure_lines(goodput)) + "\n"
+            + "\n".join(learner_time_table(goodput)) + "\n\n"
+            "Goodput is the paper's figure: time in useful training steps over the time learners were "
+            "available. The merged-work share is the part of that training that reached the model. "
+            "From the bucket (docs/prefect.md).")
+
+
+Phase = tuple[str, float, float]
+"""A round's phase: (task name, start, end), seconds since the epoch."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,16 @@ class _Item:
     flow_run_id: str | None
     seconds: float | None = None
     """Recorded rounds: how long the round took (its flow run is created afterwards)."""
+    phases: tuple[Phase, ...] = ()
+    """Recorded rounds: await-quorum, grace, merge, evaluate, commit, as they happened."""
+
+
+@dataclass(frozen=True)
+class _Open:
+    """A recorded round opened: its flow run is created Running now, so that the server's clock
+    gives it its real start (a state's time is the server's, never the client's)."""
+
+    round: int
 
 
 _STOP = object()
@@ -97,7 +116,7 @@ class RoundRecorder:
     def __init__(self, store: RunStore, *, run_id: str, max_rounds: int, inner_steps: int,
                  progress_artifact_id: str | None = None, progress_every_s: float = 10.0,
                  tracker: GoodputTracker | None = None, run_flow_run_id: Any = None,
-                 round_run_tags: list[str] | None = None, retry_s: float = 5.0) -> None:
+                 round_run_tags: list[str] | None = None, retry_s: float = 5.0, plots_every: int = 50) -> None:
         """``run_flow_run_id``: the training-run flow run, which the run-level goodput artifact is attached to.
         ``round_run_tags``: the tags of round flow runs this recorder creates itself (recorded
         rounds: a round submitted without a flow run id gets one, Completed, before its artifacts)."""
@@ -113,7 +132,12 @@ class RoundRecorder:
         self.round_run_tags = list(round_run_tags) if round_run_tags is not None else None
         self.retry_s = retry_s
         """A failed write (server or bucket unwell) is tried again after this, or with the next round."""
+        self.plots_every = plots_every
+        """The run's ``<run>-plots`` artifact is drawn again every this many rounds (and at the end)."""
+        self._plotted = 0
         self._round_flow_id: Any = None
+        self._running: dict[int, UUID] = {}
+        """Recorded rounds whose flow run was created Running when they opened."""
         self.last_goodput: GoodputReport | None = None
         self.recorded: list[int] = []
         """Rounds written, in order (tests)."""
@@ -135,11 +159,18 @@ class RoundRecorder:
             self._thread.start()
         return self
 
-    def submit(self, round_: int, flow_run_id: Any = None, *, seconds: float | None = None) -> None:
+    def open(self, round_: int) -> None:
+        """Recorded round ``round_`` has opened: create its flow run, Running, now (never blocks)."""
+        if self.round_run_tags is not None:
+            self._queue.put(_Open(round_))
+
+    def submit(self, round_: int, flow_run_id: Any = None, *, seconds: float | None = None,
+               phases: Iterable[Phase] = ()) -> None:
         """Record committed round ``round_`` on flow run ``flow_run_id``, later (never blocks).
-        Without a flow run id (recorded rounds) the round's flow run is created first; ``seconds``
-        is the round's duration for its state message."""
-        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds))
+        Without a flow run id (recorded rounds) the round's flow run is completed (or created,
+        if it was not opened); ``seconds`` is the round's duration for its state message,
+        ``phases`` become its task runs."""
+        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds, tuple(phases)))
 
     def backfill(self, latest_round: int, *, window: int = BACKFILL_ROUNDS) -> list[int]:
         """Queue every committed round up to ``latest_round`` that has no round flow run yet, and
@@ -191,19 +222,37 @@ class RoundRecorder:
         return self.last_goodput
 
     def close(self, timeout_s: float = 60.0) -> GoodputReport | None:
+        """Flush, then end the thread. A round opened but never committed by this training run
+        (stopped, or it failed for good) has its flow run cancelled: the next training run that
+        commits the round completes it (the idempotency key gives it back)."""
         out = self.flush(timeout_s)
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join(timeout_s)
             self._thread = None
+        if self._running and timeout_s > 0:
+            self._cancel_open()
         return out
+
+    def _cancel_open(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelled
+
+        try:
+            with get_client(sync_client=True) as client:
+                for r, fr in sorted(self._running.items()):
+                    client.set_flow_run_state(fr, Cancelled(message=f"round {r} was not committed by this "
+                                                                   "training run; the next one redoes it"), force=True)
+        except Exception as e:  # noqa: BLE001 - for people only
+            log.warning(f"run {self.run_id}: could not cancel the flow runs of open rounds: {e!r}")
+        self._running.clear()
 
     # -- the writer ---------------------------------------------------------------------------
     def _drain_inline(self) -> None:
         batch = []
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if isinstance(item, _Item):
+            if isinstance(item, _Item | _Open):
                 batch.append(item)
         if batch:
             from prefect.client.orchestration import get_client
@@ -214,7 +263,7 @@ class RoundRecorder:
     def _work(self) -> None:
         from prefect.client.orchestration import get_client
 
-        retry: list[_Item] = []
+        retry: list[_Item | _Open] = []
         with get_client(sync_client=True) as client:  # one client (one connection) for the thread's life
             while True:
                 pending: list[Any] = []
@@ -227,7 +276,7 @@ class RoundRecorder:
                         pending.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                batch = retry + [i for i in pending if isinstance(i, _Item)]
+                batch = retry + [i for i in pending if isinstance(i, _Item | _Open)]
                 waiters = [i for i in pending if isinstance(i, threading.Event)]
                 retry = self._write(client, batch, final=bool(waiters)) if batch or waiters else []
                 for w in waiters:
@@ -235,10 +284,11 @@ class RoundRecorder:
                 if any(i is _STOP for i in pending):
                     return
 
-    def _write(self, client: Any, batch: list[_Item], *, final: bool) -> list[_Item]:
+    def _write(self, client: Any, batch: list[_Item | _Open], *, final: bool) -> list[_Item | _Open]:
         """Write ``batch``; the rounds it could not finish (to be tried again), each with the flow run
         it got if it got one (so a retry never creates a second: the idempotency key would return
-        the same one anyway)."""
+        the same one anyway). An opened round whose flow run could not be created is not retried:
+        its commit creates it."""
         done: set[int] = set()
         created: dict[int, _Item] = {}
         try:
@@ -246,94 +296,218 @@ class RoundRecorder:
             return []
         except Exception as e:  # noqa: BLE001 - artifacts are for people; the bucket holds the truth
             self.errors += 1
-            left = [created.get(i.round, i) for i in batch if i.round not in done]
+            left: list[_Item | _Open] = [created.get(i.round, i) for i in batch
+                                         if isinstance(i, _Item) and i.round not in done]
             log.warning(f"run {self.run_id}: could not record rounds {[i.round for i in left]} ({e!r}); "
                         f"trying again in {self.retry_s:g} s")
             return left
 
-    def _create_round_run(self, client: Any, item: _Item, record: Any) -> UUID:
-        """The flow run of a recorded round: one API call, created Completed (the server sets the
-        state as given on creation), named and tagged like a round flow run; its state message
-        says what the round did and how long it took."""
+    def _round_run(self, client: Any, round_: int, state: Any) -> UUID:
+        """Create round ``round_``'s flow run in ``state`` with one API call, named and tagged like
+        a round flow run; the idempotency key makes it one flow run per round of a run, whoever
+        records it (a restarted or racing training run that adopted the round gets the same one)."""
         from prefect.client.schemas.actions import FlowRunCreate
-        from prefect.states import Completed, to_state_create
+        from prefect.states import to_state_create
 
         from atoll.runs.report import round_flow_name
         from atoll.tasks.queries import ROUND_FLOW_NAME, flow_id
 
         if self._round_flow_id is None:
             self._round_flow_id = flow_id(client, ROUND_FLOW_NAME)
-        took = f" in {item.seconds:.2f} s" if item.seconds is not None else ""
-        message = (f"round {item.round} (fragment {record.fragment}) committed{took}: "
-                   f"{len(record.accepted)} merged, {len(record.rejected)} not")
-        create = FlowRunCreate(flow_id=self._round_flow_id, name=round_flow_name(item.round),
-                               parameters={"round_number": item.round, "run_id": self.run_id},
-                               tags=list(self.round_run_tags or []),
-                               state=to_state_create(Completed(message=message)),
-                               # One flow run per round of a run, whoever records it (a restarted or
-                               # racing training run that adopted the round gets the same one back).
-                               idempotency_key=f"atoll-round:{self.run_id}:{item.round}")
+        create = FlowRunCreate(flow_id=self._round_flow_id, name=round_flow_name(round_),
+                               parameters={"round_number": round_, "run_id": self.run_id},
+                               tags=list(self.round_run_tags or []), state=to_state_create(state),
+                               idempotency_key=f"atoll-round:{self.run_id}:{round_}")
         resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
         return UUID(resp.json()["id"])
 
-    def _write_with(self, client: Any, batch: list[_Item], *, final: bool, done: set[int],
+    def _complete_round_run(self, client: Any, item: _Item, record: Any) -> UUID:
+        """The recorded round's flow run, Completed: the one created Running when it opened (one
+        ``set_state`` call: the server's clock ends it now), or else created Completed. Its state
+        message says what the round did and how long it took."""
+        from prefect.states import Completed
+
+        took = f" in {item.seconds:.2f} s" if item.seconds is not None else ""
+        merged = plural(len(record.accepted), "learner")
+        state: Any = Completed(message=f"round {item.round} (fragment {record.fragment}) committed{took}: "
+                                  f"{merged} merged, {len(record.rejected)} not")
+        running = self._running.pop(item.round, None)
+        if running is None:
+            return self._round_run(client, item.round, state)
+        client.set_flow_run_state(running, state, force=True)
+        return running
+
+    def _write_with(self, client: Any, batch: list[_Item | _Open], *, final: bool, done: set[int],
                     created: dict[int, _Item]) -> None:
         """Write ``batch``, noting in ``done`` each round finished (or gone) and in ``created`` each
-        one whose flow run it created."""
-        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+        one whose flow run it created or completed."""
+        from prefect.states import Running
 
-
-        # First every round's flow run, which needs only its commit record: the round is then in the
-        # UI whatever comes next. Goodput needs every contribution of the run so far, which a
-        # relaunched training run must first read back (thousands of records on a long run).
+        # First the flow runs' states, in the order they happened (a round opens, the previous one
+        # completes), so that the server's clock, which times them, is as near the round as it can
+        # be; each needs only its commit record. Goodput needs every contribution of the run so
+        # far, which a relaunched training run must first read back (thousands on a long run).
         todo = []
         for item in batch:
+            if isinstance(item, _Open):
+                try:
+                    self._running[item.round] = self._round_run(client, item.round, Running())
+                except Exception as e:  # noqa: BLE001 - the commit creates it instead
+                    log.warning(f"run {self.run_id}: could not open round {item.round}'s flow run: {e!r}")
+                continue
             record = self.store.read_commit(item.round)
             if record is None:
                 done.add(item.round)
                 continue
             if not item.flow_run_id and self.round_run_tags is not None:
-                item = dataclasses.replace(item, flow_run_id=str(self._create_round_run(client, item, record)))
+                item = dataclasses.replace(item, flow_run_id=str(self._complete_round_run(client, item, record)))
                 created[item.round] = item
             todo.append((item, record))
-        goodput = self.tracker.update() if batch or self.last_goodput is None else self.last_goodput
+        goodput = self.tracker.update() if todo or self.last_goodput is None else self.last_goodput
         self.last_goodput = goodput
+        logs: list[dict[str, Any]] = []
         for item, record in todo:
-            rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
-            fr = UUID(item.flow_run_id) if item.flow_run_id else None
-            md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
-                                goodput=goodput, inner_steps=self.inner_steps, wire=self.tracker.wire)
-            # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
-            # write (it moves the key's latest version) and a key would gather one version per
-            # round, 10^5 on a long run. The round's flow run is where a person looks for it.
-            client.create_artifact(ArtifactCreate(
-                type="markdown", data=md, flow_run_id=fr,
-                description=f"round {item.round} (fragment {record.fragment}) of run {self.run_id}: "
-                            "summary and contributions"))
-            emit_round_committed(self.run_id, self.store.url, record, rows, goodput=goodput,
-                                 flow_run_id=item.flow_run_id)
-            self.recorded.append(item.round)
+            self._write_round(client, item, record, goodput, logs)
             done.add(item.round)
-            self._progress_round = max(self._progress_round, item.round)
+        if logs:  # every line of the batch in one call
+            client.create_logs(logs)
         if len(self.tracker.cache) > CACHE_LIMIT:  # the tracker has counted them: later rounds re-read what they need
             self.tracker.cache.clear()
+        self._write_run_level(client, goodput, final=final)
+
+    def _write_round(self, client: Any, item: _Item, record: Any, goodput: GoodputReport,
+                     logs: list[dict[str, Any]]) -> None:
+        """The round's artifact, task runs (its phases, as events: no API call) and log lines (added
+        to ``logs``), and ``atoll.round.committed``."""
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        rows: list[ContributionRow] = contribution_rows(self.store, record, self.tracker.cache)
+        fr = UUID(item.flow_run_id) if item.flow_run_id else None
+        md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
+                            goodput=goodput, inner_steps=self.inner_steps, wire=self.tracker.wire)
+        # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
+        # write (it moves the key's latest version) and a key would gather one version per
+        # round, 10^5 on a long run. The round's flow run is where a person looks for it.
+        client.create_artifact(ArtifactCreate(
+            type="markdown", data=md, flow_run_id=fr,
+            description=f"round {item.round} (fragment {record.fragment}) of run {self.run_id}: "
+                        "summary and contributions"))
+        if fr is not None and item.phases:
+            tasks = emit_phase_task_runs(fr, item.round, item.phases)
+            logs += round_log_lines(fr, record, rows, item.phases, tasks)
+        emit_round_committed(self.run_id, self.store.url, record, rows, goodput=goodput,
+                             flow_run_id=item.flow_run_id)
+        self.recorded.append(item.round)
+        self._progress_round = max(self._progress_round, item.round)
+
+    def _write_run_level(self, client: Any, goodput: GoodputReport, *, final: bool) -> None:
+        """The run's progress, ``<run>-goodput`` (at most every ``progress_every_s``) and
+        ``<run>-plots`` (every ``plots_every`` rounds), and all three when ``final``."""
+        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
         now = time.monotonic()
         due = final or now - self._last_progress >= self.progress_every_s
-        if self._progress_round and self._progress_round != self._progress_written and due:
-            self._progress_written = self._progress_round
+        r = self._progress_round
+        if r and r != self._progress_written and due:
+            self._progress_written = r
             self._last_progress = now
-            r = self._progress_round
             record = self.store.read_commit(r)
             loss = record.stats.get("val_loss") if record is not None else None
-            gp = goodput.goodput
             if self.progress_artifact_id:
                 client.update_artifact(UUID(str(self.progress_artifact_id)), ArtifactUpdate(
                     data=min(100.0, 100.0 * r / self.max_rounds),
                     description=f"round {r} of {self.max_rounds}"
                     + (f"; validation loss {loss:.4f}" if isinstance(loss, int | float) else "")
-                    + (f"; goodput {100 * gp:.1f}%" if gp is not None else "")))
+                    + (f"; goodput {100 * goodput.goodput:.1f}%" if goodput.goodput is not None else "")
+                    + (f"; merged-work share {100 * goodput.merged_share:.1f}%"
+                       if goodput.merged_share is not None else "")))
             client.create_artifact(ArtifactCreate(key=self.keys["goodput"], type="markdown",
                                                   data=goodput_markdown(self.run_id, r, goodput),
                                                   flow_run_id=self.run_flow_run_id,
-                                                  description=f"goodput so far of run {self.run_id}"))
+                                                  description=f"goodput and merged-work share so far of run {self.run_id}"))
+        if r and r != self._plotted and (final or r - self._plotted >= self.plots_every):
+            self._plotted = r
+            self.write_plots(client, goodput)
 
+    def write_plots(self, client: Any, goodput: GoodputReport | None = None) -> None:
+        """Draw the run's plots and write them as ``<run>-plots`` on the training-run flow run."""
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        from atoll.runs.plots import plots_markdown, render_plots
+
+        report = goodput if goodput is not None else self.tracker.report()
+        pngs = render_plots(self.tracker, report)
+        if pngs:
+            client.create_artifact(ArtifactCreate(
+                key=self.keys["plots"], type="markdown", flow_run_id=self.run_flow_run_id,
+                data=plots_markdown(self.run_id, self.tracker, pngs, report),
+                description=f"plots of run {self.run_id}: loss, goodput, contributors, bytes, learners"))
+
+
+def _when(t: float) -> Any:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
+
+
+def emit_phase_task_runs(flow_run_id: UUID, round_: int, phases: Iterable[Phase]) -> dict[str, UUID]:
+    """A task run per phase of a recorded round, with its real start and end, as Prefect's own
+    task engine records them: one ``prefect.task-run.Completed`` event each (over the events
+    websocket, no HTTP call), which the server's task-run recorder turns into a task run of
+    ``flow_run_id``. Returns phase name -> task run id."""
+    import uuid
+
+    from prefect.events import emit_event
+
+    ids: dict[str, UUID] = {}
+    for name, t0, t1 in phases:
+        tid = uuid.uuid4()
+        ids[name] = tid
+        end = max(t0, t1)
+        state: dict[str, Any] = {"type": "COMPLETED", "name": "Completed", "message": None, "state_details": {}, "data": None}
+        emit_event(
+            event="prefect.task-run.Completed", occurred=_when(end), id=uuid.uuid4(),
+            resource={"prefect.resource.id": f"prefect.task-run.{tid}", "prefect.resource.name": f"{name}-{round_}",
+                      "prefect.state-name": "Completed", "prefect.state-type": "COMPLETED",
+                      "prefect.state-timestamp": _when(end).isoformat(), "prefect.orchestration": "client",
+                      "prefect.run-count": "1"},
+            related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}],
+            payload={"intended": {"from": "RUNNING", "to": "COMPLETED"},
+                     "initial_state": {"type": "RUNNING", "name": "Running", "message": "", "state_details": {}},
+                     "validated_state": state,
+                     "task_run": {"name": f"{name}-{round_}", "task_key": f"atoll-round-{name}",
+                                  "dynamic_key": str(round_), "run_count": 1, "flow_run_run_count": 1,
+                                  "expected_start_time": _when(t0).isoformat(), "start_time": _when(t0).isoformat(),
+                                  "end_time": _when(end).isoformat(), "total_run_time": end - t0,
+                                  "tags": [], "labels": {}, "task_inputs": {}, "empirical_policy": {}}})
+    return ids
+
+
+def round_log_lines(flow_run_id: UUID, record: Any, rows: list[ContributionRow], phases: Iterable[Phase],
+                    tasks: dict[str, UUID]) -> list[dict[str, Any]]:
+    """The round's log lines, timed when they happened: each phase's, what was merged (learner,
+    pool, tokens, steps, weight) and what was not and why. For ``POST /logs/`` (one call a batch)."""
+    phases = list(phases)
+    end = {name: t1 for name, _, t1 in phases}
+    last = max(end.values(), default=time.time())
+
+    def line(message: str, at: float, task: str | None = None, level: int = logging.INFO) -> dict[str, Any]:
+        return {"name": "atoll.round", "level": level, "message": message, "timestamp": _when(at).isoformat(),
+                "flow_run_id": str(flow_run_id), "task_run_id": str(tasks[task]) if task in tasks else None}
+
+    s = record.stats
+    out = [line(f"{name}: {t1 - t0:.3f} s", t1, name) for name, t0, t1 in phases]
+    when = end.get("merge", last)
+    for r in rows:
+        if r.status == "accepted":
+            out.append(line(f"merged {r.learner} ({r.pool or '?'}): {r.tokens:,} tokens, {r.steps} steps, "
+                            f"weight {r.weight:.3f}", when, "merge"))
+        else:
+            out.append(line(f"not merged: {r.learner} ({r.pool or '?'}): {r.status}", when, "merge",
+                            logging.WARNING))
+    loss = s.get("val_loss")
+    out.append(line(f"round {record.round} (fragment {record.fragment}) committed: "
+                    f"{plural(len(record.accepted), 'learner')} merged, {len(record.rejected)} not; closed because "
+                    f"{s.get('reason', '-')}" + (f"; validation loss {loss:.4f}" if isinstance(loss, float) else ""),
+                    last, "commit"))
+    return out

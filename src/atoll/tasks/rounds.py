@@ -34,7 +34,29 @@ __all__ = [
     "merge_and_commit",
     "artifact_keys",
     "summary_dict",
+    "round_phases",
 ]
+
+
+def round_phases(summary: RoundSummary, clock: Any = time.monotonic) -> list[tuple[str, float, float]]:
+    """The round's phases as (task name, start, end) in seconds since the epoch, from the times the
+    synchronizer noted on ``clock`` (``summary.info["phases"]``): await-quorum (the round opened
+    until quorum), grace (quorum until it closed), merge, evaluate (when it measured the loss) and
+    commit. Empty for an adopted round."""
+    marks = summary.info.get("phases")
+    if not isinstance(marks, dict):
+        return []
+    offset = time.time() - clock()
+    opened, quorum, closed = marks["opened_at_s"], marks.get("quorum_at_s"), marks["closed_at_s"]
+    quorum = min(max(quorum, opened), closed) if isinstance(quorum, int | float) else None
+    out = [("await-quorum", opened, quorum if quorum is not None else closed)]
+    if quorum is not None:
+        out.append(("grace", quorum, closed))
+    out.append(("merge", closed, marks["merged_at_s"]))
+    if summary.val_loss is not None:
+        out.append(("evaluate", marks["merged_at_s"], marks["evaluated_at_s"]))
+    out.append(("commit", marks["evaluated_at_s"], marks["committed_at_s"]))
+    return [(name, t0 + offset, t1 + offset) for name, t0, t1 in out]
 
 
 def summary_dict(summary: RoundSummary) -> dict[str, Any]:
@@ -85,9 +107,10 @@ def merge_and_commit(ctx: RunContext, poll: RoundPoll) -> dict[str, Any]:
     """Load the accepted deltas, merge (token-weighted RDA), take the outer step and commit the
     round create-once; the commit publishes the fragment's next global version (and a
     consolidated checkpoint on the recipe's cadence). Returns the round's small summary."""
-    summary = ctx.synchronizer(next_round=poll.round).close(poll)
+    sync = ctx.synchronizer(next_round=poll.round)
+    summary = sync.close(poll)
     task_logger("atoll.rounds").info(summary.line())
-    return summary_dict(summary)
+    return {**summary_dict(summary), "phases": round_phases(summary, sync.clock)}
 
 
 @task(name="watch-learners", cache_policy=NO_CACHE, persist_result=False)
