@@ -196,11 +196,18 @@ def test_next_timings_by_hand() -> None:
             "k-c": _record("c", 4, 400, 1, step_time_s=1e999), "k-d": _record("d", 4, 400, 1, step_time_s=True)}
     poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.0, 2.0, 2.0, 2.0))
     ema = TimingEma(decay=0.5, values={"step_s": 1.0, "quorum_s": 4.0, "sync_s": 2.0})
-    out = next_timings(ema, poll, sync_s=0.5, steady=True)
+    seen = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 5.0}  # observed cadences (s per step) above every report
+    out = next_timings(ema, poll, sync_s=0.5, steady=True, observed=seen)
     # step: median of the finite reports (0.1, 0.3) = 0.2; quorum: 2.0 - 1.0 = 1.0
     assert out.to_dict() == {"decay": 0.5, "step_s": 0.6, "quorum_s": 2.5, "sync_s": 1.25}
     assert ema.get("step_s") == 1.0  # pure: the input is untouched
-    cold = next_timings(ema, poll, sync_s=0.5, steady=False)  # first round after a restart
+    # The reports count only inside what was observed: 1e999 and True count as no report, and a
+    # learner never observed twice gives no sample at all.
+    tight = next_timings(ema, poll, sync_s=0.5, steady=True, observed={"a": 0.05, "b": 0.2})
+    assert tight.get("step_s") == 0.5 * 1.0 + 0.5 * 0.125  # median(min(0.1, 0.05), min(0.3, 0.2))
+    unseen = next_timings(ema, poll, sync_s=0.5, steady=True)
+    assert unseen.get("step_s") == 1.0
+    cold = next_timings(ema, poll, sync_s=0.5, steady=False, observed=seen)  # first round after a restart
     assert cold.get("quorum_s") == 4.0
 
 

@@ -123,7 +123,7 @@ class DilocoConfig:
     weight of all others together; None turns the cap off (docs/threat-model.md)."""
 
     max_learner_speedup: float | None = 4.0
-    """How much faster than the fastest other live learner (its step time as the synchronizer
+    """How much faster than the fastest other learner (its step time as the synchronizer
     observes it) a learner may step: a contribution's steps count for weighting at most
     H + max_learner_speedup x (time since its base version was committed) / that step time;
     a claim above it is clipped, not rejected (docs/threat-model.md). None turns the clip off."""

@@ -212,6 +212,7 @@ def synchronize_fragment(
     out: Tensors | None = None,
     norm_history: Sequence[float] = (),
     max_weight_share: float | None = None,
+    reasons: dict[str, Rejection] | None = None,
 ) -> FragmentRoundResult | None:
     """Merge ``contributions`` into ``current`` and take one Nesterov outer step.
 
@@ -223,7 +224,8 @@ def synchronize_fragment(
     :data:`MIN_NORM_HISTORY` or more: the guard that works with K = 1) get weight 0 with a
     reason. ``max_weight_share`` caps any one contribution's normalised weight
     (:func:`~atoll.core.weights.cap_weight_share`). Returns None (and leaves the optimizer
-    untouched) if nothing is left to merge.
+    untouched) if nothing is left to merge; ``reasons``, if given, then receives why each
+    contribution was left out (otherwise they are the result's ``rejected``).
 
     ``workspace`` (kept by the caller across rounds) holds the round's intermediates instead of
     fresh buffers; ``out`` (fp32 tensors of ``current``'s layout, aliasing no input, e.g. a
@@ -240,6 +242,8 @@ def synchronize_fragment(
     weighed = _weigh(valid, grads, weighting=weighting, outlier_norm_ratio=outlier_norm_ratio,
                      norm_history=norm_history, max_weight_share=max_weight_share)
     if not weighed.accepted:
+        if reasons is not None:
+            reasons.update({**invalid, **weighed.rejected})
         return None
     update, factors, radii = _merge(weighed, rule=merge, embedding_names=embedding_names,
                                     rda_embeddings=rda_embeddings, out=buffers.update(optimizer))

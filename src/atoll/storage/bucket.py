@@ -138,6 +138,15 @@ class ContributionListing:
 
     records: list[ContributionRecord] = field(default_factory=list)
     rejected: dict[str, Rejection] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Prefix -> record names it held beyond :data:`MAX_LISTED_PER_PREFIX` (not read)."""
+
+
+MAX_LISTED_PER_PREFIX = 256
+"""Contribution records read per listed prefix (one learner, fragment and base version): the
+newest by name (the highest ``c_steps``); the rest are counted, never read. An honest learner
+writes one per publish while its base stays current, so this covers hours of a stalled
+synchronizer; more can only be a learner filling its own prefix."""
 
 
 @dataclass
@@ -549,8 +558,13 @@ class RunStore:
         ids = self.learner_ids() if learner_ids is None else sorted(set(learner_ids))
         listing = ContributionListing()
         prefixes = [paths.contributions_prefix(fragment, base, lid) for lid in ids for base in bases]
-        keys = [prefix + name for prefix, names in zip(prefixes, io_map(self.store.list, prefixes), strict=True)
-                for name in names if name.endswith(".json")]
+        keys = []
+        for prefix, names in zip(prefixes, io_map(self.store.list, prefixes), strict=True):
+            names = sorted(n for n in names if n.endswith(".json"))
+            if len(names) > MAX_LISTED_PER_PREFIX:
+                listing.skipped[prefix] = len(names) - MAX_LISTED_PER_PREFIX
+                names = names[-MAX_LISTED_PER_PREFIX:]
+            keys += [prefix + name for name in names]
         for key, rec in zip(keys, io_map(self._read_contribution_record, keys), strict=True):
             if isinstance(rec, Rejection):
                 listing.rejected[key] = rec

@@ -50,11 +50,19 @@ import torch
 from atoll.core.compress import encoded_nbytes
 from atoll.core.downlink import DownlinkStep, downlink_step
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
-from atoll.core.rejection import Rejection, RejectionKind
+from atoll.core.quorum import (
+    Arrival,
+    QuorumDecision,
+    TimingEma,
+    bounded_step_sample,
+    decide_round,
+    publication_steps,
+)
+from atoll.core.rejection import Rejection, RejectionKind, summarize_rejections
 from atoll.core.retry import ROUND_RETRY
 from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, MergeWorkspace, synchronize_fragment
-from atoll.core.weights import impossible_counters, max_steps_since
+from atoll.core.weights import Counters, clip_counters, impossible_counters, max_steps_since, plausible_steps
+from atoll.storage import paths
 from atoll.storage.bucket import GlobalState, RunStore
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.liveness import Lease
@@ -128,6 +136,66 @@ class RoundPoll:
     """Contribution key -> record, for the contributions the decision accepted."""
     rejected: dict[str, Rejection]
     """Contribution key -> why, for everything that will not be merged."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Learner -> records its listed prefixes held beyond the per-prefix cap (never read)."""
+
+
+@dataclass
+class _Sighting:
+    """A learner's newest record as this synchronizer first listed it."""
+
+    round: int
+    fragment: int
+    at_s: float
+    cadence_s: float | None = None
+    """Observed seconds per inner step: time between two of its records first being listed,
+    over the steps the schedule puts between them (an upper bound on its step time)."""
+    step_s: float | None = None
+    """Its reported step time inside that bound (:func:`~atoll.core.quorum.bounded_step_sample`)."""
+
+
+class LearnerObservations:
+    """What the synchronizer has seen of each learner itself, on its own clock: when each record
+    was first listed and, from two in a row, its cadence (seconds per inner step). A learner's
+    reported step time counts only inside its cadence; a learner seen once has no cadence yet.
+    Bounded: the newest 65,536 learners are kept."""
+
+    MAX_LEARNERS = 65_536
+
+    def __init__(self, offsets: tuple[int, ...], inner_steps: int) -> None:
+        self.offsets = offsets
+        self.inner_steps = inner_steps
+        self._by: dict[str, _Sighting] = {}
+
+    def saw(self, learner_id: str, round_: int, fragment: int, at_s: float, reported_s: float | None) -> None:
+        """A record of ``learner_id`` for ``fragment`` first listed at ``at_s`` in ``round_``."""
+        prev = self._by.pop(learner_id, None)
+        now = _Sighting(round=round_, fragment=fragment, at_s=at_s)
+        if prev is not None:
+            now.cadence_s, now.step_s = prev.cadence_s, prev.step_s
+            if round_ > prev.round and at_s > prev.at_s:
+                steps = publication_steps(self.offsets, prev.fragment, fragment, self.inner_steps)
+                now.cadence_s = (at_s - prev.at_s) / steps
+            if round_ > prev.round or now.step_s is None:
+                now.step_s = bounded_step_sample(reported_s, now.cadence_s)
+        self._by[learner_id] = now
+        while len(self._by) > self.MAX_LEARNERS:
+            self._by.pop(next(iter(self._by)))
+
+    def cadence(self, learner_id: str) -> float | None:
+        seen = self._by.get(learner_id)
+        return None if seen is None else seen.cadence_s
+
+    def cadences(self) -> dict[str, float]:
+        return {lid: s.cadence_s for lid, s in self._by.items() if s.cadence_s is not None}
+
+    def fastest_other(self, learner_id: str) -> float | None:
+        """The fleet's minimum plausible step time for judging ``learner_id``: the smallest
+        observed step time of the *other* learners seen (its own reports never loosen its bound;
+        not only live ones: after a stall of the synchronizer nobody has been seen lately)."""
+        steps = [s.step_s for lid, s in self._by.items() if lid != learner_id
+                 and s.step_s is not None and s.step_s > 0]
+        return min(steps) if steps else None
 
 
 class Synchronizer:
@@ -153,6 +221,8 @@ class Synchronizer:
         self.device = resolve_device(self.options.device, knob="SynchronizerOptions.device")
         self._started_at = clock()
         self._seen_at: dict[int, float] = {}  # round -> when this synchronizer saw it committed
+        self.observed = LearnerObservations(self.plan.offsets, self.config.inner_steps)
+        self._weighed: dict[str, Counters] = {}  # this round's counters as weighed (clipped)
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._first_seen: dict[str, float] = {}
@@ -236,6 +306,7 @@ class Synchronizer:
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
         self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
+        self._norms: dict[int, deque[float]] = {p: deque(maxlen=NORM_HISTORY) for p in range(self.plan.num_fragments)}
         for r in range(max(1, round_ - 2 * self.plan.num_fragments + 1), round_ + 1) if round_ else []:
             try:
                 rec = self.store.read_commit(r)
@@ -243,6 +314,7 @@ class Synchronizer:
                 continue  # a void slot consumed nothing we can know of
             if rec is not None:
                 self._consume(rec)
+                self._remember_norm(rec.fragment, rec.stats.get("update_norm") if rec.updated else None)
 
     def _load_views(self, state: GlobalState) -> None:
         """The learners' view of every fragment as of ``state`` (a compressed downlink only: the
@@ -264,11 +336,19 @@ class Synchronizer:
         return downlink_step(result.new_params, self.views[p], self.config.downlink_compression,
                              block_size=self.config.compression_block_size)
 
-    def _consume(self, rec: CommitRecord) -> None:
+    def _remember_norm(self, fragment: int, norm: Any) -> None:
+        """The fragment's recent merged update norms: the outlier guard's reference with K = 1."""
+        if isinstance(norm, int | float) and not isinstance(norm, bool) and math.isfinite(norm) and norm > 0:
+            self._norms[fragment].append(float(norm))
+
+    def _consume(self, rec: CommitRecord, unlisted: Mapping[str, Rejection] | None = None) -> None:
+        """Mark the round's merged and finally rejected keys used up; ``unlisted``: rejections
+        this synchronizer decided but left out of the record (counted there instead)."""
         keys = {a.key for a in rec.accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
         keys.update(k for k, why in rec.rejected.items() if why.final)
+        keys.update(k for k, why in (unlisted or {}).items() if why.final)
         self.consumed.update(keys)
         # Bounded: a round lists only the current and previous version of its fragment, so keys
         # consumed more than 2P rounds ago can never be listed again (100,000 rounds stay small).
@@ -347,26 +427,29 @@ class Synchronizer:
             if why is not None:
                 rejected[rec.key] = why
                 continue
-            self._first_seen.setdefault(rec.key, now)
+            self._sighted(rec, r, now)
             self.last_seen[rec.learner_id] = max(self.last_seen.get(rec.learner_id, 0.0), self._first_seen[rec.key])
             older = candidates.get(rec.learner_id)
             if older is not None:
                 rejected[older.key] = Rejection(RejectionKind.SUPERSEDED,
                                                 f"a newer contribution from {rec.learner_id} replaces it")
             candidates[rec.learner_id] = rec
+        live = self._live_learners(now)
+        self._weighed = {rec.key: self.weighed_counters(rec) for rec in candidates.values()}
         arrivals = [
-            Arrival(learner_id=rec.learner_id, arrived_at_s=self._first_seen[rec.key], c_steps=rec.c_steps,
-                    c_tokens=rec.c_tokens, key=rec.key)
+            Arrival(learner_id=rec.learner_id, arrived_at_s=self._first_seen[rec.key],
+                    c_steps=self._weighed[rec.key].c_steps, c_tokens=self._weighed[rec.key].c_tokens, key=rec.key)
             for rec in candidates.values()
         ]
         decision = decide_round(
-            now_s=now, opened_at_s=opened_at, arrivals=arrivals, live_learners=self._live_learners(now),
+            now_s=now, opened_at_s=opened_at, arrivals=arrivals, live_learners=live,
             policy=self.policy, timings=self.ema.estimates(),
         )
         return RoundPoll(
             round=r, fragment=p, decision=decision, opened_at_s=opened_at, polled_at_s=now,
             accepted={a.key: candidates[a.learner_id] for a in decision.accepted},
             rejected={**rejected, **{a.key: why for a, why in decision.rejected}},
+            skipped=_skipped_by_learner(listing.skipped),
         )
 
     def _newest_incarnations(self, records: list[ContributionRecord], round_: int) -> dict[str, int]:
@@ -399,6 +482,27 @@ class Synchronizer:
         per_step = self.token_bounds.of(rec.learner_id) if self.token_bounds is not None else None
         return impossible_counters(rec.c_steps, rec.c_tokens, max_steps=max_steps, max_tokens_per_step=per_step)
 
+    def _sighted(self, rec: ContributionRecord, round_: int, now: float) -> None:
+        """First listing of ``rec`` this round: when, and what that says about its learner's cadence."""
+        if rec.key in self._first_seen:
+            return
+        self._first_seen[rec.key] = now
+        self.observed.saw(rec.learner_id, round_, rec.fragment, now, _seconds(rec.info.get("step_time_s")))
+
+    def weighed_counters(self, rec: ContributionRecord) -> Counters:
+        """``rec``'s counters as its weight may count them: at most the steps its observed time
+        could have produced (:func:`~atoll.core.weights.plausible_steps`: the time from its base
+        version's commit to its first listing, both on this synchronizer's clock, at up to
+        ``max_learner_speedup`` times the fastest other learner's observed step time)."""
+        claimed = Counters(c_steps=rec.c_steps, c_tokens=rec.c_tokens)
+        seen = self._first_seen.get(rec.key)
+        if seen is None:
+            return claimed
+        elapsed = seen - self._seen_at.get(rec.base_version, self._started_at)
+        bound = plausible_steps(elapsed, min_step_s=self.observed.fastest_other(rec.learner_id),
+                                inner_steps=self.config.inner_steps, speedup=self.config.max_learner_speedup)
+        return clip_counters(claimed, bound)
+
     def _saw(self, round_: int) -> None:
         """Remember when this synchronizer saw ``round_`` committed (bounded: older rounds fall back
         to the synchronizer's start, which only makes the step bound more generous)."""
@@ -422,7 +526,7 @@ class Synchronizer:
         rejected = dict(poll.rejected)
         result, opt = self._merge(p, poll.accepted, rejected)
         merged_at = self.clock()
-        accepted = accepted_contributions(poll.accepted, result)
+        accepted = accepted_contributions(poll.accepted, result, weighed=self._weighed)
         for key in poll.accepted:  # accepted by the quorum rule but not by the merge: say so
             if result is None or key not in result.weights:
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
@@ -437,16 +541,17 @@ class Synchronizer:
         self._wire_mark = sent
         stats["merge_s"], stats["eval_s"] = round(merged_at - poll.polled_at_s, 4), round(evaluated_at - merged_at, 4)
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
-                               steady=self._rounds_closed > 0)
+                               steady=self._rounds_closed > 0, observed=self.observed.cadences())
+        listed, unlisted = self._recorded(poll, rejected, stats)
         commit = self.store.commit_round(
             r, p, params=result.new_params if result is not None else None,
             momentum=opt.state_dict() if result is not None else None,
-            accepted=accepted, rejected=rejected, timings=timings.to_dict(), stats=stats,
+            accepted=accepted, rejected=listed, timings=timings.to_dict(), stats=stats,
             committed_by=self.options.synchronizer_id, downlink=downlink, downlink_chained=p not in self._unchained,
         )
         if not commit.won:
             return self._adopt(commit.record)
-        self._advance(commit.record, result, opt, timings, downlink)
+        self._advance(commit.record, result, opt, timings, downlink, unlisted)
         if self.schedule.checkpoints(r):
             self.store.write_checkpoint(r)
         # The round's phases on this synchronizer's clock, for the round's flow run in the UI.
@@ -455,6 +560,27 @@ class Synchronizer:
                   "committed_at_s": self.clock()}
         return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss,
                             info={"phases": phases})
+
+    def _recorded(self, poll: RoundPoll, rejected: Mapping[str, Rejection],
+                  stats: dict[str, Any]) -> tuple[dict[str, Rejection], dict[str, Rejection]]:
+        """What the commit record lists of the round's rejections, and what it only counts.
+
+        Everything here comes from what learners wrote, so it is capped
+        (:func:`~atoll.core.rejection.summarize_rejections`): a few per learner, the rest counted
+        in ``stats["rejected_unlisted"]``; records a listing left unread (over the per-prefix cap)
+        are counted in ``stats["listing_skipped"]``. Adds those to ``stats``; returns the listed
+        rejections and the unlisted ones (still used up in this process)."""
+        listed, summary = summarize_rejections(rejected, lambda k: paths.learner_of_key(k) or "?")
+        if summary:
+            stats["rejected_unlisted"] = summary
+        if poll.skipped:
+            stats["listing_skipped"] = _capped_counts(poll.skipped)
+        clipped = {rec.learner_id: {"claimed": rec.c_steps, "weighed": self._weighed[k].c_steps}
+                   for k, rec in poll.accepted.items()
+                   if k in self._weighed and self._weighed[k].c_steps != rec.c_steps}
+        if clipped:
+            stats["steps_clipped"] = clipped
+        return listed, {k: why for k, why in rejected.items() if k not in listed}
 
     def round_wire(self) -> WireCounts:
         """What this synchronizer's store sent since its previous commit (or since it started):
@@ -479,6 +605,8 @@ class Synchronizer:
         commit, ours is discarded."""
         contributions, bad = self.store.load_contributions(accepted.values())
         rejected.update(bad)
+        contributions = [dataclasses.replace(c, counters=self._weighed[c.key]) if c.key in self._weighed else c
+                         for c in contributions]
         # A fixed merge order makes a round's result independent of arrival order (bit for bit).
         contributions.sort(key=lambda c: (c.learner_id, c.key))
         opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
@@ -490,7 +618,8 @@ class Synchronizer:
             optimizer=opt, merge=self.config.merge, weighting=self.config.weighting,
             embedding_names=self.plan.embedding_names, rda_embeddings=self.config.rda_embeddings,
             outlier_norm_ratio=self.config.outlier_norm_ratio, workspace=self._workspace,
-            out=self._spare_params.pop(p, None),
+            out=self._spare_params.pop(p, None), norm_history=tuple(self._norms[p]),
+            max_weight_share=self.config.max_weight_share, reasons=rejected,
         )
         if result is not None:
             rejected.update(result.rejected)
@@ -522,7 +651,8 @@ class Synchronizer:
         return float(self.evaluate(params))
 
     def _advance(self, record: CommitRecord, result: FragmentRoundResult | None,
-                 opt: NesterovOuterOptimizer, timings: TimingEma, downlink: DownlinkStep | None = None) -> None:
+                 opt: NesterovOuterOptimizer, timings: TimingEma, downlink: DownlinkStep | None = None,
+                 unlisted: Mapping[str, Rejection] | None = None) -> None:
         """Our commit won: make its state ours."""
         self.round = record.round
         self._rounds_closed += 1
@@ -543,7 +673,9 @@ class Synchronizer:
                 self.views[p] = downlink.view  # new tensors: never one of the recycled master buffers
                 self._unchained.discard(p)
         self.ema = timings
-        self._consume(record)
+        self._consume(record, unlisted)
+        if result is not None:
+            self._remember_norm(record.fragment, result.update_norm)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours.
@@ -598,16 +730,43 @@ def _token_bounds(store: RunStore) -> TokenBounds | None:
         return None  # a model this process cannot build: the step bound still holds
 
 
-def accepted_contributions(accepted: Mapping[str, ContributionRecord],
-                           result: FragmentRoundResult | None) -> list[AcceptedContribution]:
-    """The commit record's ``accepted`` table: every contribution the merge weighed."""
+def accepted_contributions(accepted: Mapping[str, ContributionRecord], result: FragmentRoundResult | None, *,
+                           weighed: Mapping[str, Counters] | None = None) -> list[AcceptedContribution]:
+    """The commit record's ``accepted`` table: every contribution the merge weighed, with the
+    counters as weighed (``weighed``: clipped to what its observed time could produce; the
+    claim is in ``stats["steps_clipped"]``)."""
     if result is None:
         return []
-    return [
-        AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
-                             base_version=rec.base_version, c_steps=rec.c_steps, c_tokens=rec.c_tokens)
-        for k, rec in accepted.items() if k in result.weights
-    ]
+    out = []
+    for k, rec in accepted.items():
+        if k in result.weights:
+            c = (weighed or {}).get(k) or Counters(c_steps=rec.c_steps, c_tokens=rec.c_tokens)
+            out.append(AcceptedContribution(key=k, learner_id=rec.learner_id, weight=result.weights[k],
+                                            base_version=rec.base_version, c_steps=c.c_steps, c_tokens=c.c_tokens))
+    return out
+
+
+def _skipped_by_learner(skipped: Mapping[str, int]) -> dict[str, int]:
+    """Per learner, the records its listed prefixes held beyond the listing's per-prefix cap."""
+    out: dict[str, int] = {}
+    for prefix, n in skipped.items():
+        who = paths.learner_of_key(prefix) or "?"
+        out[who] = out.get(who, 0) + int(n)
+    return out
+
+
+MAX_STATS_LEARNERS = 64
+"""Learners a per-learner count in a commit's stats names; the rest are added up under ``"*"``."""
+
+
+def _capped_counts(counts: Mapping[str, int]) -> dict[str, int]:
+    """A per-learner count small enough for a commit record, whatever the number of learners."""
+    named = sorted(counts, key=lambda k: (-counts[k], k))
+    out = {k: int(counts[k]) for k in named[:MAX_STATS_LEARNERS]}
+    rest = sum(int(counts[k]) for k in named[MAX_STATS_LEARNERS:])
+    if rest:
+        out["*"] = rest
+    return out
 
 
 def _quorum_s(poll: RoundPoll) -> float:
@@ -620,6 +779,13 @@ def _quorum_s(poll: RoundPoll) -> float:
 
 STEP_GROWTH_LIMIT = 4.0
 """A round's reported step time counts for at most this multiple of the current estimate."""
+
+NORM_HISTORY = 8
+"""Merged update norms kept per fragment: the outlier guard compares each contribution with
+their median (:func:`~atoll.core.synchronize.synchronize_fragment`'s ``norm_history``)."""
+
+MAX_POOL_CHARS = 64
+"""A learner's reported pool name is kept to this many characters in a commit's stats."""
 
 MAX_TIMING_S = 86_400.0
 """Timings reported by learners are clipped to [0, one day]: a bogus report cannot set a
@@ -676,7 +842,8 @@ def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: F
         "bytes_out_per_learner": (4 * fragment_numel if downlink_bytes is None else downlink_bytes)
         if result is not None else 0,
         "update_norm": round(result.update_norm, 6) if result is not None else 0.0,
-        "pools": {rec.learner_id: rec.info.get("pool") for rec in recs.values() if isinstance(rec.info.get("pool"), str)},
+        "pools": {rec.learner_id: rec.info["pool"][:MAX_POOL_CHARS] for rec in recs.values()
+                  if isinstance(rec.info.get("pool"), str)},
         "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in recs.values()
                          if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
     }
@@ -690,15 +857,22 @@ def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: F
     return stats
 
 
-def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool) -> TimingEma:
+def next_timings(ema: TimingEma, poll: RoundPoll, *, sync_s: float, steady: bool,
+                 observed: Mapping[str, float] | None = None) -> TimingEma:
     """The grace window's EMAs after this round (pure: returns a new TimingEma).
 
-    Learners report their step time with each contribution (the median of the round's is folded
-    in). Time to quorum is folded in only in ``steady`` state: the first round after a (re)start
-    also measures learner start-up.
+    Learners report their step time with each contribution; a report counts only inside what
+    the synchronizer observed of that learner, ``observed[learner_id]`` (its cadence: seconds
+    per inner step between two of its records, :class:`LearnerObservations`), and a learner with
+    no observation yet gives no sample: the first sample is bounded like every other. The median
+    of the round's samples is folded in. Time to quorum is folded in only in ``steady`` state: the
+    first round after a (re)start also measures learner start-up.
     """
     out = TimingEma.from_dict(ema.to_dict())
-    step_times = [t for rec in poll.accepted.values() if (t := _seconds(rec.info.get("step_time_s"))) is not None]
+    seen = observed or {}
+    step_times = [t for rec in poll.accepted.values()
+                  if (t := bounded_step_sample(_seconds(rec.info.get("step_time_s")), seen.get(rec.learner_id)))
+                  is not None]
     if step_times:
         sample = statistics.median(step_times)
         prev = ema.get("step_s")

@@ -1,0 +1,163 @@
+"""Numbers from observation, not testimony (docs/threat-model.md), against the real synchronizer.
+
+One confined learner (``evil``, writing only under ``learners/evil/``) tries to stall the run with
+one reported step time, to steer a fragment with counters the step bound still admitted, to set a
+fragment alone in a K = 1 round, and to make the next commit record unreadable with junk in its own
+prefix. Real learners and the real synchronizer on a fake clock (tests/hostile/hostile_helpers.py),
+on a local folder and on moto's S3 server (the junk test on a local folder only: it writes 20,000
+objects).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hostile_helpers import HONEST, Backend, HostileRun
+
+from atoll.core.rejection import MAX_RECORDED_PER_LEARNER, RejectionKind
+from atoll.core.weights import MIN_STEP_S, max_steps_since
+from atoll.storage import paths
+from atoll.storage.bucket import MAX_LISTED_PER_PREFIX
+from atoll.storage.records import CommitRecord
+from atoll.train.synchronizer import RoundSummary
+
+DT = 1.0
+"""Fake seconds per tick; honest learners report this as their step time (one step per tick)."""
+
+
+def drive(run: HostileRun, n: int, *, max_ticks: int = 40) -> list[RoundSummary]:
+    """n rounds: each tick every honest learner steps (reporting DT as its step time), then the
+    synchronizer ticks until nothing more closes. AssertionError if n rounds take max_ticks."""
+    out: list[RoundSummary] = []
+    for _ in range(max_ticks):
+        for lr in run.learners:
+            lr.step(step_time_s=DT)
+        run.clock.t += DT
+        while isinstance(s := run.sync.tick(), RoundSummary):
+            out.append(s)
+            run.learners_adopt()
+        if len(out) >= n:
+            return out
+    raise AssertionError(f"only {len(out)} of {n} rounds closed in {max_ticks} ticks of {DT}s: {s.reason}")
+
+
+def test_one_huge_step_time_then_silence_does_not_stall_later_rounds(backend: Backend) -> None:
+    """The forger's record is alone in round 1 (K = 1) and reports 1e300 s per step, then the
+    forger falls silent. A first record gives no step-time sample (nothing observed bounds it), so
+    the grace window and liveness follow the honest learners: rounds 2-7 close within a few
+    ticks, and the forger stops counting as live."""
+    run = HostileRun(backend)
+    key = run.contribution(changes={"info": {"step_time_s": 1e300}})
+    run.clock.t += DT
+    first = run.sync.tick()
+    assert isinstance(first, RoundSummary) and [a.key for a in first.record.accepted] == [key]
+    run.learners_adopt()
+    later = drive(run, 6, max_ticks=30)
+    assert [s.record.round for s in later[:6]] == [2, 3, 4, 5, 6, 7]
+    step = run.sync.ema.get("step_s")
+    assert step is not None and step <= DT  # the honest learners' observed pace, not the forger's day
+    assert sum(s.record.stats["wait_s"] for s in later[:6]) <= 30 * DT
+    run.clock.t += 60.0  # silence: max(5 s, 3 H step) later the forger is not live
+    assert "evil" not in run.sync._live_learners(run.clock())
+    assert set(HONEST) & {a.learner_id for s in later for a in s.record.accepted}
+
+
+def _forged_steps(run: HostileRun) -> tuple[int, int, int]:
+    """Counters the step bound of :func:`max_steps_since` admits right now for the next round, with
+    tokens at the recipe's batch x context: (fragment, c_steps, c_tokens)."""
+    p, v = run.next_fragment()
+    sync = run.sync
+    elapsed = run.clock() - sync._seen_at.get(v, sync._started_at)
+    steps = max_steps_since(v, sync.round + 1, sync.config.inner_steps, elapsed_s=elapsed)
+    assert steps > 1000 and elapsed / MIN_STEP_S > 1000
+    per_step = sync.token_bounds.of("evil") if sync.token_bounds is not None else 512
+    return p, steps, steps * per_step
+
+
+def test_forged_counters_after_a_stall_get_only_what_observed_time_could_produce(backend: Backend) -> None:
+    """The synchronizer stalls for 10 s; the forger then claims every step the step bound admits
+    (10,000 more for the stall at 1 ms a step) with full batches. Its weight counts only the steps
+    H + 4 x (time since its base was committed) / (the honest learners' observed step time) could
+    produce, its share stays under the cap, and the claim is named in the commit's stats."""
+    run = HostileRun(backend)
+    drive(run, 6)
+    run.clock.t += 10.0  # the synchronizer stalls (no polls, no learner steps on the clock)
+    p, steps, tokens = _forged_steps(run)
+    v = run.next_fragment()[1]
+    base_seen = run.sync._seen_at.get(v, run.sync._started_at)
+    key = run.contribution(changes={"c_steps": steps, "c_tokens": tokens})
+    done = drive(run, 2)
+    merged = [(s.record, a) for s in done for a in s.record.accepted if a.key == key]
+    assert merged, f"the forged contribution was not merged: {run.rejection(key)}"
+    record, forged = merged[0]
+    # The forger was first listed at most one tick after the stall; the fastest honest step is DT.
+    bound = run.sync.config.inner_steps + int(4.0 * (run.clock() - base_seen) / DT)
+    assert forged.c_steps <= bound < steps // 50
+    assert record.stats["steps_clipped"]["evil"] == {"claimed": steps, "weighed": forged.c_steps}
+    honest = [a for a in record.accepted if a.learner_id in HONEST]
+    if honest:  # the weight is what the clipped counters earn, and never above the cap
+        assert forged.weight <= 0.9
+        assert forged.weight < 0.99
+
+
+def test_a_lone_forged_update_far_above_the_fragments_history_is_an_outlier(backend: Backend) -> None:
+    """K = 1 and the forger alone in the round: its delta would set the fragment to chosen values
+    (+35 everywhere). Compared with the fragment's recent merged update norms it is an outlier;
+    the fragment keeps its value and the honest learners carry on."""
+    run = HostileRun(backend)
+    drive(run, 8)  # every fragment has a history of merged update norms
+    p, v = run.next_fragment()
+    before = {n: t.clone() for n, t in run.sync.fragments[p].items()}
+    key = run.contribution(fill=-50.0)
+    for _ in range(5):  # the forger's record is the only one for this round: K = 1 closes on it
+        run.clock.t += DT
+        if isinstance(s := run.sync.tick(), RoundSummary):
+            break
+    assert isinstance(s, RoundSummary)
+    assert key not in {a.key for a in s.record.accepted}
+    why = s.record.rejected[key]
+    assert why.kind is RejectionKind.OUTLIER and "recent median update norm" in why.detail, why
+    assert all(torch.equal(before[n], t) for n, t in run.sync.fragments[p].items())
+    run.learners_adopt()
+    drive(run, 3)
+
+
+def _junk(run: HostileRun, count: int) -> str:
+    p, v = run.next_fragment()
+    prefix = paths.contributions_prefix(p, v, "evil")
+    run.backend.pipe_many({f"{prefix}junk-{i:06d}.json": b'{"schema": "x"}' for i in range(count)})
+    return prefix
+
+
+def _small_and_readable(run: HostileRun, records: list[CommitRecord]) -> None:
+    for rec in records:
+        data = run.commit_bytes(rec.round)
+        assert len(data) < 64 * 1024, f"round {rec.round}: {len(data)} bytes"
+        evil = [k for k in rec.rejected if k.startswith("learners/evil/")]
+        assert len(evil) <= MAX_RECORDED_PER_LEARNER
+    again = run.reader(fresh=True).history(records[0].round, records[-1].round)
+    assert again == records
+
+
+def test_tens_of_thousands_of_junk_records_keep_every_commit_small(backend: Backend) -> None:
+    """20,000 tiny junk records in the forger's own prefix: the listing reads the newest
+    MAX_LISTED_PER_PREFIX and counts the rest, the commit lists a few rejections per learner and
+    counts the rest by kind, so every commit (and a restarted synchronizer's) stays small and
+    readable, and honest learners are still merged."""
+    if not backend.local:
+        pytest.skip("20,000 objects: a local folder (the S3 listing path is the same code)")
+    run = HostileRun(backend)
+    drive(run, 2)
+    _junk(run, 20_000)
+    done = drive(run, 3)
+    records = [s.record for s in done]
+    _small_and_readable(run, records)
+    hit = next(r for r in records if "listing_skipped" in r.stats)
+    assert hit.stats["listing_skipped"] == {"evil": 20_000 - MAX_LISTED_PER_PREFIX}
+    assert hit.stats["rejected_unlisted"]["by_learner"]["evil"] == {"schema": MAX_LISTED_PER_PREFIX
+                                                                    - MAX_RECORDED_PER_LEARNER}
+    assert set(HONEST) & {a.learner_id for r in records for a in r.accepted}
+    run.sync = run.new_synchronizer(fresh=True)  # a restarted synchronizer meets the same junk
+    _junk(run, 20_000)
+    again = drive(run, 3)
+    _small_and_readable(run, [s.record for s in again])
