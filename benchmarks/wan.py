@@ -28,9 +28,10 @@ one seeded schedule of SIGKILLs of a site's learner / a site's DDP rank. atoll's
 relaunched (by the training run's fleet, or the local runner) and rejoins; DDP runs under torchrun's
 elastic agent (``--max-restarts``), which restarts every rank from the newest checkpoint (every
 ``--ddp-checkpoint-every`` steps). **Goodput** (the paper's: time in useful training steps over the
-time available): atoll's merged learner-seconds (atoll.runs.report.GoodputTracker) over sites x the
-window; DDP's step time of the steps that were kept (a step redone after a restart counts once)
-over the window. The window starts at the first training step.
+time available): atoll's learner-seconds in useful training steps (atoll.runs.report.GoodputTracker:
+not waiting, not down, not redoing steps lost to a kill) over sites x the window, with the
+merged-work share (the part of that training the model kept) beside it; DDP's step time of the
+steps that were kept (a step redone after a restart counts once) over the window. The window starts at the first training step.
 
 Latency: the kernel here has no netem; ``--latency-ms`` adds atoll's storage fault hook's delay to
 every object-store call of atoll's processes (DDP gets none: that only flatters DDP).
@@ -405,8 +406,12 @@ def atoll_under_kills(lab: wanlab.Lab, engine: Any, store_of: Callable[[str], An
     in_window = [r for r in store.history(1, latest) if r.created_at <= t0 + window]
     tracker.add(in_window)
     report = tracker.report()
-    return KillResult("atoll", window, kills, skipped, report.merged_s, report.merged_s / (len(sites) * window),
-                      {"rounds": len(in_window), "merged-work share": report.merged_share})
+    # The paper's goodput: time in useful training steps over the time available (sites x window);
+    # the merged-work share says how much of that training the model kept.
+    available = len(sites) * window
+    return KillResult("atoll", window, kills, skipped, report.useful_s, report.useful_s / available,
+                      {"rounds": len(in_window), "merged-work share": report.merged_share,
+                       "merged s / available": round(report.merged_s / available, 3)})
 
 
 def _wait_first(fn: Callable[[], Any], timeout_s: float, tick: Callable[[], None] | None = None) -> Any:
