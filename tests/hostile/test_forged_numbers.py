@@ -44,19 +44,19 @@ def drive(run: HostileRun, n: int, *, max_ticks: int = 40) -> list[RoundSummary]
 def test_one_huge_step_time_then_silence_does_not_stall_later_rounds(backend: Backend) -> None:
     """The forger's record is alone in round 1 (K = 1) and reports 1e300 s per step, then the
     forger falls silent. A first record gives no step-time sample (nothing observed bounds it), so
-    the grace window and liveness follow the honest learners: rounds 2-7 close within a few
-    ticks, and the forger stops counting as live."""
+    the grace window and liveness follow the honest learners: rounds 2-5 close within a few
+    ticks (one round waited 43,200 s of grace before), and the forger stops counting as live."""
     run = HostileRun(backend)
     key = run.contribution(changes={"info": {"step_time_s": 1e300}})
     run.clock.t += DT
     first = run.sync.tick()
     assert isinstance(first, RoundSummary) and [a.key for a in first.record.accepted] == [key]
     run.learners_adopt()
-    later = drive(run, 6, max_ticks=30)
-    assert [s.record.round for s in later[:6]] == [2, 3, 4, 5, 6, 7]
+    later = drive(run, 4, max_ticks=20)
+    assert [s.record.round for s in later[:4]] == [2, 3, 4, 5]
     step = run.sync.ema.get("step_s")
     assert step is not None and step <= DT  # the honest learners' observed pace, not the forger's day
-    assert sum(s.record.stats["wait_s"] for s in later[:6]) <= 30 * DT
+    assert sum(s.record.stats["wait_s"] for s in later[:4]) <= 20 * DT
     run.clock.t += 60.0  # silence: max(5 s, 3 H step) later the forger is not live
     assert "evil" not in run.sync._live_learners(run.clock())
     assert set(HONEST) & {a.learner_id for s in later for a in s.record.accepted}
