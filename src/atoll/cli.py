@@ -595,7 +595,8 @@ def _verify(args: argparse.Namespace) -> int:
     if report.prune is not None:
         print(f"  {report.pruned} state object(s) of rounds up to {report.prune.through_round} not checked: deleted "
               f"on purpose by retention ({report.prune.by})")
-    print(f"{report.verified} of {report.latest} round(s) verified; void slots: {report.void or 'none'}; "
+    print(f"{report.verified} of {report.latest} round(s) verified; {report.slots} commit slot(s) listed; void "
+          f"slots: {report.void or 'none'}; gaps: {report.gaps or 'none'}; "
           + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))
     return 0 if report.ok else 1
 

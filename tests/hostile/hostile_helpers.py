@@ -99,10 +99,11 @@ class HostileRun:
         self.backend = backend
         config, recipe = smoke_recipe(len(HONEST), max_rounds=100_000)
         self.url = backend.url
-        create_run(self.url, config.replace(initial_grace_s=0.0), recipe, storage_options=backend.storage_options)
         self.keys: dict[str, bytes] = {}
         if keyed:
             self.keys = {SYNCHRONIZER_KEY_ID: SYNC_KEY, **{lid: learner_key(lid) for lid in HONEST}}
+        # A keyed run is created with the synchronizer's key: run.json is signed for the run.
+        create_run(backend.open(keyring=Keyring(self.keys)), config.replace(initial_grace_s=0.0), recipe)
         self.store = backend.open()  # the rogue writer's handle (no keys) and the test's reader
         self.learners = [
             RecipeLearner(backend.open(keyring=Keyring({lid: self.keys[lid]})) if keyed else self.store, lid,

@@ -22,8 +22,14 @@ from atoll.storage.retention import (
     CONTRIBUTION,
     GLOBAL_STATE,
     LEARNER_PAYLOAD,
+    PROBE,
+    NotPlainObjectError,
+    PruneItem,
+    PrunePlan,
     RetentionPolicy,
+    RetentionRefused,
     apply_prune,
+    key_class,
     plan_prune,
 )
 from atoll.train.recipe import smoke_recipe
@@ -310,7 +316,7 @@ def test_atoll_prune_cli_dry_run_then_prune_then_verify_and_status(tmp_path: Pat
 
 def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     """A local writer (a hostile learner on a shared file system) links folders of its prefix to
-    somewhere outside the run: retention lists nothing through them and deletes nothing there."""
+    somewhere outside the run: retention refuses to run, naming the link, and deletes nothing."""
     import os
 
     url = to_url(str(tmp_path / "run"))
@@ -327,16 +333,72 @@ def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     evil.mkdir()
     os.symlink(outside, evil / "contributions")  # contributions/f0000/b00000000/ leads out
     os.symlink(outside, evil / "blobs")  # blobs/sha256/<sha>.safetensors leads out
-    os.symlink(outside / "f0000", root / "sync" / "checkpoints" / "00000001")
     old = time.time() - LATER
     for f in [*root.rglob("*"), *outside.rglob("*")]:
         os.utime(f, (old, old), follow_symlinks=False)
     run = RunStore.open(url)
-    plan = plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
-    assert plan.deletes and not any("/evil/" in d.key or d.key.startswith("sync/checkpoints/00000001/")
-                                    for d in plan.deletes)
-    apply_prune(run, plan, by="test")
-    assert all(f.read_bytes() == b"precious" for f in victims)
-    with pytest.raises(Exception, match="symlink out of the run folder"):
+    with pytest.raises(NotPlainObjectError, match="symlink"):
+        plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
+    with pytest.raises(NotPlainObjectError, match="link"):
         run.store.delete(f"learners/evil/blobs/sha256/{'ab' * 32}.safetensors")
-    assert victims[1].exists()
+    assert all(f.read_bytes() == b"precious" for f in victims)
+    # the operator removes the links: retention runs again
+    (evil / "contributions").unlink()
+    (evil / "blobs").unlink()
+    os.symlink(outside / "f0000", root / "sync" / "checkpoints" / "00000001")
+    with pytest.raises(NotPlainObjectError, match="00000001"):
+        plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
+    (root / "sync" / "checkpoints" / "00000001").unlink()
+    assert plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER).deletes
+
+
+@pytest.mark.parametrize("link", ["blobs", "learner", "sha256"])
+def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path: Path, link: str) -> None:
+    """A learner links its own blobs folder (or its whole prefix, or its sha256 folder) to a folder
+    INSIDE the run: listed through, every committed state object, version 0 included, was deleted.
+    Retention refuses to run, naming the link; every state object stays and the run verifies."""
+    import os
+
+    url = to_url(str(tmp_path / "run"))
+    _train(_new_run(url), 16)
+    root = tmp_path / "run"
+    evil = root / "learners" / "evil"
+    if link == "blobs":
+        evil.mkdir()
+        os.symlink(root / "sync" / "blobs", evil / "blobs")
+    elif link == "sha256":
+        (evil / "blobs").mkdir(parents=True)
+        os.symlink(root / "sync" / "blobs" / "sha256", evil / "blobs" / "sha256")
+    else:
+        os.symlink(root / "sync", evil)  # learners/evil/blobs/sha256/ is sync's
+    old = time.time() - LATER
+    for f in root.rglob("*"):
+        os.utime(f, (old, old), follow_symlinks=False)
+    before = sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir())
+    run = RunStore.open(url)
+    with pytest.raises(NotPlainObjectError, match="symlink|link"):
+        plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    victim = f"learners/evil/blobs/sha256/{before[0]}"
+    with pytest.raises(NotPlainObjectError, match="link"):
+        run.store.delete(victim)
+    # a plan made by hand that names the victim through the link is refused too, before any write
+    forged = PrunePlan(latest=1, through_round=0, floors=(0, 0), deletes=[PruneItem(victim, GLOBAL_STATE, 1)])
+    with pytest.raises(RetentionRefused):
+        apply_prune(run, forged, by="test")
+    assert sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir()) == before
+    assert RunStore.open(url).verify().ok
+
+
+def test_prune_deletes_only_keys_whose_name_proves_class_and_owner() -> None:
+    sha = "ab" * 32
+    assert key_class(f"sync/blobs/sha256/{sha}.safetensors") == (GLOBAL_STATE, "sync")
+    assert key_class(f"learners/l0/blobs/sha256/{sha}.safetensors") == (LEARNER_PAYLOAD, "l0")
+    rec = "learners/l0/contributions/f0001/b00000002/l0.s0000000024.0123456789abcdef.json"
+    assert key_class(rec) == (CONTRIBUTION, "l0")
+    assert key_class(rec.replace("/l0.s", "/l1.s")) is None  # named for another learner
+    assert key_class("sync/checkpoints/00000004/model.safetensors") == (CHECKPOINT, "sync")
+    assert key_class("_probe/0123abcd") == (PROBE, "_probe")
+    for key in ("run.json", "sync/commits/00000001.json", "sync/head.json", "learners/l0/state.json",
+                f"learners/../sync/blobs/sha256/{sha}.safetensors", f"learners/l0/blobs/sha256/{sha}.json",
+                "learners/l0/leases/00000001.json", "sync/prune.json"):
+        assert key_class(key) is None, key

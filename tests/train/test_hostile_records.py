@@ -181,7 +181,7 @@ def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_p
     config, recipe = smoke_recipe(3, max_rounds=1000)
     keys = {SYNCHRONIZER_KEY_ID: b"s" * 32, **{s.learner_id: s.learner_id.encode() * 4 for s in recipe.learners}}
     url = to_url(str(tmp_path / "run"))
-    create_run(url, config.replace(initial_grace_s=0.0), recipe)
+    create_run(RunStore.open(url, keyring=Keyring(keys)), config.replace(initial_grace_s=0.0), recipe)
     learners = [RecipeLearner(RunStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
                         log=lambda _: None) for s in recipe.learners]
     clock = Clock()

@@ -55,6 +55,7 @@ from atoll.storage.codec import (
 )
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
 from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
+from atoll.storage.reading import Skipped, read_bytes, read_parsed, skip_of
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
@@ -82,11 +83,13 @@ from atoll.storage.validation import (
     RoundOrderError,
     RunExistsError,
     RunNotFoundError,
+    StorageError,
     TransientStorageError,
     check_finite,
     check_shapes,
     check_tensor_layout,
     validate_id,
+    validate_learner_id,
 )
 
 __all__ = [
@@ -190,6 +193,11 @@ class VerifyReport:
     """State objects not checked because retention (``sync/prune.json``) may have deleted them."""
     prune: PruneRecord | None = None
     """The run's retention record, if it has one."""
+    gaps: list[int] = field(default_factory=list)
+    """Rounds missing from the chain while later rounds are stored (``sync/commits/`` or
+    ``sync/repairs/``): the chain has a hole, and what follows it is not reachable."""
+    slots: int = 0
+    """Commit slots listed (rounds with an object in ``sync/commits/`` or a repair folder)."""
 
     @property
     def ok(self) -> bool:
@@ -200,6 +208,20 @@ class VerifyReport:
             store._read_blob_bytes(ref)
         except (InvalidInput, TransientStorageError) as e:
             self.problems.append(f"{what}: {e}")
+        except StorageError as e:  # a folder, a FIFO, a link out of the run where a payload belongs
+            self.problems.append(f"{what}: {e}")
+
+
+def _ranges(rounds: list[int]) -> str:
+    """``1-3, 7`` for [1, 2, 3, 7] (the first 20 runs)."""
+    runs: list[list[int]] = []
+    for n in sorted(rounds):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:20])
+    return text + (", ..." if len(runs) > 20 else "")
 
 
 @dataclass(frozen=True)
@@ -226,10 +248,14 @@ class RunStore:
         self._commit_sha: OrderedDict[int, str] = OrderedDict()
         self._manifest_sha: str | None = None
         self._manifest: RunManifest | None = None
+        self._manifest_body: dict[str, Any] | None = None
         self._commits: OrderedDict[int, CommitRecord] = OrderedDict()
         self._contrib_cache: OrderedDict[str, ContributionRecord | Rejection] = OrderedDict()
         self._contrib_lock = threading.Lock()  # records are read by several I/O threads at once
         self._latest: int | None = None
+        self._run_keys: Keyring | None = None
+        self.skipped: list[Skipped] = []
+        """Void slots readers stepped over (the newest 100; :meth:`readable_commit`), for logs and tests."""
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -269,6 +295,14 @@ class RunStore:
         return cls(store, max_payload_bytes=max_payload_bytes,
                    keyring=Keyring.from_env() if keyring is None else keyring, read_only=read_only)
 
+    def _run_key(self, writer: str) -> bytes | None:
+        """``writer``'s signing key for this run (:meth:`Keyring.for_run`: a signature binds the run id)."""
+        if not self.keyring:
+            return None
+        if self._run_keys is None:
+            self._run_keys = self.keyring.for_run(self.manifest.run_id)
+        return self._run_keys.key(writer)
+
     def _check_writable(self) -> None:
         if self.read_only:
             raise ReadOnlyError(f"{self.url} was opened read-only")
@@ -285,6 +319,7 @@ class RunStore:
         other = RunStore(store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring,
                          read_only=self.read_only)
         other._manifest, other._manifest_sha = self._manifest, self._manifest_sha
+        other._manifest_body = self._manifest_body
         return other
 
     @property
@@ -333,10 +368,14 @@ class RunStore:
         )
         manifest = RunManifest(run_id=run_id, config=config, plan=plan, shapes=shapes, initial=initial,
                                created_at=time.time(), extra=extra)
-        data = dump_record(KIND_RUN, manifest.to_dict())
+        # Sealed, and signed for this run when the keyring holds the synchronizer's key: with a
+        # keyring, run.json is checked (checked_manifest) before anything in it is acted on.
+        sync_key = self.keyring.for_run(run_id).key(SYNCHRONIZER_KEY_ID) if self.keyring else None
+        body = seal(KIND_RUN, manifest.to_dict(), sync_key)
+        data = dump_record(KIND_RUN, body)
         if not self.store.create(paths.RUN_MANIFEST, data):
             raise RunExistsError(f"a run already exists at {self.url} (created concurrently)")
-        self._manifest, self._manifest_sha = manifest, sha256_hex(data)
+        self._manifest, self._manifest_sha, self._manifest_body = manifest, sha256_hex(data), body
         return manifest
 
     @property
@@ -353,9 +392,37 @@ class RunStore:
                     f"the run root); this atoll writes layout 2 (learners/<id>/ and sync/ prefixes, "
                     f"schema_version {LAYOUT_SCHEMA_VERSION}) and cannot continue it. Start a new run, or "
                     f"read this one with atoll 0.1")
-            self._manifest = RunManifest.from_body(load_record(data, KIND_RUN, url=url))
-            self._manifest_sha = sha256_hex(data)
+            body = load_record(data, KIND_RUN, url=url)
+            self._manifest = RunManifest.from_body(body)
+            self._manifest_sha, self._manifest_body = sha256_hex(data), body
         return self._manifest
+
+    def checked_manifest(self) -> RunManifest:
+        """``run.json`` once it is checked, for whatever acts on it (a learner host running its
+        ``command``, the synchronizer importing its model module): signed for this run by the
+        synchronizer's key when this handle's keyring holds it, or else chained: round 1's commit
+        (or its repair) links to run.json's bytes. Raises :class:`IntegrityError` when the keyring
+        holds the synchronizer's key and run.json is neither, or when round 1 is committed and does
+        not link to it (a rewritten run.json). A run with no keyring and no round yet has nothing to
+        check against: the bucket policy (docs/protocol.md section 8) is then the defence."""
+        manifest = self.manifest
+        url = self.store.key_url(paths.RUN_MANIFEST)
+        key = self._run_key(SYNCHRONIZER_KEY_ID)
+        problem: IntegrityError | None = None
+        if key is not None:
+            try:
+                check_seal(KIND_RUN, self._manifest_body or {}, url=url, key=key)
+                return manifest
+            except IntegrityError as e:
+                problem = e
+        try:
+            first = self.read_commit(1)  # verifies prev_sha256 against run.json's bytes
+        except IntegrityError as e:
+            raise IntegrityError(f"run.json does not match the chain (round 1 does not link to it): {e.what}",
+                                 url) from None
+        if first is None and problem is not None:
+            raise problem
+        return manifest
 
     @property
     def config(self) -> DilocoConfig:
@@ -437,7 +504,7 @@ class RunStore:
         ``incarnation``: the publisher's lease incarnation (:meth:`take_learner_lease`; 0 = none),
         stored in the record (and signed with it) so the synchronizer can fence older copies.
         """
-        validate_id(learner_id, "learner id")
+        validate_learner_id(learner_id)
         self._check_writable()
         self._check_fragment(fragment)
         if not isinstance(base_version, int) or base_version < 0:
@@ -474,7 +541,7 @@ class RunStore:
         record = ContributionRecord(key=key, learner_id=learner_id, fragment=fragment, base_version=base_version,
                                     c_steps=c_steps, c_tokens=c_tokens, payload=ref, tensors=meta,
                                     created_at=time.time(), info=info, incarnation=incarnation)
-        body = seal(KIND_CONTRIBUTION, record.to_dict(), self.keyring.key(learner_id))
+        body = seal(KIND_CONTRIBUTION, record.to_dict(), self._run_key(learner_id))
         if not self.store.create(key, dump_record(KIND_CONTRIBUTION, body)):
             existing = self._read_contribution_record(key)
             if isinstance(existing, Rejection):
@@ -508,7 +575,7 @@ class RunStore:
             if paths.learner_of_key(key) != record.learner_id:
                 raise InvalidInput("schema", f"record of {record.learner_id!r} outside its learner's prefix", url=url)
             try:
-                check_seal(KIND_CONTRIBUTION, body, url=url, key=self.keyring.key(record.learner_id),
+                check_seal(KIND_CONTRIBUTION, body, url=url, key=self._run_key(record.learner_id),
                            require_signature=bool(self.keyring))
             except IntegrityError as e:
                 kind = RejectionKind.BAD_SIGNATURE if self.keyring else RejectionKind.CORRUPT
@@ -537,7 +604,7 @@ class RunStore:
         out = []
         for name in self.store.list(paths.LEARNERS_PREFIX):
             try:
-                out.append(validate_id(name.rstrip("/"), "learner id"))
+                out.append(validate_learner_id(name.rstrip("/")))
             except InvalidInput:
                 continue
         return sorted(out)
@@ -582,7 +649,7 @@ class RunStore:
         Raises InvalidInput with a specific ``kind`` for every bad-input class.
         """
         self._check_fragment(record.fragment)
-        validate_id(record.learner_id, "learner id")
+        validate_learner_id(record.learner_id)
         url = self.store.key_url(paths.blob_key(record.payload.sha256, record.learner_id))
         expected = self.manifest.fragment_shapes(record.fragment)
         try:
@@ -643,36 +710,33 @@ class RunStore:
         if cached is not None:
             return cached
         key = paths.commit_key(round_)
+        found = self._verified_slot(round_, key)
+        if found is None or isinstance(found, CommitRecord):
+            return found
+        problem = IntegrityError(found.why, self.store.key_url(key))
+        for name in self.store.list(paths.repairs_prefix(round_)):  # rare: only after a void slot
+            repaired = self._verified_slot(round_, paths.repairs_prefix(round_) + name)
+            if isinstance(repaired, CommitRecord):
+                return repaired
+        raise problem
+
+    def _verified_slot(self, round_: int, key: str) -> CommitRecord | Skipped | None:
+        """The verified commit record at ``key``, None if nothing is there, or why it is void
+        (oversize, a folder or FIFO, unparsable, a bad digest, link or signature)."""
         try:
             data = self._get_capped(key, MAX_COMMIT_BYTES)
-        except InvalidInput as e:  # oversize: the slot is void
-            raise IntegrityError(str(e), self.store.key_url(key)) from None
-        if data is None:
-            return None
-        try:
-            return self._verified_commit(round_, key, data)
-        except (IntegrityError, InvalidInput) as e:
-            problem = e if isinstance(e, IntegrityError) else IntegrityError(str(e), self.store.key_url(key))
-        for name in self.store.list(paths.repairs_prefix(round_)):  # rare: only after a void slot
-            rkey = paths.repairs_prefix(round_) + name
-            try:
-                rdata = self._get_capped(rkey, MAX_COMMIT_BYTES)
-            except TransientStorageError:
-                raise
-            except Exception:  # noqa: BLE001 - a folder, a FIFO, oversize: not a repair
-                continue
-            if rdata is None:
-                continue
-            try:
-                return self._verified_commit(round_, rkey, rdata)
-            except (IntegrityError, InvalidInput):
-                continue
-        raise problem
+            return None if data is None else self._verified_commit(round_, key, data)
+        except TransientStorageError:
+            raise
+        except IntegrityError as e:
+            return Skipped(key, RejectionKind.CORRUPT, e.what)
+        except Exception as e:  # noqa: BLE001 - no object in a slot may stop a reader: the slot is void
+            return skip_of(key, e)
 
     def _verified_commit(self, round_: int, key: str, data: bytes) -> CommitRecord:
         url = self.store.key_url(key)
         body = load_record(data, KIND_COMMIT, url=url)
-        sync_key = self.keyring.key(SYNCHRONIZER_KEY_ID)
+        sync_key = self._run_key(SYNCHRONIZER_KEY_ID)
         check_seal(KIND_COMMIT, body, url=url, key=sync_key)
         record = CommitRecord.from_body(body, self.plan.num_fragments)
         if record.round != round_:
@@ -738,23 +802,29 @@ class RunStore:
 
     def _get_capped(self, key: str, cap: int) -> bytes | None:
         """GET at most ``cap`` bytes of a record; InvalidInput('oversize') if it is larger."""
-        data = self.store.get_or_none(key, max_bytes=cap)
-        if data is not None and len(data) > cap:
-            raise InvalidInput("oversize", f"object is larger than the {_size_text(cap)} cap for its kind",
-                               url=self.store.key_url(key))
-        return data
+        got = read_bytes(self.store, key, cap)  # the one reader path: a folder or a FIFO is Skipped
+        if isinstance(got, Skipped):
+            why = f"object is larger than the {_size_text(cap)} cap for its kind" if got.kind.value == "oversize" else got.why
+            raise InvalidInput(got.kind, why, url=self.store.key_url(key))
+        return got
 
     def verify(self, *, on_round: Callable[[int], None] | None = None) -> VerifyReport:
         """Walk the whole chain from ``run.json`` to the latest round with a fresh handle: every
         commit's digest, link and (with the synchronizer's key) signature, and that every state
-        object it publishes exists with its sha256. Reads only; never raises for bad data."""
+        object it publishes exists with its sha256. The commit slots are also listed: a slot past
+        the end of the walk (a round committed after a missing one) is a gap, reported. Reads
+        only; never raises for bad data."""
         fresh = RunStore(self.store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring, read_only=True)
         report = VerifyReport()
-        _ = fresh.manifest
+        try:
+            initial = fresh.manifest.initial
+        except (InvalidInput, IntegrityError) as e:
+            report.problems.append(f"{paths.RUN_MANIFEST}: {e}")
+            return report
         report.prune, why = fresh.read_prune_record()
         if why is not None:
             report.problems.append(why)
-        for ref in fresh.manifest.initial:
+        for ref in initial:
             report.check_blob(fresh, ref, "run.json initial")
         seen: set[str] = set()
         r = 1
@@ -769,21 +839,48 @@ class RunStore:
             if rec is None:
                 break
             report.verified += 1
-            for p, st in enumerate(rec.state):
-                refs = st.refs()
-                if report.prune is not None and report.prune.may_be_pruned(p, st.version):
-                    report.pruned += len([b for b in refs if b.sha256 not in seen])
-                    seen.update(b.sha256 for b in refs)
-                    continue  # deleted on purpose by retention, not lost
-                for blob in refs:
-                    if blob.sha256 not in seen:
-                        seen.add(blob.sha256)
-                        report.check_blob(fresh, blob, f"round {r} state")
+            fresh._verify_state(report, r, rec, seen)
             if on_round is not None:
                 on_round(r)
             r += 1
         report.latest = r - 1
+        fresh._verify_slots(report)
         return report
+
+    def _verify_state(self, report: VerifyReport, r: int, rec: CommitRecord, seen: set[str]) -> None:
+        """Check every state object round ``r`` publishes (once per sha256), except those
+        retention may have deleted."""
+        for p, st in enumerate(rec.state):
+            refs = st.refs()
+            if report.prune is not None and report.prune.may_be_pruned(p, st.version):
+                report.pruned += len([b for b in refs if b.sha256 not in seen])
+                seen.update(b.sha256 for b in refs)
+                continue  # deleted on purpose by retention, not lost
+            for blob in refs:
+                if blob.sha256 not in seen:
+                    seen.add(blob.sha256)
+                    report.check_blob(self, blob, f"round {r} state")
+
+    def _verify_slots(self, report: VerifyReport) -> None:
+        """List ``sync/commits/`` and ``sync/repairs/``: every slot past the walk's end is a gap
+        (its round cannot be reached from run.json), and every entry that is not a slot is named."""
+        commits: set[int] = set()
+        for name in self.store.list(paths.commits_prefix()):
+            n = paths.parse_commit_key(name)
+            if n is None or n < 1:
+                report.problems.append(f"{paths.commits_prefix()}{name}: not a commit slot")
+            else:
+                commits.add(n)
+        slots = set(commits)
+        for name in self.store.list(f"{paths.SYNC_PREFIX}repairs/"):
+            if name.isascii() and name.isdigit() and len(name) == 8 and int(name) >= 1:
+                slots.add(int(name))
+        beyond = sorted(n for n in slots if n > report.latest)
+        if beyond:  # the walk ended at a round with no commit object, and later rounds are stored
+            report.gaps = [n for n in range(report.latest + 1, beyond[-1] + 1) if n not in commits]
+            report.problems.append(f"gap in the chain: round(s) {_ranges(report.gaps)} missing, yet "
+                                   f"round(s) {_ranges(beyond)} are stored after them (not reachable from run.json)")
+        report.slots = len(slots)
 
     def _free_repair_key(self, round_: int) -> str:
         """The next unused repair slot of a void round (``sync/repairs/<round>/r<n>.json``)."""
@@ -827,30 +924,59 @@ class RunStore:
         self._latest = r
         return r
 
-    def _readable(self, round_: int) -> CommitRecord | None:
-        """The verified record, or None if the round is not committed or its slot is void."""
+    def _void(self, round_: int) -> bool:
+        """Whether ``round_``'s slot holds something that does not verify (and no repair does)."""
+        try:
+            self.read_commit(round_)
+        except IntegrityError:
+            return True
+        return False
+
+    def readable_commit(self, round_: int) -> CommitRecord | None:
+        """The verified record, or None if the round is not committed or its slot is void (the
+        void slot is noted in :attr:`skipped`): what every reader that shows or follows rounds
+        calls, so that one object never stops it. :meth:`read_commit` raises for a void slot."""
         try:
             return self.read_commit(round_)
-        except IntegrityError:
+        except IntegrityError as e:
+            self.skipped.append(Skipped(paths.commit_key(round_), RejectionKind.CORRUPT, e.what[:400]))
+            del self.skipped[:-100]
             return None
+
+    _readable = readable_commit
 
     def poll_commits(self, after_round: int) -> list[CommitRecord]:
         """Records committed after ``after_round``, in order (GETs of the next keys; no LIST)."""
         out: list[CommitRecord] = []
         r = after_round + 1
-        while (rec := self._readable(r)) is not None:
+        while True:
+            rec = self._readable(r)
+            if rec is None:
+                # A void slot with no repair is skipped once the next slot verifies (a void past
+                # slot must not hold a reader at it forever); the newest void slot waits for its repair.
+                rec = self._readable(r + 1) if self._void(r) else None
+                if rec is None:
+                    break
             out.append(rec)
-            r += 1
+            r = rec.round + 1
         if out and (self._latest is None or out[-1].round > self._latest):
             self._latest = out[-1].round
         return out
 
-    def history(self, start: int = 1, stop: int | None = None) -> list[CommitRecord]:
-        """Commit records of rounds ``start`` .. ``stop`` (inclusive; default the latest)."""
+    def history(self, start: int = 1, stop: int | None = None, *,
+                skipped: list[Skipped] | None = None) -> list[CommitRecord]:
+        """Commit records of rounds ``start`` .. ``stop`` (inclusive; default the latest). A void
+        slot (docs/protocol.md section 8) is left out, and named in ``skipped`` if given: readers
+        skip it, as the protocol says, instead of raising."""
         stop = self.latest_round() if stop is None else stop
         out = []
         for r in range(max(1, start), stop + 1):
-            rec = self.read_commit(r)
+            try:
+                rec = self.read_commit(r)
+            except IntegrityError as e:
+                if skipped is not None:
+                    skipped.append(Skipped(paths.commit_key(r), RejectionKind.CORRUPT, e.what[:400]))
+                continue
             if rec is None:
                 raise RoundOrderError(f"round {r} is not committed in {self.url}")
             out.append(rec)
@@ -928,7 +1054,7 @@ class RunStore:
             stats=body_extra["stats"], committed_by=committed_by, nonce=uuid.uuid4().hex, created_at=time.time(),
             prev_sha256=prev,
         )
-        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self.keyring.key(SYNCHRONIZER_KEY_ID)))
+        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self._run_key(SYNCHRONIZER_KEY_ID)))
         key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
         liveness.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
         if self.store.create(key, data):
@@ -1106,7 +1232,7 @@ class RunStore:
     # -- learner state -----------------------------------------------------------------------
     def save_learner_state(self, learner_id: str, tensors: Tensors, meta: Mapping[str, Any] | None = None) -> None:
         """Overwrite learner ``learner_id``'s rejoin state (payload first, then the record)."""
-        validate_id(learner_id, "learner id")
+        validate_learner_id(learner_id)
         self._check_writable()
         meta = dict(meta or {})
         if not finite_json(meta):
@@ -1139,7 +1265,7 @@ class RunStore:
         """Take the next incarnation of ``learner_id`` (create-once ``learners/<id>/leases/<n>.json``,
         n = newest + 1; a lost race tries the next number). Every older incarnation is fenced from
         now on. Raises :class:`~atoll.storage.liveness.LeaseError` if no number could be taken."""
-        validate_id(learner_id, "learner id")
+        validate_learner_id(learner_id)
         self._check_writable()
         return liveness.take_lease(self.store, learner_id, flow_run_id=flow_run_id)
 
@@ -1157,7 +1283,7 @@ class RunStore:
     def learner_liveness(self, learner_id: str) -> Liveness:
         """The learner's newest lease and its heartbeat (one LIST, two GETs; unusable objects are
         ignored and named in ``problems``)."""
-        validate_id(learner_id, "learner id")
+        validate_learner_id(learner_id)
         return liveness.read_liveness(self.store, learner_id)
 
     def learners_liveness(self, learner_ids: Iterable[str]) -> dict[str, Liveness]:
@@ -1170,7 +1296,7 @@ class RunStore:
 
     def current_incarnation(self, learner_id: str) -> int:
         """The learner's newest lease number (one LIST); 0 = never leased."""
-        validate_id(learner_id, "learner id")
+        validate_learner_id(learner_id)
         return liveness.newest_incarnation(self.store, learner_id)
 
     def current_synchronizer_incarnation(self) -> int:
@@ -1198,14 +1324,12 @@ class RunStore:
     # -- retention ---------------------------------------------------------------------------
     def read_prune_record(self) -> tuple[PruneRecord | None, str | None]:
         """(the run's retention record or None, why a stored one was ignored or None)."""
-        try:
-            data = self._get_capped(paths.PRUNE, MAX_HEAD_BYTES * 64)
-            if data is None:
-                return None, None
-            body = load_record(data, KIND_PRUNE, url=self.store.key_url(paths.PRUNE))
-            return PruneRecord.from_body(body, self.plan.num_fragments), None
-        except InvalidInput as e:
-            return None, f"retention record ignored: {e}"
+        num_fragments = self.plan.num_fragments
+        got = read_parsed(self.store, paths.PRUNE, MAX_HEAD_BYTES * 64,
+                          lambda data: PruneRecord.from_body(load_record(data, KIND_PRUNE), num_fragments))
+        if isinstance(got, Skipped):
+            return None, f"retention record ignored: {self.store.key_url(paths.PRUNE)}: {got.kind.value}: {got.why}"
+        return got, None
 
     def write_prune_record(self, record: PruneRecord) -> None:
         """Overwrite ``sync/prune.json`` (retention writes it before it deletes anything)."""
@@ -1231,7 +1355,8 @@ class RunStore:
                 "shapes": {n: list(s) for n, s in m.shapes.items()},
                 "model": {"file": "model.safetensors", "sha256": sha, "nbytes": len(data)},
                 "created_at": time.time()}
-        self.store.put(config_key, dump_record(KIND_CHECKPOINT, body))
+        self.store.put(config_key, dump_record(KIND_CHECKPOINT, seal(KIND_CHECKPOINT, body,
+                                                                     self._run_key(SYNCHRONIZER_KEY_ID))))
         return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)
 
     def list_checkpoints(self) -> list[int]:
@@ -1246,6 +1371,8 @@ class RunStore:
         if cdata is None:
             raise FileNotFoundError(f"no checkpoint config at {self.store.key_url(ckey)}")
         body = load_record(cdata, KIND_CHECKPOINT, url=self.store.key_url(ckey))
+        if (key := self._run_key(SYNCHRONIZER_KEY_ID)) is not None:  # signed for this run: checked
+            check_seal(KIND_CHECKPOINT, body, url=self.store.key_url(ckey), key=key)
         mkey = paths.checkpoint_model_key(round_)
         data = self.store.get_or_none(mkey)
         if data is None:

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 
 from atoll.core.compress import CompressionError, EncodedTensor, all_finite, decode
+from atoll.storage.reading import NumberBoundError, loads_bounded
 from atoll.storage.validation import InvalidInput
 
 __all__ = [
@@ -174,14 +175,12 @@ def dump_record(kind: str, body: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _reject_constant(value: str) -> float:
-    raise ValueError(f"non-finite number {value} in a record")
-
-
 def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, Any]:
     """Parse a record and check its schema name and version; returns the body (without them)."""
     try:
-        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+        doc = loads_bounded(data)  # bounded numbers: no overflow, no NaN/Infinity (atoll.storage.reading)
+    except NumberBoundError as e:
+        raise InvalidInput("schema", f"a number out of bounds: {e}", url=url) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
         raise InvalidInput("corrupt", f"not a valid JSON record: {type(e).__name__}: {str(e)[:200]}", url=url) from None
     if not isinstance(doc, dict):
@@ -203,7 +202,7 @@ def load_record(data: bytes, kind: str, *, url: str | None = None) -> dict[str, 
 def record_version(data: bytes) -> object:
     """The ``schema_version`` a record claims (None if it is not a JSON object); never raises."""
     try:
-        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+        doc = loads_bounded(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     return doc.get("schema_version") if isinstance(doc, dict) else None

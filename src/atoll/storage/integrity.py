@@ -77,6 +77,13 @@ class Keyring:
     def key(self, writer: str) -> bytes | None:
         return self.keys.get(writer)
 
+    def for_run(self, run_id: str) -> Keyring:
+        """The keys a run signs and verifies with: each entry derived for ``run_id``
+        (HMAC-SHA256(key, "atoll/run-key\\0" + run_id)). A signature then binds the run id: a
+        record signed in one run never verifies in another run that shares the keyring."""
+        tag = b"atoll/run-key\0" + run_id.encode()
+        return Keyring({kid: hmac.new(key, tag, hashlib.sha256).digest() for kid, key in self.keys.items()})
+
     @classmethod
     def from_json(cls, text: str) -> Keyring:
         """``{"synchronizer": "<hex>", "learner-0": "<hex>", ...}`` (hex keys, >= 16 bytes each)."""

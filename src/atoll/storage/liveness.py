@@ -39,8 +39,9 @@ from typing import Any
 from atoll.core.rejection import MAX_DETAIL_CHARS
 from atoll.storage import paths
 from atoll.storage.codec import dump_record, load_record
+from atoll.storage.reading import Skipped, bounded_int, finite_float, read_parsed
 from atoll.storage.store import ObjectStore
-from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError, validate_id
+from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
 
 __all__ = [
     "KIND_LEASE",
@@ -102,19 +103,11 @@ def _need(ok: bool, what: str) -> None:
 
 
 def _get_int(body: Mapping[str, Any], name: str, *, optional: bool = False) -> int | None:
-    v = body.get(name)
-    if v is None and optional:
-        return None
-    if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53):
-        raise InvalidInput("schema", f"{name} must be an integer in [0, 2**53], got {v!r}"[:200])
-    return int(v)
+    return bounded_int(body, name, optional=optional)
 
 
 def _get_float(body: Mapping[str, Any], name: str) -> float:
-    v = body.get(name)
-    if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)):
-        raise InvalidInput("schema", f"{name} must be a finite number, got {v!r}"[:200])
-    return float(v)
+    return finite_float(body, name)
 
 
 def _get_str(body: Mapping[str, Any], name: str, *, optional: bool = False, limit: int = 1024) -> str | None:
@@ -261,7 +254,7 @@ def _keys(holder: str) -> tuple[str, Callable[[int], str], Callable[[int], str]]
     """(leases prefix, lease key, heartbeat key) of a learner id or the synchronizer."""
     if holder == SYNCHRONIZER_HOLDER:
         return paths.sync_leases_prefix(), paths.sync_lease_key, paths.sync_heartbeat_key
-    validate_id(holder, "learner id")
+    validate_learner_id(holder)
     return (paths.learner_leases_prefix(holder), lambda n: paths.learner_lease_key(holder, n),
             lambda n: paths.learner_heartbeat_key(holder, n))
 
@@ -324,22 +317,12 @@ def write_heartbeat(store: ObjectStore, lease: Lease, *, status: str = "alive", 
 
 
 def _read(store: ObjectStore, key: str, kind: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(body, None), (None, None) if absent, or (None, why) if the object is unusable."""
-    url = store.key_url(key)
-    try:
-        data = store.get_or_none(key, max_bytes=MAX_LIFECYCLE_RECORD_BYTES)
-    except TransientStorageError:
-        raise  # the store is unwell, not this object
-    except Exception as e:  # noqa: BLE001 - a folder or a FIFO where a record belongs
-        return None, f"{url}: cannot be read ({type(e).__name__}: {str(e)[:200]})"
-    if data is None:
-        return None, None
-    if len(data) > MAX_LIFECYCLE_RECORD_BYTES:
-        return None, f"{url}: oversize (larger than {MAX_LIFECYCLE_RECORD_BYTES} bytes)"
-    try:
-        return load_record(data, kind, url=url), None
-    except InvalidInput as e:
-        return None, f"{url}: {e.kind.value}: {e.reason[:300]}"
+    """(body, None), (None, None) if absent, or (None, why) if the object is unusable: the one
+    reader path (:func:`atoll.storage.reading.read_parsed`), so nothing but a transient error raises."""
+    got = read_parsed(store, key, MAX_LIFECYCLE_RECORD_BYTES, lambda data: load_record(data, kind))
+    if isinstance(got, Skipped):
+        return None, f"{store.key_url(key)}: {got.kind.value}: {got.why}"
+    return got, None
 
 
 def read_liveness(store: ObjectStore, holder: str) -> Liveness:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from atoll.storage.validation import InvalidInput, validate_id
+from atoll.storage.validation import InvalidInput, validate_id, validate_learner_id
 
 __all__ = [
     "to_url",
@@ -124,7 +124,7 @@ def _sha(sha256: str) -> str:
 
 def learner_prefix(learner_id: str) -> str:
     """``learners/<id>/``: everything learner ``learner_id`` writes, and nothing else."""
-    return f"{LEARNERS_PREFIX}{validate_id(learner_id, 'learner id')}/"
+    return f"{LEARNERS_PREFIX}{validate_learner_id(learner_id)}/"
 
 
 def blob_key(sha256: str, learner_id: str | None = None) -> str:
@@ -173,7 +173,7 @@ def learner_of_key(key: str) -> str | None:
         return None
     lid = key[len(LEARNERS_PREFIX):].split("/", 1)[0]
     try:
-        return validate_id(lid, "learner id")
+        return validate_learner_id(lid)
     except InvalidInput:
         return None
 

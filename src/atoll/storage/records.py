@@ -14,7 +14,7 @@ from typing import Any
 from atoll.core.config import ConfigError, DilocoConfig
 from atoll.core.fragments import FragmentPlan
 from atoll.core.rejection import Rejection
-from atoll.storage.validation import InvalidInput, validate_id
+from atoll.storage.validation import InvalidInput, validate_id, validate_learner_id
 
 __all__ = [
     "KIND_RUN",
@@ -212,7 +212,7 @@ class ContributionRecord:
             _need(isinstance(m, dict) and isinstance(m.get("shape"), list), f"tensors[{n!r}] needs a shape list")
         return cls(
             key=key,
-            learner_id=validate_id(body.get("learner_id"), "learner id"),
+            learner_id=validate_learner_id(body.get("learner_id")),
             fragment=_int(body, "fragment"),
             base_version=_int(body, "base_version"),
             c_steps=_int(body, "c_steps"),

@@ -29,6 +29,7 @@ fencing need them.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,11 +37,13 @@ from dataclasses import dataclass, field
 
 from atoll.storage import paths
 from atoll.storage.bucket import RunStore
-from atoll.storage.records import PruneRecord
-from atoll.storage.store import ObjectInfo, io_map
+from atoll.storage.integrity import IntegrityError
+from atoll.storage.records import CommitRecord, FragmentState, PruneRecord
+from atoll.storage.store import NotPlainObjectError, ObjectInfo, io_map
+from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
 
-__all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune",
-           "GLOBAL_STATE", "CONTRIBUTION", "LEARNER_PAYLOAD", "CHECKPOINT", "PROBE"]
+__all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune", "key_class", "RetentionRefused",
+           "NotPlainObjectError", "GLOBAL_STATE", "CONTRIBUTION", "LEARNER_PAYLOAD", "CHECKPOINT", "PROBE"]
 
 GLOBAL_STATE = "global state"
 CONTRIBUTION = "contribution record"
@@ -48,6 +51,49 @@ LEARNER_PAYLOAD = "learner payload"
 CHECKPOINT = "checkpoint"
 PROBE = "probe scratch"
 CLASSES = (GLOBAL_STATE, CONTRIBUTION, LEARNER_PAYLOAD, CHECKPOINT, PROBE)
+
+_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+_KEY_CLASSES = (
+    (GLOBAL_STATE, re.compile(r"^(sync)/blobs/sha256/[0-9a-f]{64}\.safetensors$")),
+    (CHECKPOINT, re.compile(r"^(sync)/checkpoints/\d{8,12}/(?:model\.safetensors|config\.json)$")),
+    (LEARNER_PAYLOAD, re.compile(rf"^learners/({_ID})/blobs/sha256/[0-9a-f]{{64}}\.safetensors$")),
+    (CONTRIBUTION, re.compile(rf"^learners/({_ID})/contributions/f\d{{4}}/b\d{{8}}/({_ID})\.s\d{{10}}\.[0-9a-f]{{16}}\.json$")),
+    (PROBE, re.compile(rf"^(_probe)/{_ID}$")),
+)
+
+
+class RetentionRefused(StorageError):
+    """Retention will not delete: a key whose name does not prove its class and owner, or an
+    entry that is not a plain object (:class:`~atoll.storage.store.NotPlainObjectError`)."""
+
+
+def key_class(key: str) -> tuple[str, str] | None:
+    """(class, owner) of a key retention may delete, derived from the key's name alone: the class
+    is one of :data:`CLASSES`; the owner is ``"sync"``, ``"_probe"`` or the learner id whose
+    prefix holds it (a contribution's file name must name the same learner). None for any other
+    key: retention never deletes it."""
+    for what, pattern in _KEY_CLASSES:
+        m = pattern.match(key)
+        if m is None:
+            continue
+        owner = m.group(1)
+        if what == CONTRIBUTION and m.group(2) != owner:
+            return None  # a record named for another learner: not this owner's, never deleted
+        if what in (CONTRIBUTION, LEARNER_PAYLOAD):
+            try:
+                validate_learner_id(owner)
+            except InvalidInput:
+                return None
+        return what, owner
+    return None
+
+
+def _plain_files(infos: list[ObjectInfo], prefix: str, store_url: str) -> list[ObjectInfo]:
+    """The entries of a folder that holds objects only: a folder among them is not a plain object."""
+    for info in infos:
+        if info.is_dir:
+            raise NotPlainObjectError(f"{store_url}/{prefix}{info.name}", "a folder where only objects belong")
+    return infos
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
@@ -166,12 +212,12 @@ class _Planner:
         through = start - 1
         # The versions current when the window began are kept too; they and every version the
         # window's rounds wrote are what stays readable.
-        before = run._state_table(through)
+        before = self.state_table(through)
         floors = tuple(st.version for st in before)
         kept_shas = {b.sha256 for b in run.manifest.initial}
         kept_shas.update(ref.sha256 for st in before for ref in st.refs())
         for i, r in enumerate(range(start, latest + 1)):
-            rec = run.read_commit(r)
+            rec = self.commit(r)
             if rec is None:  # pragma: no cover - latest_round() said it is committed
                 continue
             kept_shas.update(ref.sha256 for st in rec.state for ref in st.refs())
@@ -180,7 +226,13 @@ class _Planner:
         plan = PrunePlan(latest=latest, through_round=through, floors=floors)
         self.global_state(plan, kept_shas)
         self.checkpoints(plan)
+        for prefix in (paths.LEARNERS_PREFIX, paths.SYNC_PREFIX, f"{paths.SYNC_PREFIX}blobs/"):
+            self.store.list_plain(prefix)  # a learner's folder that is a link, or a link among sync's
         learners = run.learner_ids()
+        for lid in learners:
+            for prefix in (paths.learner_prefix(lid), f"{paths.learner_prefix(lid)}blobs/",
+                           paths.learner_contributions_prefix(lid)):
+                self.store.list_plain(prefix)
         self.log(f"  global state: {plan.deleted(GLOBAL_STATE)[0]} objects to delete; "
                  f"looking at {len(learners)} learner(s)")
         for part in io_map(lambda lid: self.learner(lid, floors), learners):
@@ -188,16 +240,36 @@ class _Planner:
             plan.kept.update(part.kept)
             plan.kept_bytes.update(part.kept_bytes)
             plan.young += part.young
-        for info in self.store.list_info(paths.PROBE_PREFIX):
-            if not info.is_dir:
-                self.unreferenced(plan, paths.PROBE_PREFIX + info.name, PROBE, info)
+        for info in self.files(paths.PROBE_PREFIX):
+            self.unreferenced(plan, paths.PROBE_PREFIX + info.name, PROBE, info)
         return plan
+
+    def commit(self, round_: int) -> CommitRecord | None:
+        """A commit record of the window; a void slot stops retention (what it named is unknown,
+        so nothing can be proven unreferenced)."""
+        try:
+            return self.run.read_commit(round_)
+        except IntegrityError as e:
+            raise RetentionRefused(f"round {round_}'s commit slot is void ({e.what}); retention cannot prove what "
+                                   f"it referenced: run atoll verify, and prune once the slot is repaired") from None
+
+    def state_table(self, round_: int) -> tuple[FragmentState, ...]:
+        if round_ == 0:
+            return tuple(FragmentState(version=0, params=b) for b in self.run.manifest.initial)
+        rec = self.commit(round_)
+        if rec is None:
+            raise RetentionRefused(f"round {round_} is not committed in {self.run.url}")
+        return rec.state
+
+    def files(self, prefix: str) -> list[ObjectInfo]:
+        """The plain objects of a folder that holds objects only (refuses links, FIFOs, folders)."""
+        return _plain_files(self.store.list_plain(prefix), prefix, self.store.url)
 
     def global_state(self, plan: PrunePlan, kept_shas: set[str]) -> None:
         prefix = paths.blobs_prefix()
-        for info in self.store.list_info(prefix):
+        for info in self.files(prefix):
             sha = paths.parse_blob_name(info.name)
-            if info.is_dir or sha is None:
+            if sha is None:
                 continue  # not a payload of ours: retention deletes only what it understands
             if sha in kept_shas:
                 self.keep(plan, GLOBAL_STATE, info)
@@ -208,15 +280,14 @@ class _Planner:
 
     def checkpoints(self, plan: PrunePlan) -> None:
         rounds = self.run.list_checkpoints()
-        folders = {r: self.store.list_info(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
+        self.store.list_plain(paths.checkpoints_prefix())  # no link, FIFO or device among the folders
+        folders = {r: self.files(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
         complete = [r for r in rounds if any(i.name == "config.json" for i in folders[r])]
         keep_n = self.policy.keep_checkpoints
         keep = set(rounds) if keep_n is None else set(complete[-keep_n:])  # None: every one (counted)
         for r in rounds:
             prefix = paths.checkpoints_prefix() + f"{r:08d}/"
             for info in folders[r]:
-                if info.is_dir:
-                    continue
                 if r in keep:
                     self.keep(plan, CHECKPOINT, info)
                 elif r in complete:  # superseded by newer complete ones: delete whatever its age
@@ -229,15 +300,15 @@ class _Planner:
         kept16: set[str] = set()
         for p, floor in enumerate(floors):
             fprefix = paths.learner_contributions_prefix(learner_id, p)
-            for folder in self.store.list_info(fprefix):
+            for folder in self.store.list_plain(fprefix):
                 base = paths.parse_base_folder(folder.name)
                 if base is None or not folder.is_dir:
                     continue
                 bprefix = f"{fprefix}{folder.name}/"
-                for info in self.store.list_info(bprefix):
-                    if info.is_dir:
-                        continue
-                    if base < floor:  # never listed again by any synchronizer
+                for info in self.files(bprefix):
+                    # Below the floor: never listed again by any synchronizer. Only what its name
+                    # proves to be this learner's contribution record goes.
+                    if base < floor and key_class(bprefix + info.name) == (CONTRIBUTION, learner_id):
                         part.deletes.append(PruneItem(bprefix + info.name, CONTRIBUTION, info.size))
                     else:
                         self.keep(part, CONTRIBUTION, info)
@@ -254,9 +325,9 @@ class _Planner:
             self.log(f"  {learner_id}: state.json unreadable ({e}); none of its payloads is deleted")
             keep_all = True
         bprefix = paths.blobs_prefix(learner_id)
-        for info in self.store.list_info(bprefix):
+        for info in self.files(bprefix):
             sha = paths.parse_blob_name(info.name)
-            if info.is_dir or sha is None:
+            if sha is None:
                 continue
             if keep_all or sha == state_sha or sha[:16] in kept16:
                 self.keep(part, LEARNER_PAYLOAD, info)
@@ -271,10 +342,23 @@ def plan_prune(run: RunStore, policy: RetentionPolicy | None = None, *, now: flo
     return _Planner(run, policy or RetentionPolicy(), time.time() if now is None else now, log).plan()
 
 
+def _prove(plan: PrunePlan) -> None:
+    """Every key the plan deletes must prove its class and owner by its name alone
+    (:func:`key_class`); one that does not stops the prune before anything is written."""
+    for item in plan.deletes:
+        got = key_class(item.key)
+        if got is None or got[0] != item.what:
+            raise RetentionRefused(f"retention refuses to delete {item.key!r} as a {item.what}: its name "
+                                   f"{'is no class retention deletes' if got is None else 'says ' + got[0]}")
+
+
 def apply_prune(run: RunStore, plan: PrunePlan, *, by: str = "atoll prune",
                 log: Callable[[str], None] = lambda s: None, chunk: int = 1000) -> PruneRecord:
-    """Carry out ``plan``: write the retention record first, then delete (checkpoint configs before
-    their model files, so no checkpoint ever looks complete without its model)."""
+    """Carry out ``plan``: prove every key's class and owner from its name (:class:`RetentionRefused`
+    otherwise), write the retention record, then delete (checkpoint configs before their model
+    files, so no checkpoint ever looks complete without its model). On a local folder nothing is
+    deleted through a link or that is not a regular file (:class:`NotPlainObjectError`)."""
+    _prove(plan)
     old, _ = run.read_prune_record()
     floors = tuple(max(a, b) for a, b in zip(plan.floors, old.floors, strict=True)) if old else plan.floors
     through = max(plan.through_round, old.through_round) if old else plan.through_round

@@ -55,7 +55,7 @@ from atoll.storage.paths import join_url, probe_key
 from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
 from atoll.storage.wire import WireCounts, WireMeter, requests_sent
 
-__all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "is_transient", "redact", "io_map", "IO_THREADS",
+__all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "NotPlainObjectError", "is_transient", "redact", "io_map", "IO_THREADS",
            "IO_THREADS_DEFAULT", "WireCounts"]
 
 IO_THREADS_DEFAULT = 16
@@ -195,6 +195,12 @@ class NotRegularFileError(StorageError):
     def __init__(self, url: str, what: str) -> None:
         self.url, self.what = url, what
         super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to touch it")
+
+
+class NotPlainObjectError(NotRegularFileError):
+    """Retention found an entry that is not a plain object (a link anywhere on its path, a FIFO,
+    a device, a socket, or a folder where objects belong): it refuses to run rather than delete
+    through it."""
 
 
 def _file_kind(mode: int) -> str:
@@ -506,15 +512,66 @@ class ObjectStore:
                                   modified_s=None if is_dir else _modified_s(entry)))
         return sorted(out, key=lambda o: o.name)
 
+    def list_plain(self, prefix: str) -> ObjectInfos:
+        """:meth:`list_info` for a deleter (retention): on a local folder, no folder on the way
+        from the run root to ``prefix`` may be a link (to anywhere, inside the run or not), and
+        every entry must be a plain file or a plain folder (not a link, a FIFO, a device, a
+        socket); otherwise :class:`NotPlainObjectError` names it. Object stores have no links."""
+        if self.is_local:
+            link = self._link_on_path(self.path(prefix))
+            if link is not None:
+                raise NotPlainObjectError(self.key_url(prefix), f"reached through the link {link}")
+            folder = self.path(prefix)
+            try:
+                with os.scandir(folder) as it:
+                    entries = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in it]
+            except (FileNotFoundError, NotADirectoryError):
+                entries = []
+            for name, mode in entries:
+                if name.startswith(".tmp-"):
+                    continue
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    what = "a symlink" if stat.S_ISLNK(mode) else _file_kind(mode)
+                    raise NotPlainObjectError(self.key_url(prefix + name), what)
+        return self.list_info(prefix)
+
+    def _link_on_path(self, path: str) -> str | None:
+        """Local: the first folder or object below the run root on ``path`` that is a symlink, or
+        None. The root itself is the user's choice and may be one."""
+        root = self.root.rstrip("/")
+        if not path.startswith(root + "/"):
+            return path
+        cur = root
+        for part in path[len(root) + 1:].strip("/").split("/"):
+            cur = f"{cur}/{part}"
+            try:
+                st = os.lstat(cur)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            if stat.S_ISLNK(st.st_mode):
+                return cur
+        return None
+
     def _inside_root(self, path: str) -> bool:
         """Local: whether ``path``, with every link on the way resolved, stays inside the run folder."""
         real, root = os.path.realpath(path), os.path.realpath(self.root)
         return os.path.commonpath([real, root]) == root
 
     def delete(self, key: str) -> None:
+        """Delete one object (absent is fine). Local: never through a link, wherever it leads
+        (a folder on the way or the object itself), and never anything but a regular file
+        (:class:`NotPlainObjectError`)."""
         path = self.path(key)
-        if self.is_local and not self._inside_root(os.path.dirname(path)):
-            raise NotRegularFileError(self.key_url(key), "its folder is a symlink out of the run folder: not deleted")
+        if self.is_local:
+            link = self._link_on_path(path)
+            if link is not None:
+                raise NotPlainObjectError(self.key_url(key), f"reached through the link {link}: not deleted")
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            if not stat.S_ISREG(mode):
+                raise NotPlainObjectError(self.key_url(key), _file_kind(mode) + ": not deleted")
 
         def rm() -> None:
             try:

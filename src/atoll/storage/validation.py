@@ -29,6 +29,8 @@ __all__ = [
     "ReadOnlyError",
     "LayoutError",
     "validate_id",
+    "validate_learner_id",
+    "RESERVED_IDS",
     "check_shapes",
     "check_tensor_layout",
     "check_finite",
@@ -118,6 +120,23 @@ def validate_id(value: object, what: str = "id") -> str:
             f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-] starting with a letter or digit",
         )
     return value
+
+
+RESERVED_IDS = frozenset({"synchronizer", "operator", "atoll-operator", "atoll-synchronizer", "sync", "learners",
+                          "_probe", "all", "root", "admin"})
+"""Names no learner may take (compared case-insensitively): the synchronizer's key and lease
+holder, the operator principals of the bucket policy, the run's top-level prefixes. A learner
+named ``synchronizer`` would hold the synchronizer's keyring entry (its signing key) and, on a
+local folder, a lease that fences the real synchronizer."""
+
+
+def validate_learner_id(value: object) -> str:
+    """:func:`validate_id` for a learner id, which also may not be one of :data:`RESERVED_IDS`
+    (InvalidInput(kind='bad_id'))."""
+    lid = validate_id(value, "learner id")
+    if lid.lower() in RESERVED_IDS:
+        raise InvalidInput("bad_id", f"learner id {lid!r} is reserved (reserved: {', '.join(sorted(RESERVED_IDS))})")
+    return lid
 
 
 def check_shapes(

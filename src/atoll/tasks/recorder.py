@@ -355,7 +355,7 @@ class RoundRecorder:
                 except Exception as e:  # noqa: BLE001 - the commit creates it instead
                     log.warning(f"run {self.run_id}: could not open round {item.round}'s flow run: {e!r}")
                 continue
-            record = self.store.read_commit(item.round)
+            record = self.store.readable_commit(item.round)
             if record is None:
                 done.add(item.round)
                 continue
@@ -411,7 +411,7 @@ class RoundRecorder:
         if r and r != self._progress_written and due:
             self._progress_written = r
             self._last_progress = now
-            record = self.store.read_commit(r)
+            record = self.store.readable_commit(r)
             loss = record.stats.get("val_loss") if record is not None else None
             if self.progress_artifact_id:
                 client.update_artifact(UUID(str(self.progress_artifact_id)), ArtifactUpdate(

@@ -31,7 +31,7 @@ from atoll.core.downlink import apply_update
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.bucket import RunStore
 from atoll.storage.records import CommitRecord
-from atoll.storage.validation import InvalidInput
+from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError
 
 __all__ = ["FetchError", "Fetcher", "Follower"]
 
@@ -77,7 +77,14 @@ class Follower:
             if rec.updated and rec.round > self.versions[rec.fragment]:
                 new.setdefault(rec.fragment, []).append(rec.round)
         for p, versions in sorted(new.items()):
-            values = self._bring(p, versions)
+            try:
+                values = self._bring(p, versions)
+            except TransientStorageError:
+                raise  # the store is unwell: the poll is retried
+            except (StorageError, ValueError) as e:  # a void slot, a pruned or non-regular object
+                self._skip(f"fragment {p} v{versions[-1]}: unreadable ({type(e).__name__}: {str(e)[:300]}); "
+                           f"keeping v{self.versions[p]} until its next version")
+                continue
             if values is not None:
                 self.versions[p] = versions[-1]
                 yield versions[-1], p, values

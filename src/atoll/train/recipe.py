@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from atoll.core.config import ConfigError, DilocoConfig
-from atoll.storage.validation import validate_id
+from atoll.storage.validation import validate_learner_id
 from atoll.train.device import DeviceError, check_autocast
 
 __all__ = [
@@ -159,7 +159,7 @@ class LearnerSpec:
         return self.batch_size * self.ranks
 
     def __post_init__(self) -> None:
-        validate_id(self.learner_id, "learner id")
+        validate_learner_id(self.learner_id)
         object.__setattr__(self, "command", tuple(self.command))  # a JSON list when read back
         if not all(isinstance(a, str) for a in self.command):
             raise ConfigError(f"learner {self.learner_id}: command must be a list of strings (argv)")

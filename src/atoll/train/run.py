@@ -27,7 +27,7 @@ Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 def load_recipe(store: RunStore) -> Recipe:
     """The recipe stored in the run's manifest (``run.json`` ``extra.recipe``)."""
-    extra = store.manifest.extra
+    extra = store.checked_manifest().extra  # checked against the chain or keyring before it is acted on
     if "recipe" not in extra:
         raise ValueError(f"run {store.url} has no recipe (run.json extra.recipe); it was not created by atoll.train")
     return Recipe.from_dict(extra["recipe"])
