@@ -170,23 +170,28 @@ def test_signatures_bind_the_run_id(backend: Backend) -> None:
 
     a = HostileRun(backend, keyed=True)
     b = HostileRun(Backend(backend.name, backend.root + "-b", backend.storage_options), keyed=True)
-    a.rounds(1)
-    b.rounds(1)
-    p, v = a.next_fragment()
-    assert (p, v) == b.next_fragment()
-    a.learners[0].step()
-    prefix = paths.contributions_prefix(p, v, HONEST[0])
-    names = a.store.store.list(prefix)
-    assert names, "learner-0 published nothing"
+    a.rounds(2)
     src, dst = a.store.store, b.store.store
-    record_key = prefix + names[-1]
-    data = src.get(record_key)
-    sha = json.loads(data)["payload"]["sha256"]
+    record_key = _any_contribution(src, HONEST[0])
+    body = json.loads(src.get(record_key))
+    p, v, sha = body["fragment"], body["base_version"], body["payload"]["sha256"]
+    assert record_key in {r.key for r in a.new_synchronizer().store.list_contributions(p, v).records}
     dst.put(paths.blob_key(sha, HONEST[0]), src.get(paths.blob_key(sha, HONEST[0])))
-    dst.put(record_key, data)
+    dst.put(record_key, src.get(record_key))
     listing = b.new_synchronizer().store.list_contributions(p, v, learner_ids=[HONEST[0]])
     assert record_key in listing.rejected, listing
     assert listing.rejected[record_key].kind is RejectionKind.BAD_SIGNATURE
+
+
+def _any_contribution(store: object, lid: str) -> str:
+    """The key of one contribution record of learner ``lid`` (a walk of its prefix)."""
+    top = paths.learner_contributions_prefix(lid)
+    for f in store.list(top):  # type: ignore[attr-defined]
+        for b in store.list(f"{top}{f}/"):  # type: ignore[attr-defined]
+            names = store.list(f"{top}{f}/{b}/")  # type: ignore[attr-defined]
+            if names:
+                return f"{top}{f}/{b}/{names[0]}"
+    raise AssertionError(f"{lid} published nothing")
 
 
 def test_a_rewritten_run_json_is_never_acted_on(backend: Backend) -> None:
