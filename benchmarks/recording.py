@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _count()
     root = Path(tempfile.mkdtemp(prefix="atoll-recording-"))
-    with prefect_test_harness(server_startup_timeout=90):
+    with prefect_test_harness(server_startup_timeout=300):
         proc = SubprocessASGIServer().server_process
         assert proc is not None
         url = _train(root, "run", args.rounds)
@@ -165,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             n += rounds
             cpu.append(used / rounds)
             print(f"replay {i}: {1000 * cpu[-1]:.1f} ms server CPU per recorded round ({rounds} rounds)")
+    by_kind: collections.Counter[str] = collections.Counter()
+    for k, v in calls.items():
+        by_kind[UUID_RE.sub("{id}", k)] += v
     print(f"\n{'per recorded round':<40} {'calls':>6}")
-    for k, v in sorted(calls.items(), key=lambda kv: -kv[1]):
-        print(f"{UUID_RE.sub('{id}', k):<40} {v / n:>6.2f}")
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"{k:<40} {v / n:>6.2f}")
     print(f"{'total':<40} {sum(calls.values()) / n:>6.2f}")
     print(f"{'server CPU per round (median, ms)':<40} {1000 * sorted(cpu)[len(cpu) // 2]:>6.1f}")
     return 0

@@ -63,7 +63,7 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
 
 def recorded_round(ctx: RunContext, round_number: int, log: Any) -> dict[str, Any]:
     """The same round, run inline in the training-run process with no Prefect call on its path;
-    the run's recorder creates its flow run afterwards (``record_rounds``: Completed, named
+    the run's recorder records its flow run as it opens and commits (``record_rounds``: named
     ``round-000017``, tagged like a round flow run, with the same artifacts and event)."""
     t0 = time.time()
     recorder = ctx.round_recorder()

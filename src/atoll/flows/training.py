@@ -5,8 +5,8 @@
 the run's :class:`~atoll.tasks.context.RunContext` (synchronizer, goodput tracker, learner fleet),
 launches or adopts one learner flow run per learner on the learner's work pool, then runs the
 **outer rounds** (:mod:`atoll.flows.round`), one flow run per round, tagged with the run id. By
-default (``record_rounds``) the rounds run inline and each one's flow run is created after its
-commit, by the recorder's thread, so no round waits for the Prefect API; with ``record_rounds``
+default (``record_rounds``) the rounds run inline and each one's flow run is recorded as it opens
+and commits, by the recorder's threads, so no round waits for the Prefect API; with ``record_rounds``
 false each round is a flow run executed by Prefect's engine. A round that fails is retried from
 the bucket's state under :data:`~atoll.core.retry.ROUND_RETRY`.
 

@@ -125,11 +125,11 @@ class TrainingRunOptions(BaseModel):
         "server writes per round, and a round waits for them (docs/prefect.md, 'What a round costs').")
     record_rounds: bool = Field(
         default=True,
-        description="Run each round inline in the training-run process and create its flow run afterwards "
-        "(already Completed, with the same artifacts and event), so no round waits for the Prefect API and the "
-        "synchronizer keeps up with fast learners (small H); such a flow run has no task runs or logs of its own "
-        "(they go to the training run). False: each round is a flow run executed by Prefect's engine, with its "
-        "task runs and logs, at ~0.6 s of API calls per round on the round's path: fine when rounds are seconds "
+        description="Run each round inline in the training-run process and record its flow run from a background "
+        "thread (Running when the round opens, Completed when it commits, its phases as task runs at their real "
+        "times, its log lines, the same artifacts and event), so no round waits for the Prefect API and the "
+        "synchronizer keeps up with fast learners (small H). False: each round is a flow run executed by "
+        "Prefect's engine, at ~0.6 s of API calls per round on the round's path: fine when rounds are seconds "
         "apart (large H), or to debug a round. Ignored with nest_rounds (docs/prefect.md, 'What a round costs').")
     segment_rounds: int = Field(
         default=DEFAULT_SEGMENT_ROUNDS, ge=1,

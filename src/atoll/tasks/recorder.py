@@ -12,7 +12,18 @@ records of what got weight 0) from the bucket and writes, **attached to that rou
   round's traffic (synchronizer and learners: requests, bytes up and down, per token merged), and
   the contributions table (learner, pool, tokens, steps, weight, accepted or why not);
 
-and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`). When it falls behind
+and emits the ``atoll.round.committed`` event (:mod:`atoll.tasks.events`).
+
+**Recorded rounds** (the round ran inline, with no flow run of its own): a second thread creates
+the round's flow run Running when the round opens and sets it Completed when it commits (a
+state's time is the server's clock: these two calls are what make its duration the round's), and
+the writer adds a task run per phase at its real times (await-quorum, grace, merge, evaluate,
+commit: ``prefect.task-run.Completed`` events, as Prefect's task engine sends them) and the
+round's log lines (what it merged, what not and why), one ``POST /logs/`` a batch. The run's
+``<run>-plots`` artifact (:mod:`atoll.runs.plots`) is drawn every ``plots_every`` rounds and at
+the end.
+
+When it falls behind
 (rounds queue up), it takes them as one batch: first every round's flow run (recorded rounds),
 which needs only the commit record, then the goodput so far (every contribution record of the run
 since the last batch, read concurrently: a relaunched training run reads the whole run's), then
@@ -20,7 +31,8 @@ the artifacts and events. A batch that fails (the server or the bucket unwell) i
 after ``retry_s``, or with the next round, never dropped. The run's progress artifact and
 the ``<run>-goodput`` markdown (the whole run's goodput, per learner) are updated at most every
 ``progress_every_s`` and after the last round, not every round: one API call per round in all
-(two with recorded rounds, whose flow run the recorder creates).
+(three with recorded rounds, whose flow run the recorder opens and completes, plus the batch's
+logs).
 
 Nothing here is the truth (the bucket is), so nothing waits for it: the training run only waits
 for the queue to drain (``flush``, bounded) before it reports its end, and rounds a killed training
@@ -144,6 +156,8 @@ class RoundRecorder:
         self.errors = 0
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._states: queue.Queue[Any] = queue.Queue()
+        self._state_thread: threading.Thread | None = None
         self._last_progress = 0.0
         self._progress_round = 0
         self._progress_written = 0
@@ -157,12 +171,22 @@ class RoundRecorder:
             self._thread = threading.Thread(target=ctx.run, args=(self._work,), name=f"atoll-recorder-{self.run_id}",
                                             daemon=True)
             self._thread.start()
+            if self.round_run_tags is not None:
+                # Recorded rounds: their flow runs' states on a thread of their own, so that a round
+                # opens and completes on the server's clock when it happens, not behind the slower
+                # artifacts, goodput reads and plots of earlier rounds.
+                self._state_thread = threading.Thread(target=contextvars.copy_context().run, args=(self._state_work,),
+                                                      name=f"atoll-recorder-states-{self.run_id}", daemon=True)
+                self._state_thread.start()
         return self
+
+    def _inbox(self) -> queue.Queue[Any]:
+        return self._states if self._state_thread is not None else self._queue
 
     def open(self, round_: int) -> None:
         """Recorded round ``round_`` has opened: create its flow run, Running, now (never blocks)."""
         if self.round_run_tags is not None:
-            self._queue.put(_Open(round_))
+            self._inbox().put(_Open(round_))
 
     def submit(self, round_: int, flow_run_id: Any = None, *, seconds: float | None = None,
                phases: Iterable[Phase] = ()) -> None:
@@ -170,7 +194,7 @@ class RoundRecorder:
         Without a flow run id (recorded rounds) the round's flow run is completed (or created,
         if it was not opened); ``seconds`` is the round's duration for its state message,
         ``phases`` become its task runs."""
-        self._queue.put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds, tuple(phases)))
+        self._inbox().put(_Item(round_, str(flow_run_id) if flow_run_id else None, seconds, tuple(phases)))
 
     def backfill(self, latest_round: int, *, window: int = BACKFILL_ROUNDS) -> list[int]:
         """Queue every committed round up to ``latest_round`` that has no round flow run yet, and
@@ -217,7 +241,7 @@ class RoundRecorder:
             self._drain_inline()
         else:
             done = threading.Event()
-            self._queue.put(done)
+            self._inbox().put(done)
             done.wait(timeout_s)
         return self.last_goodput
 
@@ -227,7 +251,10 @@ class RoundRecorder:
         commits the round completes it (the idempotency key gives it back)."""
         out = self.flush(timeout_s)
         if self._thread is not None:
-            self._queue.put(_STOP)
+            self._inbox().put(_STOP)  # the state thread passes it on
+            if self._state_thread is not None:
+                self._state_thread.join(timeout_s)
+                self._state_thread = None
             self._thread.join(timeout_s)
             self._thread = None
         if self._running and timeout_s > 0:
@@ -247,7 +274,33 @@ class RoundRecorder:
             log.warning(f"run {self.run_id}: could not cancel the flow runs of open rounds: {e!r}")
         self._running.clear()
 
-    # -- the writer ---------------------------------------------------------------------------
+    # -- the writers --------------------------------------------------------------------------
+    def _state_work(self) -> None:
+        """Recorded rounds' flow runs, as they open and commit; each committed round then goes on,
+        with its flow run, to the writer thread (so does everything else, in order)."""
+        from prefect.client.orchestration import get_client
+        from prefect.states import Running
+
+        with get_client(sync_client=True) as client:
+            while True:
+                item = self._states.get()
+                if isinstance(item, _Open):
+                    try:
+                        self._running[item.round] = self._round_run(client, item.round, Running())
+                    except Exception as e:  # noqa: BLE001 - its commit creates it instead
+                        log.warning(f"run {self.run_id}: could not open round {item.round}'s flow run: {e!r}")
+                    continue
+                if isinstance(item, _Item) and not item.flow_run_id:
+                    try:
+                        record = self.store.readable_commit(item.round)
+                        if record is not None:
+                            item = dataclasses.replace(item, flow_run_id=str(self._complete_round_run(client, item, record)))
+                    except Exception as e:  # noqa: BLE001 - the writer thread tries again
+                        log.warning(f"run {self.run_id}: could not complete round {item.round}'s flow run: {e!r}")
+                self._queue.put(item)
+                if item is _STOP:
+                    return
+
     def _drain_inline(self) -> None:
         batch = []
         while not self._queue.empty():
