@@ -480,17 +480,20 @@ def test_forged_record_under_another_learners_prefix_with_keyring(keyed_run: Hos
 
 
 def test_huge_step_time_in_info_is_clipped(run: HostileRun) -> None:
-    """A reported step time of 10**400 s is clipped to a day (no overflow, no endless grace)."""
-    key = run.contribution(changes={"info": {"step_time_s": 10**400}})
+    """A reported step time of 1e300 s is clipped to a day (no overflow, no endless grace); one of
+    10**400 makes the record unusable (a number out of bounds: schema)."""
+    key = run.contribution(changes={"info": {"step_time_s": 1e300}})
+    unusable = run.contribution(changes={"info": {"step_time_s": 10**400}, "c_steps": 3})
     run.goes_on(dt=3 * 3600.0)
     assert key in run.accepted_keys()
+    assert run.rejection(unusable).kind is RejectionKind.SCHEMA
     step = run.sync.ema.get("step_s")
     assert step is not None and 0 <= step <= MAX_TIMING_S
     run.still_readable(run.before)
 
 
 def test_huge_step_time_in_info_does_not_stall_rounds(run: HostileRun) -> None:
-    run.contribution(changes={"info": {"step_time_s": 10**400}})
+    run.contribution(changes={"info": {"step_time_s": 1e300}})
     run.rounds(1)
     assert len(run.rounds(3, max_ticks=12)) >= 3
     run.still_readable(run.before)
