@@ -230,9 +230,11 @@ def test_garbage_run_json(run_dir: Path, garbage: bytes, capsys: pytest.CaptureF
 
 
 def test_garbage_commit_record(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A garbage past commit record is a void slot: status skips it and shows the other rounds."""
     (run_dir / paths.commit_key(2)).write_bytes(b"{not json\n\n at all")
-    rc, _, err = _main(["status", str(run_dir)], capsys)
-    _assert_one_line_error(rc, err)
+    rc, out, err = _main(["status", str(run_dir)], capsys)
+    assert rc == 0, err
+    assert "4 of" in out
 
 
 def test_a_directory_named_run_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -306,10 +308,12 @@ def test_fifo_named_run_json_does_not_hang_resume(fifo_run: Path) -> None:
 
 
 def test_fifo_as_a_commit_record(run_dir: Path) -> None:
+    """A FIFO in a past commit slot is a void slot: status skips it (never opens it) and shows the rest."""
     (run_dir / paths.commit_key(3)).unlink()
     os.mkfifo(run_dir / paths.commit_key(3))
     done = _cli_subprocess("status", str(run_dir))
-    _assert_one_line_error(done.returncode, done.stderr, "FIFO")
+    assert done.returncode == 0, done.stderr
+    assert "4 of" in done.stdout and "Traceback" not in done.stderr
 
 
 def test_missing_run_through_a_real_process(tmp_path: Path) -> None:
