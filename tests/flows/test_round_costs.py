@@ -191,12 +191,14 @@ def test_nest_rounds_runs_rounds_as_subflows(prefect_harness: None, tmp_path: Pa
             assert [a.type for a in arts] == ["markdown"]
 
 
-MAX_RECORDED_CALLS_PER_ROUND = 3.5
-"""Recorded rounds, all from the recorder's thread, none on the round's own path: the round's flow
+MAX_RECORDED_CALLS_PER_ROUND = 4.0
+"""Recorded rounds, all from the recorder's threads, none on the round's own path: the round's flow
 run created Running when it opens and set Completed when it commits (two calls: a state's time is
 the server's, so this is how its duration is the round's), its one artifact (summary and
 contributions); its task runs go as events (the websocket), its log lines with the batch's
-(``POST /logs/``, not counted here). Two artifacts a round (a keyed summary and a keyed
+(``POST /logs/``, not counted here). 3 calls a round, plus the client's retries: a loaded SQLite
+server answers some creations 503 (its write lock is held by the task-run and event writes), and
+Prefect's client sends them again (measured 3.75 at load average ~12 on 2 cores). Two artifacts a round (a keyed summary and a keyed
 contributions table) cost the server 35 ms of CPU where one without a key costs 11 ms."""
 
 
