@@ -115,16 +115,32 @@ def _described(cmd: Command, pids: list[int]) -> str:
     return "\n".join(lines) + "\n--- output\n" + cmd.output()[-3000:]
 
 
-def test_demo_kept_up_stops_its_server_and_workers_on_sigterm(command, tmp_path: Path) -> None:
-    cmd = command(["demo", "--dir", str(tmp_path / "demo"), "--learners", "2", "--rounds", "2",
+def _flow_processes(pid: int) -> list[int]:
+    """Flow-run processes (``prefect.engine``) under ``pid``: the training run's, the learners'."""
+    out = []
+    for child in descendants(pid):
+        try:
+            if b"prefect.engine" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_demo_kept_up_stops_its_stack_and_flow_runs_on_sigterm(command, tmp_path: Path) -> None:
+    """Mid-training: the server, a worker per pool, and the flow-run processes the workers started
+    (the training run, the learners) all go; the kept-up wait after training unwinds the same way."""
+    cmd = command(["demo", "--dir", str(tmp_path / "demo"), "--learners", "2", "--rounds", "50",
                    "--port", str(free_port()), "--keep-up"])
-    cmd.wait_for(lambda: "stays up" in cmd.output(), 240, "the demo to finish training and keep the stack up")
+    cmd.wait_for(lambda: "training run:" in cmd.output() and len(_flow_processes(cmd.proc.pid)) >= 2, 420,
+                 "the training run and a learner to run under the workers")
     children = descendants(cmd.proc.pid)
-    assert len(children) >= 3, _described(cmd, children)  # the server and a worker per pool
+    assert len(children) >= 5, _described(cmd, children)  # server, 2 workers, training run, a learner
     assert set(children) <= set(cmd.marked())
     rc, left = cmd.stop_with(signal.SIGTERM)
     assert not left, "left running after SIGTERM:\n" + _described(cmd, left)
-    assert rc == 0, cmd.output()  # the demo had completed: stopping a kept-up stack is its normal end
+    assert rc == 128 + signal.SIGTERM, cmd.output()
     assert "stopping the local stack" in cmd.output()
 
 
