@@ -52,6 +52,7 @@ class Chromium:
         if binary is None:
             raise FileNotFoundError("no chromium binary (apt-get install chromium, or set ATOLL_CHROMIUM)")
         self.profile = tempfile.mkdtemp(prefix="atoll-chromium-")
+        self.width, self.height = width, height
         self._next_id = 0
         out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         self._log = out if log else None
@@ -71,8 +72,7 @@ class Chromium:
             self.send("Page.enable")
             self.send("Runtime.enable")
             # The window size is not always the layout's: a desktop viewport, so the UI shows its sidebar.
-            self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                      mobile=False)
+            self._viewport(width, height)
         except BaseException:
             self.close()
             raise
@@ -164,12 +164,23 @@ class Chromium:
                                     width: i.naturalWidth, height: i.naturalHeight, complete: i.complete}))""")
         return list(value or [])
 
-    def screenshot(self, path: Path) -> Path:
-        """A PNG of the whole page (not only the window)."""
-        res = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+    def screenshot(self, path: Path, *, height: int | None = None) -> Path:
+        """A PNG of the window; ``height``: of a window this tall instead (the UI scrolls inside its
+        own panes, so a taller window is how a long page fits in one picture)."""
+        if height:
+            self._viewport(self.width, height)
+            time.sleep(1.0)  # relayout and repaint
+        try:
+            res = self.send("Page.captureScreenshot", format="png")
+        finally:
+            if height:
+                self._viewport(self.width, self.height)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(res["data"]))
         return path
+
+    def _viewport(self, width: int, height: int) -> None:
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     # -- stop ---------------------------------------------------------------------------------
     def close(self) -> None:
