@@ -406,7 +406,7 @@ class ObjectStore:
         def cat() -> bytes:
             # A LIST may have filled fsspec's listing cache, and s3fs answers the size lookup of a
             # plain cat from it: an object created since would read as missing, forever.
-            self.fs.invalidate_cache(path)
+            self._invalidate(path)
             if self.is_local:
                 self._check_local_file(key, path)
             if max_bytes is None:
@@ -477,7 +477,7 @@ class ObjectStore:
         path = self.path(prefix)
 
         def ls() -> list[str]:
-            self.fs.invalidate_cache(path)
+            self._invalidate(path)
             try:
                 entries = self.fs.ls(path, detail=False)
             except FileNotFoundError:
@@ -495,7 +495,7 @@ class ObjectStore:
             return []  # a folder that is (or sits under) a link out of the run: never listed, never pruned
 
         def ls() -> list[dict[str, Any]]:
-            self.fs.invalidate_cache(path)
+            self._invalidate(path)
             try:
                 return list(self.fs.ls(path, detail=True))
             except FileNotFoundError:
@@ -551,6 +551,15 @@ class ObjectStore:
             if stat.S_ISLNK(st.st_mode):
                 return cur
         return None
+
+    def _invalidate(self, path: str) -> None:
+        """Drop fsspec's cached listing of ``path``. fsspec's DirCache pops with a check, then a
+        delete: two threads invalidating one path at once (io_map) make the second raise KeyError;
+        the entry is gone either way."""
+        try:
+            self.fs.invalidate_cache(path)
+        except KeyError:
+            pass
 
     def _inside_root(self, path: str) -> bool:
         """Local: whether ``path``, with every link on the way resolved, stays inside the run folder."""
