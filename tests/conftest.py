@@ -58,7 +58,7 @@ SERVER_FIXTURES = frozenset({"prefect_harness", "moto_endpoint", "gcs_endpoint",
 one (``smoke_run``, ``deployed``) puts it in the test's fixture closure too."""
 
 REMOTE_BACKENDS = frozenset({"s3", "gcs"})
-BACKEND_FIXTURES = ("backend", "hostile_backend")
+BACKEND_FIXTURES = ("backend", "hostile_backend", "readers")
 
 SERVER_FOLDERS = ("integration",)
 """Folders (under tests/) all of whose tests run against a real stack."""

@@ -86,8 +86,8 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     goodput = GoodputTracker(RunStore.open(url, read_only=True))
     goodput.update()
     tracker = goodput.wire
-    # Tokens merged are the tokens trained that reached the model: goodput's share (equal step times).
-    share = goodput.report().goodput
+    # Tokens merged are the tokens trained that reached the model: the merged-work share (equal step times).
+    share = goodput.report().merged_share
     assert share is not None and tracker.tokens_merged / tracker.learner_tokens == pytest.approx(share, rel=0.15)
     rest = sync - tracker.synchronizer
     assert min(rest.to_dict().values()) >= 0 and rest.puts >= 3  # the last commit's writes are in no round

@@ -109,6 +109,10 @@ def test_a_lone_contribution_far_above_the_fragments_history_is_an_outlier() -> 
                                optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
                                norm_history=(0.02, 0.03, 0.025))
     assert res is None  # nothing left to merge: the fragment keeps its value
+    reasons: dict[str, Rejection] = {}
+    synchronize_fragment(current=cur, bases={0: cur}, contributions=[forged], optimizer=NesterovOuterOptimizer(),
+                         outlier_norm_ratio=100.0, norm_history=(0.02, 0.03, 0.025), reasons=reasons)
+    assert reasons["forger"].kind is RejectionKind.OUTLIER
     again = synchronize_fragment(current=cur, bases={0: cur}, contributions=[forged],
                                  optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
                                  norm_history=(0.02, 0.03, 0.025), max_weight_share=0.9)

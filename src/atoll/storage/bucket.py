@@ -381,7 +381,7 @@ class RunStore:
     @property
     def manifest(self) -> RunManifest:
         if self._manifest is None:
-            data = self._get_capped(paths.RUN_MANIFEST, MAX_MANIFEST_BYTES)
+            data = self._get_capped(paths.RUN_MANIFEST, MAX_MANIFEST_BYTES, denied_raises=True)
             if data is None:
                 raise RunNotFoundError(f"no run at {self.url} ({paths.RUN_MANIFEST} missing); call init_run first")
             url = self.store.key_url(paths.RUN_MANIFEST)
@@ -800,9 +800,9 @@ class RunStore:
             while len(cache) > 4096:
                 cache.popitem(last=False)
 
-    def _get_capped(self, key: str, cap: int) -> bytes | None:
+    def _get_capped(self, key: str, cap: int, *, denied_raises: bool = False) -> bytes | None:
         """GET at most ``cap`` bytes of a record; InvalidInput('oversize') if it is larger."""
-        got = read_bytes(self.store, key, cap)  # the one reader path: a folder or a FIFO is Skipped
+        got = read_bytes(self.store, key, cap, denied_raises=denied_raises)  # a folder or a FIFO is Skipped
         if isinstance(got, Skipped):
             why = f"object is larger than the {_size_text(cap)} cap for its kind" if got.kind.value == "oversize" else got.why
             raise InvalidInput(got.kind, why, url=self.store.key_url(key))

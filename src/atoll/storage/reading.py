@@ -93,15 +93,22 @@ def loads_bounded(data: bytes) -> Any:
                       parse_constant=_no_constant)
 
 
-def read_bytes(store: Any, key: str, cap: int) -> bytes | Skipped | None:
+def read_bytes(store: Any, key: str, cap: int, *, denied_raises: bool = False) -> bytes | Skipped | None:
     """At most ``cap`` bytes of the object at ``key``: its bytes, None if absent, or
     :class:`Skipped` (larger than ``cap``; not a regular object: a folder, a FIFO, a link out of
     the run; any other error reading it). One capped GET. ``store`` is an
-    :class:`~atoll.storage.store.ObjectStore`. Raises only :class:`TransientStorageError`."""
+    :class:`~atoll.storage.store.ObjectStore`. Raises only :class:`TransientStorageError`, and
+    PermissionError with ``denied_raises`` (for objects only the operator writes, such as
+    ``run.json``: access denied there is the reader's credentials, which the operator must see; on
+    a learner's object it may be the learner's doing, so it is skipped like any other)."""
     try:
-        data = store.get_or_none(key, max_bytes=cap)
+        data: bytes | None = store.get_or_none(key, max_bytes=cap)
     except TransientStorageError:
         raise  # the store is unwell, not this object
+    except PermissionError:
+        if denied_raises:
+            raise
+        return Skipped(key, RejectionKind.CORRUPT, "cannot be read: access denied")
     except (StorageError, OSError, ValueError) as e:  # a folder, a FIFO, a link out, a name the backend refuses
         return Skipped(key, RejectionKind.CORRUPT, f"cannot be read: {type(e).__name__}: {str(e)[:300]}")
     if data is None:
