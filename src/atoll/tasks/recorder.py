@@ -285,10 +285,7 @@ class RoundRecorder:
             while True:
                 item = self._states.get()
                 if isinstance(item, _Open):
-                    try:
-                        self._running[item.round] = self._round_run(client, item.round, Running())
-                    except Exception as e:  # noqa: BLE001 - its commit creates it instead
-                        log.warning(f"run {self.run_id}: could not open round {item.round}'s flow run: {e!r}")
+                    self._open_round_run(client, item.round, Running())
                     continue
                 if isinstance(item, _Item) and not item.flow_run_id:
                     try:
@@ -355,6 +352,13 @@ class RoundRecorder:
                         f"trying again in {self.retry_s:g} s")
             return left
 
+    def _open_round_run(self, client: Any, round_: int, running: Any) -> None:
+        """Create round ``round_``'s flow run Running, now: the server's clock times its start."""
+        try:
+            self._running[round_] = self._round_run(client, round_, running)
+        except Exception as e:  # noqa: BLE001 - its commit creates it instead
+            log.warning(f"run {self.run_id}: could not open round {round_}'s flow run: {e!r}")
+
     def _round_run(self, client: Any, round_: int, state: Any) -> UUID:
         """Create round ``round_``'s flow run in ``state`` with one API call, named and tagged like
         a round flow run; the idempotency key makes it one flow run per round of a run, whoever
@@ -403,10 +407,7 @@ class RoundRecorder:
         todo = []
         for item in batch:
             if isinstance(item, _Open):
-                try:
-                    self._running[item.round] = self._round_run(client, item.round, Running())
-                except Exception as e:  # noqa: BLE001 - the commit creates it instead
-                    log.warning(f"run {self.run_id}: could not open round {item.round}'s flow run: {e!r}")
+                self._open_round_run(client, item.round, Running())
                 continue
             record = self.store.readable_commit(item.round)
             if record is None:
