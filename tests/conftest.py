@@ -174,6 +174,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             groups[item.nodeid] = group
+            if group in SHARED_GROUPS.values():
+                _pin_to_one_worker(config, item, group)
     if getattr(config.option, "dist", "no") != "no":
         # xdist hands out work units in this order (with --no-loadscope-reorder), one or two per
         # worker at a time: the long groups first, then other groups, then single tests that start
@@ -187,6 +189,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return len(GROUP_ORDER) + (2 if item.get_closest_marker("fast") else 1)
 
         items.sort(key=rank)
+
+
+def _pin_to_one_worker(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """pytest-xdist's loadgroup sends a group to one worker by a ``@group`` suffix of the node id,
+    which it writes to ``item._nodeid``; pytest 9 keeps the node id in ``item._id``, so that suffix
+    is lost and a group's tests spread over every worker. For the groups that must never run beside
+    each other (SHARED_GROUPS) the suffix is written where pytest reads it."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(item, "_id"):
+        return
+    if item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+        return  # xdist's own suffix took
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 def _selects_fast_only(config: pytest.Config) -> bool:

@@ -40,7 +40,7 @@ SHOTS = Path(__file__).resolve().parents[2] / "out" / "ui"
 ROUNDS = 3
 """Rounds of the run: enough for a few recorded rounds and a plot with more than one point."""
 
-PAGE_TIMEOUT_S = 60.0
+PAGE_TIMEOUT_S = 180.0
 """How long a page may take to render what is checked (the SPA's API calls on a loaded machine)."""
 
 

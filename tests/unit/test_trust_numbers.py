@@ -87,7 +87,7 @@ def test_weight_share_cap_leaves_honest_weights_bit_for_bit() -> None:
 
 def test_config_knobs_validate() -> None:
     cfg = DilocoConfig()
-    assert cfg.max_weight_share == 0.9 and cfg.max_learner_speedup == 4.0
+    assert cfg.max_weight_share is None and cfg.max_learner_speedup == 4.0
     assert DilocoConfig.from_dict({k: v for k, v in cfg.to_dict().items()
                                    if k not in ("max_weight_share", "max_learner_speedup")}) == cfg
     for bad in ({"max_weight_share": 0.0}, {"max_weight_share": 1.5}, {"max_learner_speedup": 0.5},

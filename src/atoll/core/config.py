@@ -115,12 +115,14 @@ class DilocoConfig:
     to one-process learners and DDP islands (FSDP2 islands overwrite). A run whose manifest has no
     such field reads as False."""
 
-    max_weight_share: float | None = 0.9
+    max_weight_share: float | None = None
     """Largest normalised weight one contribution may get in a round with two or more (at least
     1/n with n contributions): a heavier one is capped and the others scaled up in proportion.
     Weights come from counters the learners report, so this bounds what one learner's claims
-    can buy. 0.9 leaves honest rounds as they are unless one learner brings over nine times the
-    weight of all others together; None turns the cap off (docs/threat-model.md)."""
+    can buy. Off (None) by default: an honest island with many more ranks than the others
+    legitimately carries more than 0.9 of a round (two ranks beside one, at token weighting,
+    already 0.901); counters are bounded by observed time (``max_learner_speedup``) either way.
+    A fleet of equal learners can set e.g. 0.9 (docs/threat-model.md)."""
 
     max_learner_speedup: float | None = 4.0
     """How much faster than the fastest other learner (its step time as the synchronizer
