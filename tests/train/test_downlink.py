@@ -27,10 +27,11 @@ from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOpt
 Tensors = dict[str, torch.Tensor]
 
 
-def new_run(tmp_path: Path, codec: str = "int4", *, learners: int = 2, rounds: int = 1000) -> RunStore:
+def new_run(tmp_path: Path, codec: str = "int4", *, learners: int = 2, rounds: int = 1000,
+            outer_momentum: float = 0.9) -> RunStore:
     config, recipe = smoke_recipe(learners, max_rounds=rounds)
-    return create_run(to_url(str(tmp_path / "run")), config.replace(initial_grace_s=0.0, downlink_compression=codec),
-                      recipe)
+    config = config.replace(initial_grace_s=0.0, downlink_compression=codec, outer_momentum=outer_momentum)
+    return create_run(to_url(str(tmp_path / "run")), config, recipe)
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -237,7 +238,9 @@ def learner_thread(url: str, learner_id: str, out: dict[str, LearnerSession]) ->
 
 def test_an_int4_downlink_run_of_learner_threads_trains_and_learners_hold_the_view(tmp_path: Path) -> None:
     rounds = 24
-    store = new_run(tmp_path, rounds=rounds)
+    # mu = 0.5: with H = 2 and contributions two versions stale, mu = 0.9 overshoots for a few
+    # rounds (3.1 -> 8 and back, the same with an fp32 downlink); this test is about the downlink.
+    store = new_run(tmp_path, rounds=rounds, outer_momentum=0.5)
     evaluate = make_evaluator(store)
     initial = evaluate(store.read_global_state(0).params)
     sessions: dict[str, LearnerSession] = {}
