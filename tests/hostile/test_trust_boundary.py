@@ -14,7 +14,7 @@ from hostile_helpers import HONEST, Backend, HostileRun
 
 from atoll.storage import liveness as lc
 from atoll.storage import paths
-from atoll.storage.codec import dump_record
+from atoll.storage.codec import dump_record, sha256_hex
 
 PRE_ROUNDS = 2
 
@@ -216,3 +216,68 @@ def test_a_rewritten_run_json_is_never_acted_on(backend: Backend) -> None:
     # the untouched runs pass the same check
     fresh = HostileRun(Backend(backend.name, backend.root + "-ok", backend.storage_options), keyed=True)
     assert load_recipe(fresh.backend.open(keyring=Keyring(fresh.keys), read_only=True)).learners
+
+
+def test_stop_marker_and_retention_record_are_signed_for_a_keyed_run(backend: Backend) -> None:
+    """With a keyring, stop.json and prune.json carry the synchronizer's signature for the run:
+    one written by anyone without the key (or copied from another run) is ignored with a reason
+    by whoever holds the key; a handle without the key cannot write one the run would ignore."""
+    from atoll.storage.integrity import Keyring, seal
+    from atoll.storage.records import PruneRecord
+
+    run = HostileRun(backend, keyed=True)
+    run.rounds(1)
+    sync = run.backend.open(keyring=Keyring(run.keys))
+    stop = {"stopped": True, "reason": "forged", "by": "x", "time": time.time()}
+    prune = PruneRecord(through_round=1, floors=(1, 1), pruned_at=time.time(), by="x", deleted_objects=0,
+                        deleted_bytes=0).to_dict()
+    # with a correct digest (anyone can compute one), without the key's signature
+    forged_stop, forged_prune = dump_record(lc.KIND_STOP, seal(lc.KIND_STOP, stop)), \
+        dump_record("atoll/prune", seal("atoll/prune", prune))
+    run.put(paths.STOP, forged_stop)
+    run.put(paths.PRUNE, forged_prune)
+    marker, why = sync.read_stop_marker()
+    assert marker is None and why is not None and "not signed" in why, why
+    prune, why = sync.read_prune_record()
+    assert prune is None and why is not None and "not signed" in why, why
+    run.put(paths.STOP, dump_record(lc.KIND_STOP, stop))  # no seal at all: the same
+    assert sync.read_stop_marker()[0] is None
+    run.goes_on(1)  # the synchronizer does not stop on the forged marker
+    with pytest.raises(PermissionError, match="ATOLL_KEYRING"):
+        run.backend.open().mark_stopped("no key", by="operator")
+    # written with the key: honoured; the same bytes in another keyed run are not (the run id)
+    sync.mark_stopped("done", by="operator")
+    marker, why = sync.read_stop_marker()
+    assert marker is not None and marker.stopped and why is None
+    other = HostileRun(Backend(backend.name, backend.root + "-b", backend.storage_options), keyed=True)
+    other.put(paths.STOP, run.store.store.get(paths.STOP))
+    marker, why = other.backend.open(keyring=Keyring(other.keys)).read_stop_marker()
+    assert marker is None and why is not None and "signature does not verify" in why, why
+    # an unkeyed run keeps plain markers (a digest, checked when present)
+    plain = HostileRun(Backend(backend.name, backend.root + "-plain", backend.storage_options))
+    plain.store.mark_stopped("done", by="operator")
+    assert plain.store.stop_marker() is not None
+
+
+def test_a_rewritten_checkpoint_config_is_refused_with_the_key(backend: Backend) -> None:
+    """A checkpoint's config.json rewritten to point at other weights (model file and sha256 both
+    replaced, digest recomputed): with the synchronizer's key, load_checkpoint raises before it
+    reads the model; the untouched checkpoint loads."""
+    from atoll.storage.integrity import IntegrityError, Keyring, seal
+
+    run = HostileRun(backend, keyed=True)
+    run.rounds(2)
+    sync = run.backend.open(keyring=Keyring(run.keys))
+    info = sync.write_checkpoint()
+    round_ = sync.list_checkpoints()[-1]
+    assert sync.load_checkpoint(round_)
+    cfg_key, model_key = paths.checkpoint_config_key(round_), paths.checkpoint_model_key(round_)
+    body = json.loads(run.store.store.get(cfg_key))
+    kind = body.pop("schema")
+    body.pop("schema_version")
+    run.put(model_key, run.store.store.get(model_key)[:-8] + b"\0" * 8)  # other weights ...
+    body["model"]["sha256"] = sha256_hex(run.store.store.get(model_key))  # ... and their sha256
+    run.put(cfg_key, dump_record(kind, seal(kind, body)))  # a correct digest, no signature
+    with pytest.raises(IntegrityError, match="not signed"):
+        sync.load_checkpoint(round_)
+    assert info.round == round_

@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from atoll.ops.procs import free_port
 from atoll.storage import ObjectStore, RetryPolicy, TransientStorageError, is_transient
-from conftest import free_port
 
 ATTEMPTS = 3
 

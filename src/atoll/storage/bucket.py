@@ -53,8 +53,8 @@ from atoll.storage.codec import (
     sha256_hex,
     tensors_to_bytes,
 )
-from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
-from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
+from atoll.storage.integrity import KEYRING_ENV, SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
+from atoll.storage.liveness import KIND_STOP, SYNCHRONIZER_HOLDER, Heartbeat, Lease, Liveness, StopMarker
 from atoll.storage.reading import Skipped, read_bytes, read_parsed, skip_of
 from atoll.storage.records import (
     KIND_CHECKPOINT,
@@ -1304,13 +1304,16 @@ class RunStore:
 
     def mark_stopped(self, reason: str, by: str) -> StopMarker:
         """Write ``sync/stop.json`` with ``stopped: true``: learners and the synchronizer exit."""
-        self._check_writable()
-        return liveness.write_stop_marker(self.store, stopped=True, reason=reason, by=by)
+        return self._write_stop_marker(stopped=True, reason=reason, by=by)
 
     def clear_stopped(self, *, reason: str = "cleared", by: str = "") -> StopMarker:
         """Overwrite the stop marker with ``stopped: false`` (nothing is ever deleted)."""
+        return self._write_stop_marker(stopped=False, reason=reason, by=by)
+
+    def _write_stop_marker(self, *, stopped: bool, reason: str, by: str) -> StopMarker:
         self._check_writable()
-        return liveness.write_stop_marker(self.store, stopped=False, reason=reason, by=by)
+        return liveness.write_stop_marker(self.store, stopped=stopped, reason=reason, by=by,
+                                          seal_with=self._operator_seal("the stop marker"))
 
     def stop_marker(self) -> StopMarker | None:
         """The stop marker; None if there is none or it is unusable (use :meth:`read_stop_marker`
@@ -1318,15 +1321,49 @@ class RunStore:
         return self.read_stop_marker()[0]
 
     def read_stop_marker(self) -> tuple[StopMarker | None, str | None]:
-        """(the stop marker or None, why an existing one was ignored or None)."""
-        return liveness.read_stop_marker(self.store)
+        """(the stop marker or None, why an existing one was ignored or None). With the
+        synchronizer's key, a marker that is not signed with it for this run is ignored."""
+        return liveness.read_stop_marker(self.store, check=self._operator_check(KIND_STOP))
+
+    def _operator_seal(self, what: str) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
+        """How a record only the operator (or the synchronizer) writes is sealed: a digest, and the
+        synchronizer's signature for this run when this handle's keyring holds its key. A run whose
+        ``run.json`` is signed refuses an unsigned one (its synchronizer would ignore it)."""
+        key = self._run_key(SYNCHRONIZER_KEY_ID)
+        if key is None and self._run_is_signed():
+            raise PermissionError(f"this run signs its records and {what} would be ignored unsigned: set "
+                                  f"${KEYRING_ENV} to a keyring holding the synchronizer's key "
+                                  f"({SYNCHRONIZER_KEY_ID!r})")
+        return lambda kind, body: seal(kind, body, key)
+
+    def _run_is_signed(self) -> bool:
+        try:
+            _ = self.manifest
+        except (InvalidInput, StorageError):  # no readable run.json: nothing says the run is signed
+            return False
+        return isinstance(self._manifest_body, dict) and "signature" in self._manifest_body
+
+    def _operator_check(self, kind: str) -> Callable[[dict[str, Any], str], None]:
+        """Check a sealed operator record (see :meth:`_operator_seal`): with the synchronizer's key
+        its signature is required; without, a digest present must match (older records have none)."""
+        key = self._run_key(SYNCHRONIZER_KEY_ID)
+
+        def check(body: dict[str, Any], url: str) -> None:
+            if key is not None or "digest" in body:
+                check_seal(kind, body, url=url, key=key)
+        return check
 
     # -- retention ---------------------------------------------------------------------------
     def read_prune_record(self) -> tuple[PruneRecord | None, str | None]:
         """(the run's retention record or None, why a stored one was ignored or None)."""
         num_fragments = self.plan.num_fragments
-        got = read_parsed(self.store, paths.PRUNE, MAX_HEAD_BYTES * 64,
-                          lambda data: PruneRecord.from_body(load_record(data, KIND_PRUNE), num_fragments))
+        check, url = self._operator_check(KIND_PRUNE), self.store.key_url(paths.PRUNE)
+
+        def parse(data: bytes) -> PruneRecord:
+            body = load_record(data, KIND_PRUNE)
+            check(body, url)
+            return PruneRecord.from_body(body, num_fragments)
+        got = read_parsed(self.store, paths.PRUNE, MAX_HEAD_BYTES * 64, parse)
         if isinstance(got, Skipped):
             return None, f"retention record ignored: {self.store.key_url(paths.PRUNE)}: {got.kind.value}: {got.why}"
         return got, None
@@ -1336,7 +1373,8 @@ class RunStore:
         self._check_writable()
         if len(record.floors) != self.plan.num_fragments:
             raise ValueError(f"floors must name {self.plan.num_fragments} fragments, got {len(record.floors)}")
-        self.store.put(paths.PRUNE, dump_record(KIND_PRUNE, record.to_dict()))
+        self.store.put(paths.PRUNE, dump_record(KIND_PRUNE, self._operator_seal("the retention record")(
+            KIND_PRUNE, record.to_dict())))
 
     # -- consolidated checkpoints ------------------------------------------------------------
     def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:

@@ -39,6 +39,7 @@ from typing import Any
 from atoll.core.rejection import MAX_DETAIL_CHARS
 from atoll.storage import paths
 from atoll.storage.codec import dump_record, load_record
+from atoll.storage.integrity import IntegrityError
 from atoll.storage.reading import Skipped, bounded_int, finite_float, read_parsed
 from atoll.storage.store import ObjectStore
 from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
@@ -370,21 +371,31 @@ def read_liveness(store: ObjectStore, holder: str) -> Liveness:
 
 
 def write_stop_marker(store: ObjectStore, *, stopped: bool, reason: str, by: str,
-                      clock: Callable[[], float] = time.time) -> StopMarker:
+                      clock: Callable[[], float] = time.time,
+                      seal_with: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> StopMarker:
+    """``seal_with(kind, body)``: the sealed body to write (the run's digest and signature)."""
     marker = StopMarker(stopped=stopped, reason=_reason(reason), by=by[:1024], time=clock())
-    store.put(paths.STOP, dump_record(KIND_STOP, marker.to_dict()))
+    body = marker.to_dict() if seal_with is None else seal_with(KIND_STOP, marker.to_dict())
+    store.put(paths.STOP, dump_record(KIND_STOP, body))
     return marker
 
 
-def read_stop_marker(store: ObjectStore) -> tuple[StopMarker | None, str | None]:
-    """(marker or None if absent, why it was ignored if unusable)."""
+def read_stop_marker(store: ObjectStore, *, check: Callable[[dict[str, Any], str], None] | None = None,
+                     ) -> tuple[StopMarker | None, str | None]:
+    """(marker or None if absent, why it was ignored if unusable). ``check(body, url)`` raises
+    IntegrityError for a marker the caller must not act on (a bad or missing signature)."""
     body, why = _read(store, paths.STOP, KIND_STOP)
     if body is None:
         return None, why
+    url = store.key_url(paths.STOP)
     try:
+        if check is not None:
+            check(body, url)
         return StopMarker.from_body(body), None
+    except IntegrityError as e:
+        return None, f"{url}: ignored: {e.what}"
     except InvalidInput as e:
-        return None, f"{store.key_url(paths.STOP)}: {e.kind.value}: {e.reason[:300]}"
+        return None, f"{url}: {e.kind.value}: {e.reason[:300]}"
 
 
 def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = time.sleep) -> bool:

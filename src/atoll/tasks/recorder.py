@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from atoll.runs.report import (
@@ -69,6 +70,8 @@ from atoll.tasks.events import emit_round_committed
 __all__ = ["BACKFILL_ROUNDS", "CACHE_LIMIT", "RoundRecorder", "artifact_keys", "goodput_markdown"]
 
 log = logging.getLogger("atoll.recorder")
+
+T = TypeVar("T")
 
 BACKFILL_ROUNDS = 100
 """Rounds per query when a recorded run looks, at its start, for committed rounds that have no
@@ -279,19 +282,24 @@ class RoundRecorder:
         """Recorded rounds' flow runs, as they open and commit; each committed round then goes on,
         with its flow run, to the writer thread (so does everything else, in order)."""
         from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
         from prefect.states import Running
 
-        with get_client(sync_client=True) as client:
+        # The server stamps a state with its own clock, so a call that waits is a round timed
+        # wrong. Prefect's client waits 2 s, then 4, ... after a 503 (SQLite's write lock, held by
+        # the event and log writes of earlier rounds); this thread tries again within tens of ms.
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
             while True:
                 item = self._states.get()
                 if isinstance(item, _Open):
-                    self._open_round_run(client, item.round, Running())
+                    self._open_round_run(client, item.round, Running)
                     continue
                 if isinstance(item, _Item) and not item.flow_run_id:
                     try:
                         record = self.store.readable_commit(item.round)
                         if record is not None:
-                            item = dataclasses.replace(item, flow_run_id=str(self._complete_round_run(client, item, record)))
+                            run = _soon(functools.partial(self._complete_round_run, client, item, record))
+                            item = dataclasses.replace(item, flow_run_id=str(run))
                     except Exception as e:  # noqa: BLE001 - the writer thread tries again
                         log.warning(f"run {self.run_id}: could not complete round {item.round}'s flow run: {e!r}")
                 self._queue.put(item)
@@ -352,10 +360,10 @@ class RoundRecorder:
                         f"trying again in {self.retry_s:g} s")
             return left
 
-    def _open_round_run(self, client: Any, round_: int, running: Any) -> None:
+    def _open_round_run(self, client: Any, round_: int, running: Callable[[], Any]) -> None:
         """Create round ``round_``'s flow run Running, now: the server's clock times its start."""
         try:
-            self._running[round_] = self._round_run(client, round_, running)
+            self._running[round_] = _soon(lambda: self._round_run(client, round_, running()))
         except Exception as e:  # noqa: BLE001 - its commit creates it instead
             log.warning(f"run {self.run_id}: could not open round {round_}'s flow run: {e!r}")
 
@@ -388,10 +396,11 @@ class RoundRecorder:
         merged = plural(len(record.accepted), "learner")
         state: Any = Completed(message=f"round {item.round} (fragment {record.fragment}) committed{took}: "
                                   f"{merged} merged, {len(record.rejected)} not")
-        running = self._running.pop(item.round, None)
+        running = self._running.get(item.round)
         if running is None:
             return self._round_run(client, item.round, state)
         client.set_flow_run_state(running, state, force=True)
+        del self._running[item.round]  # only once it is set: a call tried again sets it again
         return running
 
     def _write_with(self, client: Any, batch: list[_Item | _Open], *, final: bool, done: set[int],
@@ -407,7 +416,7 @@ class RoundRecorder:
         todo = []
         for item in batch:
             if isinstance(item, _Open):
-                self._open_round_run(client, item.round, Running())
+                self._open_round_run(client, item.round, Running)
                 continue
             record = self.store.readable_commit(item.round)
             if record is None:
@@ -496,6 +505,22 @@ class RoundRecorder:
                 key=self.keys["plots"], type="markdown", flow_run_id=self.run_flow_run_id,
                 data=plots_markdown(self.run_id, self.tracker, pngs, report),
                 description=f"plots of run {self.run_id}: loss, goodput, contributors, bytes, learners"))
+
+
+def _soon(call: Callable[[], T], *, tries: int = 8, first_wait_s: float = 0.02) -> T:
+    """``call()``, tried again after 20 ms, 40 ms, ... (5 s in all) while the server answers 503
+    or 429 (busy) or cannot be reached; any other error, or the last, is raised."""
+    import httpx
+
+    for attempt in range(tries):
+        try:
+            return call()
+        except (httpx.HTTPStatusError, httpx.TransportError) as e:
+            busy = isinstance(e, httpx.TransportError) or e.response.status_code in (429, 503)
+            if not busy or attempt == tries - 1:
+                raise
+            time.sleep(first_wait_s * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _when(t: float) -> Any:
