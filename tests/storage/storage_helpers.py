@@ -118,4 +118,4 @@ class FsProxy:
 
     @property
     def lists(self) -> int:
-        return sum(self.calls[m] for m in ("ls", "find", "glob", "walk", "listdir", "du"))
+        return sum(self.calls[m] for m in ("ls", "find", "glob", "walk", "listdir", "du", "_lsdir", "_list_objects"))

@@ -277,6 +277,26 @@ def test_list_calls_per_poll_are_bounded(backend):
     assert fresh.latest_round() == 1 and fresh_px[0].lists == 0
 
 
+def test_a_capped_listing_is_one_request_and_leaves_no_partial_cache(backend):
+    """``list(prefix, limit=n)``: the first n names in key order, one LIST request however many
+    the prefix holds; a later lookup of a name it did not return, and a full listing, still see
+    every object (a partial listing never answers from fsspec's cache)."""
+    url = backend.new_url()
+    init_run(backend.open(url))
+    proxies: list = []
+    rs = backend.open(url, fresh=True, wrap=lambda fs: proxies.append(FsProxy(fs)) or proxies[-1])
+    store, px = rs.store, proxies[0]
+    names = [f"n{i:03d}.json" for i in range(30)]
+    for n in names:
+        store.put(f"flood/{n}", n.encode())
+    before = px.lists
+    assert store.list("flood/", limit=10) == names[:10]
+    assert px.lists - before == 1
+    assert store.get("flood/n029.json") == b"n029.json"
+    assert store.list("flood/") == names
+    assert store.list("nothing-here/", limit=10) == []
+
+
 # --- resume ---------------------------------------------------------------------------------------
 
 def _run_rounds(backend, url, rounds: int):

@@ -142,7 +142,8 @@ class ContributionListing:
     records: list[ContributionRecord] = field(default_factory=list)
     rejected: dict[str, Rejection] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
-    """Prefix -> record names it held beyond :data:`MAX_LISTED_PER_PREFIX` (not read)."""
+    """Prefix -> record names listed beyond :data:`MAX_LISTED_PER_PREFIX` (not read; at most
+    :data:`LIST_LIMIT` are listed, so this is a lower bound of what the prefix holds)."""
 
 
 MAX_LISTED_PER_PREFIX = 256
@@ -150,6 +151,12 @@ MAX_LISTED_PER_PREFIX = 256
 newest by name (the highest ``c_steps``); the rest are counted, never read. An honest learner
 writes one per publish while its base stays current, so this covers hours of a stalled
 synchronizer; more can only be a learner filling its own prefix."""
+
+LIST_LIMIT = 2 * MAX_LISTED_PER_PREFIX
+"""Names listed per prefix (one request on S3 and GCS): a prefix holding millions of objects costs
+a poll what one holding this many does. Past it, which names are listed is the backend's choice
+(S3, GCS: the first in key order), so a learner that floods its own prefix can hide only its own
+newer records."""
 
 
 @dataclass
@@ -626,7 +633,10 @@ class RunStore:
         listing = ContributionListing()
         prefixes = [paths.contributions_prefix(fragment, base, lid) for lid in ids for base in bases]
         keys = []
-        for prefix, names in zip(prefixes, io_map(self.store.list, prefixes), strict=True):
+        # One request per prefix however many objects a learner piles into it: at most
+        # LIST_LIMIT names are listed, of which the newest MAX_LISTED_PER_PREFIX are read.
+        for prefix, names in zip(prefixes, io_map(lambda p: self.store.list(p, limit=LIST_LIMIT), prefixes),
+                                 strict=True):
             names = sorted(n for n in names if n.endswith(".json"))
             if len(names) > MAX_LISTED_PER_PREFIX:
                 listing.skipped[prefix] = len(names) - MAX_LISTED_PER_PREFIX

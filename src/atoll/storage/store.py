@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -469,23 +470,41 @@ class ObjectStore:
                 return True  # an earlier attempt of this call landed before its reply was lost
             return False
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         """Names (last path component) directly under ``prefix``; one LIST, cache invalidated first.
 
         Temporary files (``.tmp-*``) are never returned. A missing prefix lists as empty.
+        ``limit``: at most that many names, with one request on S3 and GCS (the first in key
+        order), so a prefix holding millions of objects costs what one holding ``limit`` does;
+        without it every page is read (one request per 1,000 names). A local folder is read
+        whole (no requests; names in key order) and cut.
         """
         path = self.path(prefix)
 
         def ls() -> list[str]:
             self._invalidate(path)
             try:
-                entries = self.fs.ls(path, detail=False)
+                entries = self.fs.ls(path, detail=False) if limit is None else self._list_some(path, limit)
             except FileNotFoundError:
                 return []
+            finally:
+                if limit is not None:
+                    self._invalidate(path)  # a partial listing must never answer a later lookup
             return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
         names = self._call("list", prefix, ls)
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
+
+    def _list_some(self, path: str, limit: int) -> list[str]:
+        """Up to ``limit`` entries of ``path`` (paths or names), one request where the backend allows."""
+        protocols = set(self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,))
+        if protocols & {"s3", "s3a"}:
+            entries = fsspec.asyn.sync(self.fs.loop, self.fs._lsdir, path.rstrip("/"), refresh=True, max_items=limit)
+        elif protocols & {"gs", "gcs"}:
+            entries = fsspec.asyn.sync(self.fs.loop, self.fs._list_objects, path.rstrip("/"), max_results=limit)
+        else:
+            return sorted(self.fs.ls(path, detail=False))[:limit]
+        return [str(e["name"]) for e in entries][:limit]
 
     def list_info(self, prefix: str) -> ObjectInfos:
         """Like :meth:`list` (one LIST, names sorted, no ``.tmp-*``), with each entry's size and
