@@ -10,7 +10,6 @@ objects).
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hostile_helpers import HONEST, Backend, HostileRun
 

@@ -470,6 +470,17 @@ class ObjectStore:
                 return True  # an earlier attempt of this call landed before its reply was lost
             return False
 
+    def _list_some(self, path: str, limit: int) -> list[str]:
+        """Up to ``limit`` entries of ``path`` (paths or names), one request where the backend allows."""
+        protocols = set(self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,))
+        if protocols & {"s3", "s3a"}:
+            entries = fsspec.asyn.sync(self.fs.loop, self.fs._lsdir, path.rstrip("/"), refresh=True, max_items=limit)
+        elif protocols & {"gs", "gcs"}:
+            entries = fsspec.asyn.sync(self.fs.loop, self.fs._list_objects, path.rstrip("/"), max_results=limit)
+        else:
+            return sorted(self.fs.ls(path, detail=False))[:limit]
+        return [str(e["name"]) for e in entries][:limit]
+
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         """Names (last path component) directly under ``prefix``; one LIST, cache invalidated first.
 
@@ -494,17 +505,6 @@ class ObjectStore:
 
         names = self._call("list", prefix, ls)
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
-
-    def _list_some(self, path: str, limit: int) -> list[str]:
-        """Up to ``limit`` entries of ``path`` (paths or names), one request where the backend allows."""
-        protocols = set(self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,))
-        if protocols & {"s3", "s3a"}:
-            entries = fsspec.asyn.sync(self.fs.loop, self.fs._lsdir, path.rstrip("/"), refresh=True, max_items=limit)
-        elif protocols & {"gs", "gcs"}:
-            entries = fsspec.asyn.sync(self.fs.loop, self.fs._list_objects, path.rstrip("/"), max_results=limit)
-        else:
-            return sorted(self.fs.ls(path, detail=False))[:limit]
-        return [str(e["name"]) for e in entries][:limit]
 
     def list_info(self, prefix: str) -> ObjectInfos:
         """Like :meth:`list` (one LIST, names sorted, no ``.tmp-*``), with each entry's size and
