@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import pytest  # noqa: E402
-from hostile_helpers import Backend  # noqa: E402
+from hostile_helpers import PRE_ROUNDS, Backend, HostileRun  # noqa: E402
 
 for _name in ("werkzeug", "moto", "botocore", "s3fs"):
     logging.getLogger(_name).setLevel(logging.ERROR)
@@ -78,3 +78,12 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         {"key": "testing", "secret": "testing",
          "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}},
     )
+
+
+@pytest.fixture
+def run(backend: Backend) -> HostileRun:
+    """A run with PRE_ROUNDS committed rounds; ``run.before`` holds them as a fresh reader sees them."""
+    r = HostileRun(backend)
+    r.rounds(PRE_ROUNDS)
+    r.before = r.committed()
+    return r

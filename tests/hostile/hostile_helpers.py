@@ -28,6 +28,9 @@ from atoll.train.synchronizer import RoundSummary, Synchronizer
 HONEST = ("learner-0", "learner-1")
 SYNC_KEY = b"s" * 32
 
+PRE_ROUNDS = 2
+"""Rounds committed before an attack (the ``run`` fixture)."""
+
 
 def learner_key(learner_id: str) -> bytes:
     return (learner_id.encode() * 8)[:32].ljust(16, b"k")

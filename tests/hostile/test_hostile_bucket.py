@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from hostile_helpers import HONEST, Backend, HostileRun, fragment_payload, learner_key
+from hostile_helpers import HONEST, PRE_ROUNDS, Backend, HostileRun, fragment_payload, learner_key
 
 from atoll.core.rejection import RejectionKind
 from atoll.storage import RunStore, paths
@@ -36,21 +36,11 @@ from atoll.storage.validation import InvalidInput, validate_id
 from atoll.train.inner import RecipeLearner
 from atoll.train.synchronizer import MAX_TIMING_S, RoundSummary
 
-PRE_ROUNDS = 2
-
-
-@pytest.fixture
-def run(backend: Backend) -> HostileRun:
-    """A run with PRE_ROUNDS committed rounds; ``run.before`` holds them as a fresh reader sees them."""
-    r = HostileRun(backend)
-    r.rounds(PRE_ROUNDS)
-    r.before = r.committed()
-    return r
-
 
 @pytest.fixture
 def keyed_run(backend: Backend) -> HostileRun:
-    """The same, with a keyring: each learner signs with its own key, the synchronizer holds all."""
+    """The ``run`` fixture's run (conftest.py), with a keyring: each learner signs with its own
+    key, the synchronizer holds all."""
     r = HostileRun(backend, keyed=True)
     r.rounds(PRE_ROUNDS)
     r.before = r.reader(keyed=True).history()

@@ -10,23 +10,15 @@ import os
 import time
 
 import pytest
-from hostile_helpers import HONEST, Backend, HostileRun
+from hostile_helpers import HONEST, PRE_ROUNDS, Backend, HostileRun
 
 from atoll.storage import liveness as lc
 from atoll.storage import paths
 from atoll.storage.codec import dump_record, sha256_hex
 
-PRE_ROUNDS = 2
-
 HUGE = "1" + "0" * 400  # a 400-digit integer, spelled in JSON
 
 
-@pytest.fixture
-def run(backend: Backend) -> HostileRun:
-    r = HostileRun(backend)
-    r.rounds(PRE_ROUNDS)
-    r.before = r.committed()
-    return r
 
 
 def local_only(backend: Backend) -> None:
