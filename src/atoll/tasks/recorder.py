@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from atoll.runs.report import (
     ContributionRow,
@@ -77,6 +77,10 @@ BACKFILL_ROUNDS = 100
 """Rounds per query when a recorded run looks, at its start, for committed rounds that have no
 flow run (:meth:`RoundRecorder.backfill`)."""
 
+
+STATES_FIRST_S = 5.0
+"""Recorded rounds: how long the writer thread waits, at most, for the state thread to open and
+complete the rounds queued for it before it writes its next batch (:meth:`RoundRecorder._yield_to_states`)."""
 
 CACHE_LIMIT = 20_000
 """Contribution records the recorder's goodput tracker keeps in memory between batches (a chaos-soak
@@ -282,13 +286,9 @@ class RoundRecorder:
         """Recorded rounds' flow runs, as they open and commit; each committed round then goes on,
         with its flow run, to the writer thread (so does everything else, in order)."""
         from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
         from prefect.states import Running
 
-        # The server stamps a state with its own clock, so a call that waits is a round timed
-        # wrong. Prefect's client waits 2 s, then 4, ... after a 503 (SQLite's write lock, held by
-        # the event and log writes of earlier rounds); this thread tries again within tens of ms.
-        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
+        with get_client(sync_client=True) as client:
             while True:
                 item = self._states.get()
                 if isinstance(item, _Open):
@@ -329,6 +329,7 @@ class RoundRecorder:
                     pending.append(self._queue.get(timeout=self.retry_s if retry else None))
                 except queue.Empty:
                     pass
+                self._yield_to_states()
                 while True:  # everything queued meanwhile goes in one batch
                     try:
                         pending.append(self._queue.get_nowait())
@@ -341,6 +342,17 @@ class RoundRecorder:
                     w.set()
                 if any(i is _STOP for i in pending):
                     return
+
+    def _yield_to_states(self) -> None:
+        """While the state thread has rounds to open or complete, wait (at most ``STATES_FIRST_S``):
+        the server stamps those states with its own clock and, on SQLite, serves one write at a
+        time, so they go first; artifacts, task runs and logs carry their own times and land
+        later in bigger batches."""
+        if self._state_thread is None:
+            return
+        deadline = time.monotonic() + STATES_FIRST_S
+        while not self._states.empty() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _write(self, client: Any, batch: list[_Item | _Open], *, final: bool) -> list[_Item | _Open]:
         """Write ``batch``; the rounds it could not finish (to be tried again), each with the flow run
@@ -383,8 +395,7 @@ class RoundRecorder:
                                parameters={"round_number": round_, "run_id": self.run_id},
                                tags=list(self.round_run_tags or []), state=to_state_create(state),
                                idempotency_key=f"atoll-round:{self.run_id}:{round_}")
-        resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
-        return UUID(resp.json()["id"])
+        return UUID(_post_now(client, "/flow_runs/", create.model_dump(mode="json")).json()["id"])
 
     def _complete_round_run(self, client: Any, item: _Item, record: Any) -> UUID:
         """The recorded round's flow run, Completed: the one created Running when it opened (one
@@ -399,7 +410,13 @@ class RoundRecorder:
         running = self._running.get(item.round)
         if running is None:
             return self._round_run(client, item.round, state)
-        client.set_flow_run_state(running, state, force=True)
+        from prefect.states import to_state_create
+
+        create = to_state_create(state)
+        create.state_details.flow_run_id = running
+        create.state_details.transition_id = uuid4()
+        _post_now(client, f"/flow_runs/{running}/set_state",
+                  {"state": create.model_dump(mode="json", serialize_as_any=True), "force": True})
         del self._running[item.round]  # only once it is set: a call tried again sets it again
         return running
 
@@ -505,6 +522,21 @@ class RoundRecorder:
                 key=self.keys["plots"], type="markdown", flow_run_id=self.run_flow_run_id,
                 data=plots_markdown(self.run_id, self.tracker, pngs, report),
                 description=f"plots of run {self.run_id}: loss, goodput, contributors, bytes, learners"))
+
+
+def _post_now(client: Any, path: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` to the API with Prefect's client, but not through its retry loop: the server
+    stamps a state with its own clock, so a state call that waits is a round timed wrong, and that
+    loop sleeps 2 s, 4 s, ... after a 503 (SQLite's write lock, taken by the event and log writes
+    of earlier rounds), even after its last try. :func:`_soon` tries again within tens of ms.
+    Raises ``httpx.HTTPStatusError`` for an error status."""
+    http = client._client  # Prefect's httpx client: its base URL, auth and CSRF token
+    request = http.build_request("POST", path, json=body)
+    send_once = getattr(http, "_send_with_retry", None)
+    if send_once is None:  # another Prefect: its own loop, then
+        return http.send(request).raise_for_status()
+    response = send_once(request=request, send=super(type(http), http).send, send_args=(), send_kwargs={})
+    return response.raise_for_status()
 
 
 def _soon(call: Callable[[], T], *, tries: int = 8, first_wait_s: float = 0.02) -> T:
