@@ -49,6 +49,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
@@ -165,6 +166,8 @@ class RoundRecorder:
         self._thread: threading.Thread | None = None
         self._states: queue.Queue[Any] = queue.Queue()
         self._state_thread: threading.Thread | None = None
+        self._states_busy = threading.Event()
+        """Set while the state thread has calls in flight (the writer thread lets them go first)."""
         self._last_progress = 0.0
         self._progress_round = 0
         self._progress_written = 0
@@ -286,25 +289,55 @@ class RoundRecorder:
         """Recorded rounds' flow runs, as they open and commit; each committed round then goes on,
         with its flow run, to the writer thread (so does everything else, in order)."""
         from prefect.client.orchestration import get_client
+
+        # Everything queued goes out at once, a round's calls in order, rounds side by side: one
+        # round commits as the next opens, and the server stamps each state when the call reaches
+        # it, so one call after the other would start the next round late by the first's latency.
+        with get_client(sync_client=True) as client, \
+                ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"atoll-recorder-states-{self.run_id}") as pool:
+            while True:
+                items = [self._states.get()]
+                while True:
+                    try:
+                        items.append(self._states.get_nowait())
+                    except queue.Empty:
+                        break
+                by_round: dict[int, list[Any]] = {}
+                for item in items:
+                    if isinstance(item, _Open) or (isinstance(item, _Item) and not item.flow_run_id):
+                        by_round.setdefault(item.round, []).append(item)
+                self._states_busy.set()
+                # each in a copy of this thread's context (Prefect's settings live in context variables)
+                futures = {r: pool.submit(contextvars.copy_context().run, self._state_calls, client, calls)
+                           for r, calls in by_round.items()}
+                done = {r: f.result() for r, f in futures.items()}
+                self._states_busy.clear()
+                for item in items:
+                    if isinstance(item, _Open):
+                        continue
+                    if isinstance(item, _Item) and done.get(item.round) is not None:
+                        item = dataclasses.replace(item, flow_run_id=str(done[item.round]))
+                    self._queue.put(item)
+                    if item is _STOP:
+                        return
+
+    def _state_calls(self, client: Any, calls: list[Any]) -> UUID | None:
+        """One round's state calls, in order: open (Running), complete (Completed). The flow run
+        it completed, if it did (else the writer thread creates it with the round's artifacts)."""
         from prefect.states import Running
 
-        with get_client(sync_client=True) as client:
-            while True:
-                item = self._states.get()
-                if isinstance(item, _Open):
-                    self._open_round_run(client, item.round, Running)
-                    continue
-                if isinstance(item, _Item) and not item.flow_run_id:
-                    try:
-                        record = self.store.readable_commit(item.round)
-                        if record is not None:
-                            run = _soon(functools.partial(self._complete_round_run, client, item, record))
-                            item = dataclasses.replace(item, flow_run_id=str(run))
-                    except Exception as e:  # noqa: BLE001 - the writer thread tries again
-                        log.warning(f"run {self.run_id}: could not complete round {item.round}'s flow run: {e!r}")
-                self._queue.put(item)
-                if item is _STOP:
-                    return
+        completed = None
+        for item in calls:
+            if isinstance(item, _Open):
+                self._open_round_run(client, item.round, Running)
+                continue
+            try:
+                record = self.store.readable_commit(item.round)
+                if record is not None:
+                    completed = _soon(functools.partial(self._complete_round_run, client, item, record))
+            except Exception as e:  # noqa: BLE001 - the writer thread tries again
+                log.warning(f"run {self.run_id}: could not complete round {item.round}'s flow run: {e!r}")
+        return completed
 
     def _drain_inline(self) -> None:
         batch = []
@@ -351,7 +384,7 @@ class RoundRecorder:
         if self._state_thread is None:
             return
         deadline = time.monotonic() + STATES_FIRST_S
-        while not self._states.empty() and time.monotonic() < deadline:
+        while (not self._states.empty() or self._states_busy.is_set()) and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def _write(self, client: Any, batch: list[_Item | _Open], *, final: bool) -> list[_Item | _Open]:
