@@ -83,6 +83,11 @@ STATES_FIRST_S = 5.0
 """Recorded rounds: how long the writer thread waits, at most, for the state thread to open and
 complete the rounds queued for it before it writes its next batch (:meth:`RoundRecorder._yield_to_states`)."""
 
+OPEN_AFTER_COMMIT_S = 0.05
+"""Recorded rounds: how long the state thread waits, after a round commits, for the next round to
+open, so that the two calls go out together (a few ms apart on the server's clock, not a call's
+latency)."""
+
 CACHE_LIMIT = 20_000
 """Contribution records the recorder's goodput tracker keeps in memory between batches (a chaos-soak
 round names ~40, so a run of 10^5 rounds would otherwise hold millions)."""
@@ -297,6 +302,11 @@ class RoundRecorder:
                 ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"atoll-recorder-states-{self.run_id}") as pool:
             while True:
                 items = [self._states.get()]
+                if isinstance(items[0], _Item):  # a commit: the next round opens a few ms later
+                    try:
+                        items.append(self._states.get(timeout=OPEN_AFTER_COMMIT_S))
+                    except queue.Empty:
+                        pass
                 while True:
                     try:
                         items.append(self._states.get_nowait())
