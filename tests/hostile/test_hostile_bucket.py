@@ -28,6 +28,7 @@ from hostile_helpers import HONEST, PRE_ROUNDS, Backend, HostileRun, fragment_pa
 
 from atoll.core.rejection import RejectionKind
 from atoll.storage import RunStore, paths
+from atoll.storage.bucket import LIST_LIMIT
 from atoll.storage.codec import dump_record, sha256_hex
 from atoll.storage.integrity import IntegrityError, seal
 from atoll.storage.records import KIND_COMMIT, KIND_HEAD, CommitRecord
@@ -602,9 +603,10 @@ def test_five_megabyte_record(run: HostileRun) -> None:
 
 
 def test_thousands_of_junk_files_in_a_learner_prefix(run: HostileRun) -> None:
-    """2000 junk objects in evil's contributions prefix: 1900 with other suffixes (never read),
-    100 junk .json records (each a rejection: a few listed in the commit, the rest counted in its
-    stats); the round still closes."""
+    """2000 junk objects in evil's contributions prefix: one LIST asks for LIST_LIMIT names (the
+    first in key order); of those, the junk .json records are rejections (a few listed in the
+    commit, the rest counted in its stats), the other suffixes are never read; the round still
+    closes."""
     p, v = run.next_fragment()
     prefix = f"learners/evil/contributions/f{p:04d}/b{v:08d}/"
     junk = {f"{prefix}junk-{i:04d}.{'json' if i % 20 == 0 else 'txt'}": b"junk" for i in range(2000)}
@@ -613,7 +615,8 @@ def test_thousands_of_junk_files_in_a_learner_prefix(run: HostileRun) -> None:
     rejected = {k: w for rec in run.committed() for k, w in rec.rejected.items() if k.startswith(prefix)}
     counted = sum(rec.stats.get("rejected_unlisted", {}).get("by_learner", {}).get("evil", {}).get("corrupt", 0)
                   for rec in run.committed())
-    assert len(rejected) + counted == 100 and all(w.kind is RejectionKind.CORRUPT for w in rejected.values())
+    listed = sum(k.endswith(".json") for k in sorted(junk)[:LIST_LIMIT])  # 26 of the 100
+    assert len(rejected) + counted == listed and all(w.kind is RejectionKind.CORRUPT for w in rejected.values())
     run.still_readable(run.before)
 
 

@@ -69,6 +69,7 @@ def ui_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiRun]:
     """A real server with its UI, a recorded run of ROUNDS rounds on it, and a browser."""
     _require_chromium()
     from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
 
     from atoll.flows.training import training_run
     from atoll.runs.manage import prepare_run
@@ -90,7 +91,11 @@ def ui_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiRun]:
                 run.start_learner(spec["learner_id"])
             stack.start_server(timeout_s=240)  # a loaded machine: the suite beside it
             with stack.settings():
+                # Prefect keeps one events worker per process whatever the server: one an earlier test
+                # left behind would send this run's task runs and events to that test's server, now gone.
+                EventsWorker.drain_all()
                 result = training_run(TrainingRunOptions(run_url=url, fleet=FleetOptions(manage=False)))
+                EventsWorker.drain_all()  # every task run and event on this server before the pages load
         browser = Chromium(env={**os.environ, **env}, log=tmp / "logs" / "chromium.log")
         with stack.settings(), get_client(sync_client=True) as client:
             rounds = sorted(read_flow_runs_paged(client, flow_names=[ROUND_FLOW_NAME], tags=[run_tag(result["run_id"])]),

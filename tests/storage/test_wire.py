@@ -262,10 +262,11 @@ def test_hand_count_publish_read_back_and_list(hostile_backend, s3_proxy: Counti
     listing = rs.list_contributions(0, 0, learner_ids=["l0"])  # one LIST (one entry), one GET (the record)
     assert [r.key for r in listing.records] == [rec.key]
     rs.load_contribution(listing.records[0])  # one ranged GET of the payload
-    empty = rs.list_contributions(1, 0, learner_ids=["l0"])  # nothing there: S3 lists the parent too
+    empty = rs.list_contributions(1, 0, learner_ids=["l0"])  # nothing there: still one LIST (a capped one)
     assert not empty.records
+    assert rs.store.list("learners/l0/nothing/") == []  # an uncapped LIST of nothing: S3 lists the parent too
     rs.store.delete(rec.key)
-    expected = after_publish + WireCounts(lists=1 + (2 if s3 else 1), gets=2, deletes=1,
+    expected = after_publish + WireCounts(lists=2 + (2 if s3 else 1), gets=2, deletes=1,
                                           bytes_down=record + payload)
     assert rs.store.wire_counts() == expected
     assert rs.store.wire_counts().line() == (

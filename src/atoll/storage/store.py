@@ -347,9 +347,11 @@ class ObjectStore:
         return join_url(self.url, key)
 
     # -- retries -----------------------------------------------------------------------------
-    def _call(self, op: str, key: str, fn: Callable[[], T], *, up: int = 0, whole: bool = False) -> T:
+    def _call(self, op: str, key: str, fn: Callable[[], T], *, up: int = 0, whole: bool = False,
+              one_request: bool = False) -> T:
         """``fn()``, retried on transient errors; every attempt is counted on :attr:`wire`
-        (``up``: the body a write sends; ``whole``: a read without a byte range)."""
+        (``up``: the body a write sends; ``whole``: a read without a byte range; ``one_request``:
+        a LIST whose every attempt is one request whatever it returns, as a capped one is)."""
         self.op_counts[op] += 1
         last: BaseException | None = None
         for attempt in range(max(1, self.retry.attempts)):
@@ -371,7 +373,10 @@ class ObjectStore:
                     raise
                 last = e
             finally:
-                self._count(op, result, up=up, whole=whole)
+                if one_request:
+                    self.wire.add(WireCounts(lists=1))
+                else:
+                    self._count(op, result, up=up, whole=whole)
         assert last is not None
         raise TransientStorageError(op, self.key_url(key), max(1, self.retry.attempts), last) from last
 
@@ -503,7 +508,7 @@ class ObjectStore:
                     self._invalidate(path)  # a partial listing must never answer a later lookup
             return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
-        names = self._call("list", prefix, ls)
+        names = self._call("list", prefix, ls, one_request=limit is not None)
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
 
     def list_info(self, prefix: str) -> ObjectInfos:
