@@ -583,7 +583,7 @@ def _post_now(client: Any, path: str, body: dict[str, Any]) -> Any:
 
 
 def _soon(call: Callable[[], T], *, tries: int = 8, first_wait_s: float = 0.02) -> T:
-    """``call()``, tried again after 20 ms, 40 ms, ... (5 s in all) while the server answers 503
+    """``call()``, tried again after 20 ms, 40 ms, ... (2.5 s in all) while the server answers 503
     or 429 (busy) or cannot be reached; any other error, or the last, is raised."""
     import httpx
 
