@@ -42,9 +42,11 @@ class CallCounter:
         self.calls: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
-    def note(self, request: Any) -> None:
+    def note(self, request: Any, status: int | None = None) -> None:
+        """One request; one the server refused as busy (503, 429) counts under ``busy ...``."""
+        busy = "busy " if status in (429, 503) else ""
         with self.lock:
-            self.calls[f"{request.method} {UUID_RE.sub('{id}', request.url.path)}"] += 1
+            self.calls[f"{busy}{request.method} {UUID_RE.sub('{id}', request.url.path)}"] += 1
 
     def snapshot(self) -> collections.Counter[str]:
         with self.lock:
@@ -59,12 +61,14 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> CallCounter:
     send, asend = httpx.Client.send, httpx.AsyncClient.send
 
     def counted(self: Any, request: Any, *a: Any, **k: Any) -> Any:
-        c.note(request)
-        return send(self, request, *a, **k)
+        response = send(self, request, *a, **k)
+        c.note(request, response.status_code)
+        return response
 
     async def acounted(self: Any, request: Any, *a: Any, **k: Any) -> Any:
-        c.note(request)
-        return await asend(self, request, *a, **k)
+        response = await asend(self, request, *a, **k)
+        c.note(request, response.status_code)
+        return response
 
     monkeypatch.setattr(httpx.Client, "send", counted)
     monkeypatch.setattr(httpx.AsyncClient, "send", acounted)
@@ -196,9 +200,10 @@ MAX_RECORDED_CALLS_PER_ROUND = 4.0
 run created Running when it opens and set Completed when it commits (two calls: a state's time is
 the server's, so this is how its duration is the round's), its one artifact (summary and
 contributions); its task runs go as events (the websocket), its log lines with the batch's
-(``POST /logs/``, not counted here). 3 calls a round, plus the client's retries: a loaded SQLite
-server answers some creations 503 (its write lock is held by the task-run and event writes), and
-Prefect's client sends them again (measured 3.75 at load average ~12 on 2 cores). Two artifacts a round (a keyed summary and a keyed
+(``POST /logs/``, not counted here). 3 calls a round, plus retries: a loaded SQLite server answers
+some calls 503 (its write lock is held by the task-run and event writes), and the recorder sends
+them again within tens of ms; the calls the server refused as busy are counted apart (``busy
+...``) and not in this bound. Two artifacts a round (a keyed summary and a keyed
 contributions table) cost the server 35 ms of CPU where one without a key costs 11 ms."""
 
 
@@ -262,7 +267,8 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
     out, long = _train(tmp_path, "rec-long", 2 + extra, counter, record_rounds=True)
     assert out["rounds"] == 2 + extra
     per_round = {k: (long[k] - short[k]) / extra for k in set(long) | set(short)}
-    total = sum(v for k, v in per_round.items() if k not in ("POST /api/logs/", "GET /api/csrf-token"))
+    total = sum(v for k, v in per_round.items()
+                if k not in ("POST /api/logs/", "GET /api/csrf-token") and not k.startswith("busy "))
     table = "\n".join(f"{v:6.2f} {k}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1]))
     assert total <= MAX_RECORDED_CALLS_PER_ROUND, f"{total:.2f} API calls per round:\n{table}"
     assert per_round.get("POST /api/task_runs/", 0.0) == 0.0, table
