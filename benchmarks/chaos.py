@@ -285,7 +285,7 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     from atoll.ops.deploy import deploy_all, start_supervisor, start_training
     from atoll.ops.stack import LocalStack
     from atoll.runs.options import FleetOptions, TrainingRunOptions
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import SynchronizerStore
     from atoll.storage.liveness import FAULT_ARMED_ENV, FAULT_HOLD_ENV, FAULT_SIGNAL_DIR_ENV
     from atoll.storage.store import StorageFaults
     from atoll.tasks.queries import read_flow_runs_paged, run_tag
@@ -295,7 +295,7 @@ def run_mode(name: str, *, lockstep: bool, schedule: list[Kill], args: argparse.
     url = f"s3://{BUCKET}/{run_id}"
     options = s3_options(endpoint)
     make_run(url, options, learners=args.learners, lockstep=lockstep)
-    store = RunStore.open(url, options)
+    store = SynchronizerStore.open(url, options)  # it marks the run stopped at the end
     learner_ids = [f"learner-{i}" for i in range(args.learners)]
     slug = "lockstep" if lockstep else "decoupled"
     fault_dir = root / f"{slug}-faults"
@@ -401,7 +401,8 @@ def drop_prefix(endpoint: str, prefix: str) -> None:
 
 def analyse(name: str, store: Any, watcher: Watcher, kills: dict[str, int], completed: dict[str, int],
             t0: float, t_end: float, fault_dir: Path, args: argparse.Namespace) -> ModeResult:
-    from atoll.runs.report import GoodputTracker, round_flow_name
+    from atoll.runs.goodput import GoodputTracker
+    from atoll.runs.names import round_flow_name
 
     report = store.verify()
     latest = report.latest

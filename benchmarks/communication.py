@@ -12,11 +12,11 @@ it adopts itself, as separate processes do). The counts are the object stores' o
 and down, of every learner and of the synchronizer, after the learners joined (joining, the whole
 model once, is printed apart). Beside them:
 
-* the records' view (:class:`atoll.runs.report.WireTracker` over the commit records: each
+* the records' view (:class:`atoll.runs.traffic.WireTracker` over the commit records: each
   learner's own report and the synchronizer's ``stats.wire``), which ``atoll status`` shows;
 * the planner's prediction (:func:`atoll.sim.planner.plan_wire`) for the same config and model;
 * effective H (mean inner steps per merged contribution after the first pass over the fragments,
-  :func:`atoll.runs.report.effective_h`) against the configured H, and the merged-work share (new
+  :func:`atoll.runs.contributions.effective_h`) against the configured H, and the merged-work share (new
   work merged, tokens x fragment size, over all the work the learners did);
 * data-parallel on the same model with the same number of workers, counted the same way (every
   worker's bytes sent and received): a ring all-reduce of the whole gradient every step,
@@ -46,7 +46,9 @@ from pathlib import Path
 import torch
 
 from atoll.core.config import DilocoConfig, paper
-from atoll.runs.report import MergedWork, WireTracker, effective_h
+from atoll.runs.contributions import effective_h
+from atoll.runs.goodput import MergedWork
+from atoll.runs.traffic import WireTracker
 from atoll.sim.planner import plan_wire
 from atoll.storage.paths import to_url
 from atoll.storage.wire import WireCounts

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from atoll.train.data import _default_cache_dir, _is_val, stdlib_path, write_tokens
+from atoll.train.corpus import _default_cache_dir, _is_val, stdlib_path
+from atoll.train.data import write_tokens
 from atoll.train.recipe import DataSpec
 
 __all__ = ["corpus_spec", "build_prose"]

@@ -27,7 +27,7 @@ Reported, from the bucket (learner side) and from timers / Prefect task runs (sy
   training run, Prefect server, workers, database), from /proc: on a machine with fewer cores than
   processes, every core the control plane takes is a core the learners do not get;
 * what crossed the wire per round and per token after warm-up, from the commit records (learners'
-  own reports and the synchronizer's counts, ``atoll.runs.report.WireTracker``), with the
+  own reports and the synchronizer's counts, ``atoll.runs.traffic.WireTracker``), with the
   planner's figure for the same run beside it (``atoll.sim.planner.plan_wire``).
 
 Prints a table and writes ``overhead.png`` under ``--out``. Learner speed on a small shared VM
@@ -54,11 +54,13 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+from atoll.runs.goodput import GoodputTracker  # noqa: E402
 from atoll.runs.manage import prepare_run  # noqa: E402
-from atoll.runs.report import GoodputTracker, WireTracker  # noqa: E402
+from atoll.runs.traffic import WireTracker  # noqa: E402
 from atoll.sim.planner import WirePlan, plan_wire  # noqa: E402
-from atoll.storage.bucket import RunStore  # noqa: E402
 from atoll.storage.paths import to_url  # noqa: E402
+from atoll.storage.reader import RunReader  # noqa: E402
+from atoll.storage.synchronizer_side import SynchronizerStore  # noqa: E402
 from atoll.storage.wire import WireCounts  # noqa: E402
 from atoll.train.local import LocalRun  # noqa: E402
 from atoll.train.run import load_recipe, make_evaluator  # noqa: E402
@@ -88,7 +90,7 @@ def _role(pid: int, cmdline: str, holders: dict[int, str] | None = None) -> str:
     return "other"
 
 
-def lease_holders(store: RunStore, learner_ids: list[str]) -> dict[int, str]:
+def lease_holders(store: RunReader, learner_ids: list[str]) -> dict[int, str]:
     """Pids the bucket's newest leases name: each learner's process, and the synchronizer's (the
     training run under Prefect). Both run as ``python -m prefect.engine`` there."""
     out = {live.lease.pid: "learners" for live in store.learners_liveness(learner_ids).values()
@@ -212,7 +214,7 @@ class WireFigures:
         return counts.bytes_total / self.learner_tokens if self.learner_tokens else float("nan")
 
 
-def wire_figures(store: RunStore) -> WireFigures:
+def wire_figures(store: RunReader) -> WireFigures:
     """The learners' and the synchronizer's traffic in the rounds after warm-up, and
     :func:`~atoll.sim.planner.plan_wire` for this run (tokens per step from the merged counters)."""
     tracker = WireTracker()
@@ -231,7 +233,7 @@ def wire_figures(store: RunStore) -> WireFigures:
                        learner_tokens=sum(w.learner_tokens for w in after), planned=planned)
 
 
-def learner_tokens_per_s(store: RunStore) -> float:
+def learner_tokens_per_s(store: RunReader) -> float:
     """Sum over learners of their training speed, from their contribution records after warm-up."""
     latest = store.latest_round()
     tracker = GoodputTracker(store)
@@ -256,7 +258,7 @@ def learner_tokens_per_s(store: RunStore) -> float:
     return total
 
 
-def effective_h(store: RunStore) -> tuple[int, float]:
+def effective_h(store: RunReader) -> tuple[int, float]:
     """Configured H and the effective H: the mean over merged contributions after warm-up of the
     steps since the learner's last sync of that fragment (``c_steps``; the contributions table's
     ``steps``). A synchronizer that keeps up merges each fragment every H steps of a learner."""
@@ -265,13 +267,13 @@ def effective_h(store: RunStore) -> tuple[int, float]:
     return store.config.inner_steps, (statistics.mean(steps) if steps else float("nan"))
 
 
-def measured_window(store: RunStore) -> tuple[float, float]:
+def measured_window(store: RunReader) -> tuple[float, float]:
     """Wall times of the warm-up round's commit and the last commit: the window every figure covers."""
     records = store.history(1, store.latest_round())
     return records[min(WARMUP_ROUNDS, len(records) - 1)].created_at, records[-1].created_at
 
 
-def round_intervals(store: RunStore) -> tuple[float, float, list[int]]:
+def round_intervals(store: RunReader) -> tuple[float, float, list[int]]:
     """Median commit-to-commit time and median quorum wait after warm-up; the rounds measured."""
     records = store.history(1, store.latest_round())[WARMUP_ROUNDS:]
     gaps = [b.created_at - a.created_at for a, b in zip(records, records[1:], strict=False)]
@@ -287,7 +289,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
     with CpuSampler(pin=PIN) as cpu, LocalRun(url, log_dir=bucket / "plain-logs", threads=1) as run:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
-        store = RunStore.open(url)
+        store = SynchronizerStore.open(url)
         sync = Synchronizer(store, options=SynchronizerOptions(), evaluate=make_evaluator(store))
         while not sync.finished:
             polled = sync.poll()
@@ -301,7 +303,7 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
             sync.close(polled)
             closes[polled.round] = time.perf_counter() - t
     wall = time.monotonic() - t0
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     round_s, wait_s, measured = round_intervals(store)
     return Result("plain (atoll.train)", store.latest_round(), wall, learner_tokens_per_s(store), round_s, wait_s,
                   statistics.median(closes[r] for r in measured if r in closes), *effective_h(store),
@@ -324,7 +326,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
     info = prepare_run(url, preset=preset, learners=learners, rounds=rounds)
     stack = LocalStack(home=bucket / f"{name}-home", log_dir=bucket / f"{name}-logs", database=database)
     ids = [spec["learner_id"] for spec in info.learners]
-    leases = RunStore.open(url)  # one handle: the sampler reads the leases through it every second
+    leases = RunReader.open(url)  # one handle: the sampler reads the leases through it every second
     cpu = CpuSampler(holders=lambda: lease_holders(leases, ids), pin=PIN)
     try:
         stack.start()
@@ -336,7 +338,7 @@ def run_prefect(bucket: Path, preset: str, learners: int, rounds: int, *, databa
             wall = time.monotonic() - t0
             if state != "Completed":
                 raise RuntimeError(f"training run ended {state}; logs in {stack.log_dir}")
-            store = RunStore.open(url)
+            store = RunReader.open(url)
             round_s, wait_s, measured = round_intervals(store)
             rounds_filter = FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(info.run_id), "atoll-round"]))
             tasks, runs = [], []

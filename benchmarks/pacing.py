@@ -10,7 +10,7 @@ the machine's load), one run per ``DilocoConfig.round_pacing`` at an equal token
 fraction, which staggers the learners' publishes as machines do.
 
 Columns: rounds committed; contributions merged per round; **effective H**, the mean inner steps
-per merged contribution (:func:`atoll.runs.report.effective_h`, after the first pass over the
+per merged contribution (:func:`atoll.runs.contributions.effective_h`, after the first pass over the
 fragments); **merged-work share**, the new work merged (``MergedWork``, tokens x fragment size)
 over all the work the learners did; bytes moved per token (deltas up, new fragments down to every
 learner); the global model's validation loss at the end (one seed: a hint, not a quality claim,
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from atoll.runs.report import MergedWork, effective_h
+from atoll.runs.contributions import effective_h
+from atoll.runs.goodput import MergedWork
 from atoll.storage.paths import to_url
 from atoll.train.recipe import LearnerSpec, smoke_recipe
 from atoll.train.run import create_run, make_evaluator

@@ -74,7 +74,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from atoll.core.config import DilocoConfig, synchronous_diloco  # noqa: E402
-from atoll.runs.report import MergedWork, effective_h  # noqa: E402
+from atoll.runs.contributions import effective_h  # noqa: E402
+from atoll.runs.goodput import MergedWork  # noqa: E402
 from atoll.storage.paths import to_url  # noqa: E402
 from atoll.storage.wire import WireCounts  # noqa: E402
 from atoll.train import data as data_mod  # noqa: E402
@@ -323,7 +324,7 @@ def run_diloco(a: argparse.Namespace, model: dict, spec: DataSpec, config: Diloc
 
 def effective_h_of(store) -> float:  # type: ignore[no-untyped-def]
     """Mean inner steps per merged contribution after the first pass over the fragments
-    (:func:`atoll.runs.report.effective_h`): the effective H."""
+    (:func:`atoll.runs.contributions.effective_h`): the effective H."""
     got = effective_h(store.history()[store.plan.num_fragments:])
     return got[0] if got else float("nan")
 

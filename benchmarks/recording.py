@@ -116,11 +116,11 @@ def _replay(url: str, run_id: str, pid: int) -> tuple[collections.Counter[str], 
     the way the training run's recorder does; the calls and server CPU it took."""
     import inspect
 
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import RunReader
     from atoll.tasks.queries import ROUND_TAG, run_tag
     from atoll.tasks.recorder import RoundRecorder
 
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     latest = store.latest_round()
     records = store.history(1, latest)
     rec = RoundRecorder(store, run_id=run_id, max_rounds=latest, inner_steps=store.config.inner_steps,

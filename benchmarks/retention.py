@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from atoll.storage import RunStore
+from atoll.storage import OperatorStore, RunReader
 from atoll.storage.paths import to_url
 from atoll.storage.retention import RetentionPolicy, apply_prune, plan_prune
 
@@ -64,7 +64,7 @@ def plot(rows: list[dict], out: Path, *, settled_mib: float, every_s: float, min
 def prune_once(url: str, policy: RetentionPolicy, *, now: float | None = None) -> tuple[int, int, float, int]:
     """(objects, bytes deleted, seconds, latest round) of one plan + apply on a fresh handle."""
     t0 = time.perf_counter()
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     plan = plan_prune(run, policy, now=now)
     if plan.deletes:
         apply_prune(run, plan, by="benchmarks/retention.py")
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     deleted_objects += n
     deleted_bytes += b
     settled, settled_objects = folder_bytes(root)
-    report = RunStore.open(url).verify()
-    history = RunStore.open(url).history()
+    report = RunReader.open(url).verify()
+    history = RunReader.open(url).history()
     split = first_prune_round or len(history)
     before = [len(r.accepted) for r in history if r.round <= split]
     after = [len(r.accepted) for r in history if r.round > split]

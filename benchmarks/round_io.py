@@ -7,10 +7,10 @@ the previous base version (one LIST per learner and base), reads the records it 
 GET each), and the close reads the accepted payloads (one GET each). On S3 or GCS each call waits
 tens of milliseconds, so one call at a time makes a round's reads grow with the fleet:
 ``ATOLL_IO_THREADS=1`` is that, the default runs up to 16 calls at once
-(``atoll.storage.store.io_map``).
+(``atoll.storage.io_pool.io_map``).
 
 The bucket is moto's S3 server on loopback with ``--latency-ms`` added to every call
-(``atoll.storage.store.StorageFaults``, the hook the chaos soak sets through
+(``atoll.storage.faults.StorageFaults``, the hook the chaos soak sets through
 ``ATOLL_FAULT_STORAGE``; a mean of ``--latency-ms``) to stand in for a
 region's round trip: loopback alone answers in about a millisecond, which no object store does.
 Each learner has published two contributions (a repeat, as a learner ahead of the synchronizer
@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
+import atoll.storage.io_pool as io_pool
 from atoll.core.weights import Counters
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunReader
 from atoll.storage import store as store_module
-from atoll.storage.store import StorageFaults
+from atoll.storage.faults import StorageFaults
 from atoll.storage.wire import WireCounts
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
@@ -64,7 +65,7 @@ def moto_server() -> tuple[object, str, dict]:
 def prepare(options: dict, learners: int) -> str:
     url = f"s3://{BUCKET}/m{learners}"
     config, recipe = smoke_recipe(learners, max_rounds=4)
-    store = create_run(url, config, recipe, storage_options=options)
+    store = LearnerStore.beside(create_run(url, config, recipe, storage_options=options))
     g = torch.Generator().manual_seed(learners)
     shapes = store.manifest.fragment_shapes(0)
     for i in range(learners):
@@ -77,8 +78,8 @@ def prepare(options: dict, learners: int) -> str:
 def read_round(url: str, options: dict, threads: int) -> tuple[float, float, int, WireCounts]:
     """Seconds to list (records included) and to load the payloads, with a fresh handle; what
     those reads sent to the store."""
-    store_module.IO_THREADS = threads
-    store = RunStore.open(url, options)
+    io_pool.IO_THREADS = threads
+    store = RunReader.open(url, options)
     before = store.store.wire_counts()
     t0 = time.perf_counter()
     listing = store.list_contributions(0, [0, 1])
@@ -99,7 +100,7 @@ def plot(rows: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for threads, style in ((1, "o--"), (store_module.IO_THREADS_DEFAULT, "o-")):
+    for threads, style in ((1, "o--"), (io_pool.IO_THREADS_DEFAULT, "o-")):
         pts = [(r["learners"], r["list_s"] + r["load_s"]) for r in rows if r["threads"] == threads]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{threads} call(s) at once")
     ax.set_xscale("log", base=2)
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         # draws each call's delay uniformly from [0, latency_s]: twice the mean asked for.
         store_module._FAULTS = StorageFaults(error=0.0, latency_s=2 * args.latency_ms / 1e3, seed=0)
         for m, url in urls.items():
-            for threads in (1, store_module.IO_THREADS_DEFAULT):
+            for threads in (1, io_pool.IO_THREADS_DEFAULT):
                 runs = [read_round(url, options, threads) for _ in range(args.repeats)]
                 rows.append({"learners": m, "threads": threads, "records": runs[0][2], "wire": runs[0][3],
                              "list_s": statistics.median(r[0] for r in runs),

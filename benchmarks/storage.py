@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from atoll.core import DilocoConfig, plan_fragments  # noqa: E402
 from atoll.core.weights import Counters  # noqa: E402
-from atoll.storage import RunStore  # noqa: E402
+from atoll.storage import LearnerStore, RunCreator, RunReader, SynchronizerStore  # noqa: E402
 
 
 def _free_port() -> int:
@@ -59,9 +59,9 @@ def _bench(name: str, url: str, options: dict, open_kwargs: dict, mb: int, repea
     params = {"w": torch.zeros(numel), "b": torch.zeros(16)}
     cfg = DilocoConfig(num_learners=1, num_fragments=1, inner_steps=1, overlap_steps=0)
     plan = plan_fragments({n: t.shape for n, t in params.items()}, num_fragments=1, inner_steps=1)
-    rs = RunStore.open(url, options, max_payload_bytes=(mb + 8) * 2**20, **open_kwargs)
-    rs.init_run(cfg, plan, params, run_id="bench")
-    reader = RunStore.open(url, options, max_payload_bytes=(mb + 8) * 2**20, **open_kwargs)
+    rs = LearnerStore.open(url, options, max_payload_bytes=(mb + 8) * 2**20, **open_kwargs)
+    RunCreator.beside(rs).init_run(cfg, plan, params, run_id="bench")
+    reader = RunReader.open(url, options, max_payload_bytes=(mb + 8) * 2**20, **open_kwargs)
     puts, gets = [], []
     for i in range(repeats):
         delta = {"w": torch.randn(numel) * 1e-3, "b": torch.randn(16)}
@@ -86,12 +86,13 @@ def _bench(name: str, url: str, options: dict, open_kwargs: dict, mb: int, repea
     lat = []
     # Commit latency: records + a params payload of one tiny fragment would be fairer, but the run
     # has one 50 MB fragment; measure a no-update commit (record only) and one full commit.
+    sync = SynchronizerStore.beside(rs)
     for r in range(1, commits + 1):
         t0 = time.perf_counter()
-        assert rs.commit_round(r, 0, params=None, stats={"i": r}).won or name == "gcs-emulator"
+        assert sync.commit_round(r, 0, params=None, stats={"i": r}).won or name == "gcs-emulator"
         lat.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    rs.commit_round(commits + 1, 0, params=small)
+    sync.commit_round(commits + 1, 0, params=small)
     full_commit = time.perf_counter() - t0
     return {
         "backend": name,

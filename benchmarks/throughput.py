@@ -56,17 +56,18 @@ import torch
 
 from atoll.core.config import DilocoConfig
 from atoll.core.outer import NesterovOuterOptimizer
-from atoll.core.synchronize import FragmentContribution, MergeWorkspace
+from atoll.core.synchronize import FragmentContribution, MergePolicy, MergeWorkspace
 from atoll.core.weights import Counters
+from atoll.storage import LearnerStore
 from atoll.storage.paths import to_url
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import resolve_device
 from atoll.train.inner import RecipeLearner
+from atoll.train.merge_device import merge_on_device
 from atoll.train.model import count_parameters, loss_fn
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step
 from atoll.train.run import create_run
-from atoll.train.synchronizer import merge_on_device
 
 PEAK_BF16_TFLOPS = {  # dense, no sparsity
     "H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
@@ -185,15 +186,13 @@ def publish_every_due_fragment() -> None:
 def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[list[LoopResult], int]:
     """Bare loop, the learner as run_learner runs it (contributions written in the background),
     and the learner writing each contribution inside its step; blocks interleaved."""
-    from atoll.storage.bucket import RunStore
-
     publish_every_due_fragment()
     bare = None
     learners = {}
     for background in (True, False) if not args.hook_only else ():
         url, recipe = make_run(root / ("bg" if background else "fg"), args)
-        learners[background] = RecipeLearner(RunStore.open(url), "learner-0", log=lambda _: None,
-                                       publish_in_background=background)
+        learners[background] = RecipeLearner(LearnerStore.open(url), "learner-0", log=lambda _: None,
+                                             publish_in_background=background)
         bare = bare or BareLoop(recipe, device, args.autocast)
 
     def stepper(learner: RecipeLearner) -> Callable[[], int]:
@@ -273,7 +272,6 @@ def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from atoll.storage.bucket import RunStore
     from atoll.train.island import island_device
 
     torch.set_num_threads(threads)
@@ -284,8 +282,8 @@ def _island_rank(rank: int, world: int, url: str, device: str, port: int, steps:
         torch.cuda.set_device(torch.device(dev))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        learner = RecipeLearner(RunStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank, world=world,
-                          lockstep=False, publish_in_background=rank == 0)
+        learner = RecipeLearner(LearnerStore.open(url), "learner-0", log=lambda _: None, device=dev, rank=rank,
+                                world=world, lockstep=False, publish_in_background=rank == 0)
         learner.forward_model = DistributedDataParallel(
             learner.model, device_ids=[learner.device.index] if learner.device.type == "cuda" else None)
         for _ in range(warmup):
@@ -377,10 +375,11 @@ def bench_merge(args: argparse.Namespace, device: torch.device) -> list[MergeRes
     # next round's output (here: the same buffers every round, as in steady state).
     workspace = MergeWorkspace()
     retired = {n: torch.empty_like(t) for n, t in current.items()} if device.type == "cpu" else None
+    policies = {rule: MergePolicy(merge=rule) for rule in rules}
 
     def merge(rule: str) -> None:
         merge_on_device(device, current=current, bases={3: current, 2: old}, contributions=contributions,
-                        optimizer=opts[rule], merge=rule, workspace=workspace, out=retired)
+                        optimizer=opts[rule], policy=policies[rule], workspace=workspace, out=retired)
 
     # Interleaved (memcpy, rda, mean, memcpy, ...): a busy machine slows all three alike.
     times: dict[str, list[float]] = {"memcpy": [], **{r: [] for r in rules}}

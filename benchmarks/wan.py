@@ -28,7 +28,7 @@ one seeded schedule of SIGKILLs of a site's learner / a site's DDP rank. atoll's
 relaunched (by the training run's fleet, or the local runner) and rejoins; DDP runs under torchrun's
 elastic agent (``--max-restarts``), which restarts every rank from the newest checkpoint (every
 ``--ddp-checkpoint-every`` steps). **Goodput** (the paper's: time in useful training steps over the
-time available): atoll's learner-seconds in useful training steps (atoll.runs.report.GoodputTracker:
+time available): atoll's learner-seconds in useful training steps (atoll.runs.goodput.GoodputTracker:
 not waiting, not down, not redoing steps lost to a kill) over sites x the window, with the
 merged-work share (the part of that training the model kept) beside it; DDP's step time of the
 steps that were kept (a step redone after a restart counts once) over the window. The window starts at the first training step.
@@ -373,7 +373,7 @@ def ddp_under_kills(lab: wanlab.Lab, recipe: Any, out: Path, schedule: list[tupl
 
 def atoll_under_kills(lab: wanlab.Lab, engine: Any, store_of: Callable[[str], Any], config: Any, recipe: Any,
                       schedule: list[tuple[float, int]], args: argparse.Namespace) -> KillResult:
-    from atoll.runs.report import GoodputTracker
+    from atoll.runs.goodput import GoodputTracker
     from atoll.train.run import create_run
 
     sites = [s.name for s in lab.sites]
@@ -590,10 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     env = wanlab.storage_latency_env(args.latency_ms)
     with wanlab.Lab(specs, log_dir=out / "logs", trap_signals=True, log=say) as lab:
         moto = wanlab.Moto(lab)
-        from atoll.storage.bucket import RunStore
+        from atoll.storage import RunReader
 
         def store_of(url: str) -> Any:
-            return RunStore.open(url, moto.options())
+            return RunReader.open(url, moto.options())
 
         engine: Any = (PrefectEngine(lab, moto, env, out) if args.engine == "prefect" else LocalEngine(lab, moto, env))
         config, recipe = bench_run(site_names, args)

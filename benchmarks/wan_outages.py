@@ -244,10 +244,10 @@ def main(args: argparse.Namespace) -> int:
     ddp: dict[str, Any] = {}
     with wanlab.Lab(specs, log_dir=out / "logs", trap_signals=True, log=wan.say) as lab:
         moto = wanlab.Moto(lab)
-        from atoll.storage.bucket import RunStore
+        from atoll.storage import RunReader
 
         def store_of(url: str) -> Any:
-            return RunStore.open(url, moto.options())
+            return RunReader.open(url, moto.options())
 
         env = {**wanlab.storage_latency_env(args.latency_ms), MARKER_VAR: marker}
         engine: Any = (wan.PrefectEngine(lab, moto, env, out) if args.engine == "prefect"

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from atoll import cli
-from atoll.runs.report import history_table, round_markdown
-from atoll.storage import RunStore, paths
+from atoll.runs.render import history_table, round_markdown
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore, paths
 from atoll.storage.records import CommitRecord
 from atoll.storage.store import NotRegularFileError, ObjectStore
 from atoll.train import synchronizer as sync_mod
@@ -47,9 +47,9 @@ class _Clock:
 def _build(root: Path, rounds: int = 4) -> str:
     config, recipe = smoke_recipe(2, max_rounds=1000)
     store = create_run(str(root), config.replace(initial_grace_s=0.0), recipe)
-    learners = [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    learners = [RecipeLearner(LearnerStore.beside(store), s.learner_id, log=lambda _: None) for s in recipe.learners]
     clock = _Clock()
-    sync = Synchronizer(RunStore.open(store.url), clock=clock)
+    sync = Synchronizer(SynchronizerStore.open(store.url), clock=clock)
     seen = 0
     done = 0
     while done < rounds:
@@ -163,8 +163,8 @@ def test_a_write_through_a_read_only_bucket_is_one_line(run_dir: Path, writes_re
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Were a command to write (here: status forced through the write probe), the refusal is a
     one-line error, not a traceback."""
-    writable = RunStore.open
-    monkeypatch.setattr(RunStore, "open", staticmethod(lambda url, opts=None, read_only=False: writable(url, opts)))
+    writable = RunReader.open
+    monkeypatch.setattr(RunReader, "open", staticmethod(lambda url, opts=None, read_only=False: writable(url, opts)))
     rc, _, err = _main(["status", str(run_dir)], capsys)
     _assert_one_line_error(rc, err, "PermissionError", "read-only bucket")
     assert writes_refused  # the probe was attempted, and refused
@@ -267,7 +267,7 @@ def test_a_huge_error_is_cut_to_one_short_line(capsys: pytest.CaptureFixture[str
     def boom(args: Any) -> int:
         raise InvalidInput("bad_id", "x\n" * 100_000)
 
-    monkeypatch.setattr(cli, "_status", boom)
+    monkeypatch.setattr(cli.run_bucket, "_status", boom)
     rc, _, err = _main(["status", "anything"], capsys)
     _assert_one_line_error(rc, err)
     assert len(err) <= cli.MAX_ERROR_CHARS + 40
@@ -334,7 +334,8 @@ def test_store_refuses_a_fifo_before_opening_it(tmp_path: Path) -> None:
 def test_round_markdown_keeps_its_contributions_table_parseable() -> None:
     """A reason with a pipe or a newline (a hostile learner's text ends up in a rejection reason)
     cannot add a column or a row to the round's contributions table."""
-    from atoll.runs.report import ContributionRow, contributions_from_markdown
+    from atoll.runs.contributions import ContributionRow
+    from atoll.runs.render import contributions_from_markdown
 
     record = CommitRecord(round=3, fragment=1, updated=True, state=(), accepted=(), rejected={}, timings={},
                           stats={}, committed_by="s", nonce="n", created_at=0.0)

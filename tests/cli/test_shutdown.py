@@ -23,7 +23,7 @@ import pytest
 from atoll.ops.observe import processes_with
 from atoll.ops.procs import descendants, free_port
 from atoll.ops.stack import QUIET_PREFECT_ENV
-from atoll.storage.bucket import RunStore
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
@@ -158,7 +158,7 @@ def test_learner_with_an_ephemeral_server_stops_it_on_sigint(command, tmp_path: 
     that only the unwinding stops (atexit). Ctrl-C lands in the middle of training."""
     url = to_url(str(tmp_path / "run"))
     create_run(url, *smoke_recipe(1, max_rounds=50))
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     cmd = command(["learner", url, "--learner-id", "learner-0", "--threads", "1"])
 
     def training() -> bool:

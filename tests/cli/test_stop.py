@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from atoll.cli import main
-from atoll.storage.bucket import RunStore
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_stop_lets_learners_save_and_exit_and_resume_clears_it(tmp_path: Path, capsys, monkeypatch) -> None:
     url = to_url(str(tmp_path / "run-stop"))
     create_run(url, *smoke_recipe(2, max_rounds=50))
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
         procs = [run.start_learner(lid, "--heartbeat-interval-s", "0.5") for lid in ("learner-0", "learner-1")]
         deadline = time.monotonic() + 90

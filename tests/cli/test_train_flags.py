@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from atoll.cli import WHICH_RUN_FLAGS, build_parser, main, option_flags, training_options
+from atoll.cli import build_parser, main
+from atoll.cli.training import WHICH_RUN_FLAGS, training_flags, training_options
 from atoll.runs.options import FleetOptions, TrainingRunOptions
 from atoll.storage.paths import to_url
 
@@ -35,11 +36,11 @@ def _flags_of(command: str) -> set[str]:
 
 
 def test_every_field_has_a_flag() -> None:
-    generated = {f.path for f in option_flags()}
+    generated = {f.path for f in training_flags()}
     written = {(name,) for flags in WHICH_RUN_FLAGS.values() for name in flags}
     assert generated | written == _fields(TrainingRunOptions)
     assert not generated & written
-    for f in option_flags():  # on `train`: every generated flag; on `resume`: all but the new run's recipe
+    for f in training_flags():  # on `train`: every generated flag; on `resume`: all but the new run's recipe
         assert f.flag in _flags_of("train"), f.flag
         assert f.flag in _flags_of("resume") or f.path[0] in ("preset", "learners", "config_path"), f.flag
     for command, fields in WHICH_RUN_FLAGS.items():
@@ -53,7 +54,7 @@ def test_every_field_has_a_flag() -> None:
 def test_every_flag_defaults_to_its_field() -> None:
     defaults = TrainingRunOptions().model_dump()
     train = _subparser("train")
-    for f in option_flags():
+    for f in training_flags():
         expected: Any = defaults
         for part in f.path:
             expected = expected[part]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from atoll.cli import main
-from atoll.storage import RunStore, paths
+from atoll.storage import RunReader, paths
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.paths import to_url
 from atoll.train.recipe import smoke_recipe
@@ -30,7 +30,7 @@ def test_verify_a_sound_and_a_forged_run(tmp_path: Path, capsys) -> None:
     assert main(["verify", url]) == 1
     out = capsys.readouterr().out
     assert "PROBLEM" in out and "00000001.json: digest does not match" in out and "void slots: [1]" in out
-    reader = RunStore.open(url, read_only=True)
+    reader = RunReader.open(url, read_only=True)
     assert reader.latest_round() == 2  # the latest commit verifies on its own; round 1 is never used
     with pytest.raises(IntegrityError, match="digest does not match"):
         reader.read_commit(1)

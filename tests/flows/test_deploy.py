@@ -90,13 +90,13 @@ def test_fleet_launches_adopts_and_relaunches(deployed: dict[str, str], tmp_path
     from prefect.states import Cancelled, Crashed, Running
 
     from atoll.runs.manage import prepare_run
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import RunReader
     from atoll.storage.liveness import take_lease, write_heartbeat
     from atoll.storage.paths import to_url
 
     url = to_url(str(tmp_path / "run-f"))
     prepare_run(url, preset="smoke", learners=3, rounds=6)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     learners = [{"learner_id": "learner-0", "pool": "pool-a"}, {"learner_id": "learner-1", "pool": "pool-b"},
                 {"learner_id": "learner-2", "pool": "pool-b"}]
 

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from atoll.runs.goodput import GoodputTracker
 from atoll.runs.manage import prepare_run
+from atoll.runs.names import round_flow_name
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.runs.report import GoodputTracker, contributions_from_markdown, round_flow_name, run_status
-from atoll.storage.bucket import RunStore
+from atoll.runs.render import contributions_from_markdown
+from atoll.runs.report import run_status
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.tasks.queries import SEGMENT_RUN_TAG, run_tag
 
@@ -59,7 +62,7 @@ def test_one_completed_round_flow_run_per_round_named_and_tagged(smoke_run) -> N
 def test_round_artifacts_match_the_bucket(smoke_run) -> None:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    store = RunStore.open(smoke_run.url)
+    store = RunReader.open(smoke_run.url)
     with _client() as client:
         for fr in _round_runs(client, smoke_run.info.run_id):
             arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
@@ -92,7 +95,7 @@ def test_round_artifacts_match_the_bucket(smoke_run) -> None:
 
 
 def test_goodput_and_status_come_from_the_bucket(smoke_run) -> None:
-    store = RunStore.open(smoke_run.url)
+    store = RunReader.open(smoke_run.url)
     report = GoodputTracker(store).update()
     assert report.goodput is not None and 0.0 < report.goodput <= 1.0
     assert smoke_run.result["goodput"] == pytest.approx(report.goodput)
@@ -130,11 +133,11 @@ def test_training_run_on_a_finished_run_continues_and_commits_nothing(smoke_run)
 
 
 def test_fork_starts_a_new_run_from_a_committed_round(smoke_run, tmp_path: Path) -> None:
-    src = RunStore.open(smoke_run.url)
+    src = RunReader.open(smoke_run.url)
     url = to_url(str(tmp_path / "fork"))
     info = prepare_run(url, resume_from=smoke_run.url, fork_round=3, rounds=4)
     assert info.action == "forked" and info.latest_round == 0 and info.max_rounds == 4
-    dst = RunStore.open(url)
+    dst = RunReader.open(url)
     assert dst.manifest.extra["forked_from"]["round"] == 3
     want = src.read_global_state(3).params
     got = dst.read_global_state(0).params
@@ -150,7 +153,7 @@ def test_learner_flow_trains_and_reports(prefect_harness: None, tmp_path: Path) 
     prepare_run(url, preset="smoke", rounds=3)
     out = learner_flow(url, "learner-1", max_steps=4, log_every_steps=2)
     assert out["steps"] == 4 and out["published"] == 4
-    assert RunStore.open(url).load_learner_state("learner-1") is not None
+    assert RunReader.open(url).load_learner_state("learner-1") is not None
 
 
 def test_learner_flow_runs_a_users_own_loop_with_the_same_lease(prefect_harness: None, tmp_path: Path) -> None:
@@ -166,7 +169,7 @@ def test_learner_flow_runs_a_users_own_loop_with_the_same_lease(prefect_harness:
     subprocess.run([sys.executable, str(examples / "plain_loop.py"), "--create", url, "--learners", "2"], check=True)
     out = learner_flow(url, "learner-1", command=[sys.executable, str(examples / "plain_loop.py"), "--max-steps", "12"])
     assert out["exit_code"] == 0 and out["exit_detail"].startswith("should_stop"), out
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     live = store.learner_liveness("learner-1")
     assert live.lease is not None and live.lease.flow_run_id  # the flow run's id, in the script's lease
     saved = store.load_learner_state("learner-1")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from atoll.runs.report import slug
-from atoll.storage import RunStore
+from atoll.runs.names import slug
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 
 
@@ -39,7 +39,7 @@ def test_prune_flow_dry_run_then_prune_with_artifact_and_task_runs(smoke_run, tm
     state = prune_flow(url, keep_rounds=4, return_state=True)
     result = state.result()
     assert result["deleted"] == dry["would_delete"] and result["deleted_bytes"] > 0
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     report = store.verify()
     assert report.ok, report.problems
     assert store.read_prune_record()[0] is not None

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from atoll.runs.manage import prepare_run
+from atoll.runs.names import slug
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.runs.report import slug
 from atoll.storage.paths import to_url
 from atoll.tasks.events import ROUND_COMMITTED, ROUND_STALLED, RUN_FINISHED
 from atoll.train.local import LocalRun
@@ -217,11 +217,11 @@ def _check_recorded_rounds_look_like_what_happened(client: Any, rounds: list[Any
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import RunReader
 
     EventsWorker.drain_all()
     APILogWorker.drain_all()
-    store = RunStore.open(run_url)
+    store = RunReader.open(run_url)
     for fr in rounds:
         fr = client.read_flow_run(fr.id)
         assert fr.start_time is not None and fr.end_time is not None and fr.end_time > fr.start_time, fr
@@ -297,10 +297,10 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
 
     # A second recorder of the same run (a relaunched training run that adopted round 1) gets the
     # same flow run back: one flow run per round, whoever records it.
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import RunReader
     from atoll.tasks.recorder import RoundRecorder
 
-    again = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    again = RoundRecorder(RunReader.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                           round_run_tags=[run_tag(run_id), ROUND_TAG])
     again.submit(1, None, seconds=0.1)
     again.flush()
@@ -338,7 +338,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
         for fr in _round_runs(client, run_id):
             if fr.name != "round-000001":
                 client.delete_flow_run(fr.id)
-    walker = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    walker = RoundRecorder(RunReader.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                            round_run_tags=[run_tag(run_id), ROUND_TAG])
     assert walker.backfill(2 + extra, window=2) == list(range(2, 3 + extra))
     walker.flush()
@@ -354,7 +354,7 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
         for fr in _round_runs(client, run_id):
             if fr.name in ("round-000004", "round-000006"):
                 client.delete_flow_run(fr.id)
-    flaky = RoundRecorder(RunStore.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+    flaky = RoundRecorder(RunReader.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
                           round_run_tags=[run_tag(run_id), ROUND_TAG], retry_s=0.1)
     real_update, failures = flaky.tracker.update, []
 

@@ -16,10 +16,10 @@ from uuid import UUID
 import pytest
 
 from atoll.runs.manage import prepare_run
+from atoll.runs.names import round_flow_name, slug
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.runs.report import round_flow_name, slug
 from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
-from atoll.storage.bucket import RunStore
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER
 from atoll.tasks.queries import (
@@ -121,7 +121,7 @@ def test_segments_chain_link_and_resume_without_losing_a_round(deployed: dict[st
         assert [e.payload["round"] for e in handed] == [2, 4]
         [done] = read_events(client, RUN_FINISHED, resource_id=f"atoll.run.{rid}")
         assert done.payload["rounds"] == 5
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     assert store.latest_round() == 5 and [r.round for r in store.history(1, 5)] == [1, 2, 3, 4, 5]
 
 

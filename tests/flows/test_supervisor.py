@@ -16,7 +16,7 @@ import pytest
 from atoll.runs.manage import prepare_run
 from atoll.runs.options import TrainingRunOptions
 from atoll.runs.supervision import SupervisionAction, SupervisionPolicy
-from atoll.storage.bucket import RunStore
+from atoll.storage import RunReader, SynchronizerStore
 from atoll.storage.liveness import take_lease, write_heartbeat
 from atoll.storage.paths import sync_heartbeat_key, to_url
 from atoll.tasks.queries import learner_tag, run_tag
@@ -63,12 +63,12 @@ def test_supervisor_relaunches_crashed_and_zombie_runs(deployed: dict[str, str],
         healthy = _training_flow_run(client, dep, healthy_url, healthy_id, Running())
         # The zombie's synchronizer took its lease and heartbeated 100 s ago; the healthy one took its
         # lease a moment ago and has not heartbeated yet (starting, not dead).
-        zstore = RunStore.open(zombie_url)
+        zstore = RunReader.open(zombie_url)
         lease = take_lease(zstore.store, "synchronizer", flow_run_id=str(zombie.id))
         write_heartbeat(zstore.store, lease, clock=lambda: time.time() - 100.0)
         old = time.time() - 100.0  # ages are on the store's clock: the object itself is 100 s old
         os.utime(zstore.store.path(sync_heartbeat_key(lease.incarnation)), (old, old))
-        hstore = RunStore.open(healthy_url)
+        hstore = RunReader.open(healthy_url)
         take_lease(hstore.store, "synchronizer", flow_run_id=str(healthy.id))
 
         verdicts = _verdicts(client)
@@ -107,7 +107,7 @@ def test_supervisor_respects_stop_and_finish_and_turns_a_cancel_into_a_stop(
     stopped_url, stopped_id = _run(tmp_path, "run-stopped")
     cancel_url, cancel_id = _run(tmp_path, "run-cancel")
     with _client() as client:
-        RunStore.open(stopped_url).mark_stopped("atoll stop", "test")
+        SynchronizerStore.open(stopped_url).mark_stopped("atoll stop", "test")
         _training_flow_run(client, dep, stopped_url, stopped_id, Crashed())
         _training_flow_run(client, dep, cancel_url, cancel_id, Cancelled(message="cancelled in the UI"))
         learner = client.create_flow_run_from_deployment(
@@ -118,7 +118,7 @@ def test_supervisor_respects_stop_and_finish_and_turns_a_cancel_into_a_stop(
         verdicts = _verdicts(client)
         assert verdicts[stopped_id].action == SupervisionAction.STOPPED and verdicts[stopped_id].launched is None
         assert verdicts[cancel_id].action == SupervisionAction.STOP_REQUESTED
-        marker = RunStore.open(cancel_url).stop_marker()
+        marker = RunReader.open(cancel_url).stop_marker()
         assert marker is not None and marker.stopped and marker.by == "atoll-supervisor"
         state = client.read_flow_run(learner.id).state
         assert state.type.value in ("CANCELLING", "CANCELLED") and state.message.startswith("atoll:")

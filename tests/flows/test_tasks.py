@@ -8,7 +8,7 @@ import pytest
 
 from atoll.runs.manage import prepare_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.storage.bucket import RunStore
+from atoll.storage import LearnerStore, RunReader
 from atoll.storage.paths import to_url
 from atoll.storage.validation import RoundOrderError, TransientStorageError
 from atoll.tasks.context import RunContext
@@ -29,7 +29,7 @@ def test_await_quorum_then_merge_and_commit(tmp_path: Path) -> None:
     url = to_url(str(tmp_path / "run"))
     info = prepare_run(url, preset="smoke", rounds=4)
     assert info.action == "created" and [s["pool"] for s in info.learners] == ["cpu-fast"] * 3
-    store = RunStore.open(url)
+    store = LearnerStore.open(url)
     for lid in ("learner-0", "learner-1"):
         run_learner(store, lid, options=LearnerOptions(max_steps=2), log=lambda s: None)
     ctx = _context(url)
@@ -39,7 +39,7 @@ def test_await_quorum_then_merge_and_commit(tmp_path: Path) -> None:
     assert {r.learner_id for r in poll.accepted.values()} <= {"learner-0", "learner-1"}
     out = merge_and_commit.fn(ctx, poll)
     assert out["round"] == 1 and out["won"] and out["accepted"]
-    assert RunStore.open(url).latest_round() == 1 and ctx.next_round == 2
+    assert RunReader.open(url).latest_round() == 1 and ctx.next_round == 2
     with pytest.raises(RoundOrderError):
         await_quorum.fn(ctx, 1, budget_s=1.0)
     # Nothing new for round 2's fragment beyond what was published: a budget returns the open poll.
@@ -50,7 +50,7 @@ def test_await_quorum_then_merge_and_commit(tmp_path: Path) -> None:
 def test_context_reloads_a_synchronizer_that_is_behind(tmp_path: Path) -> None:
     url = to_url(str(tmp_path / "run"))
     prepare_run(url, preset="smoke", rounds=4)
-    store = RunStore.open(url)
+    store = LearnerStore.open(url)
     for lid in ("learner-0", "learner-1"):
         run_learner(store, lid, options=LearnerOptions(max_steps=2), log=lambda s: None)
     behind = _context(url, evaluate=False)

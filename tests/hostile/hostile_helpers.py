@@ -9,13 +9,13 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from fsspec.core import url_to_fs
 
 from atoll.core.rejection import Rejection
-from atoll.storage import RunStore, paths
+from atoll.storage import LearnerStore, RunHandle, RunReader, SynchronizerStore, paths
 from atoll.storage.codec import dump_record, sha256_hex, tensors_to_bytes
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, Keyring, seal
 from atoll.storage.paths import join_url, to_url
@@ -26,6 +26,7 @@ from atoll.train.run import create_run
 from atoll.train.synchronizer import RoundSummary, Synchronizer
 
 HONEST = ("learner-0", "learner-1")
+H = TypeVar("H", bound=RunHandle)
 SYNC_KEY = b"s" * 32
 
 PRE_ROUNDS = 2
@@ -52,13 +53,14 @@ class Backend:
     def local(self) -> bool:
         return self.name == "local"
 
-    def open(self, *, keyring: Keyring | None = None, read_only: bool = False, fresh: bool = False) -> RunStore:
-        """A run handle; ``fresh=True`` gives it its own filesystem instance (another process)."""
+    def open(self, *, keyring: Keyring | None = None, read_only: bool = False, fresh: bool = False,
+             role: type[H] = RunReader) -> H:
+        """A run handle as ``role`` (a bucket-policy role's class: the reader's by default);
+        ``fresh=True`` gives it its own filesystem instance (another process)."""
         opts = dict(self.storage_options)
         if fresh and not self.local:
             opts["skip_instance_cache"] = True
-        return RunStore.open(self.url, opts, keyring=keyring if keyring is not None else Keyring(),
-                             read_only=read_only)
+        return role.open(self.url, opts, keyring=keyring if keyring is not None else Keyring(), read_only=read_only)
 
     def path(self, key: str) -> Path:
         assert self.local, "only a local run has paths"
@@ -107,10 +109,10 @@ class HostileRun:
             self.keys = {SYNCHRONIZER_KEY_ID: SYNC_KEY, **{lid: learner_key(lid) for lid in HONEST}}
         # A keyed run is created with the synchronizer's key: run.json is signed for the run.
         create_run(backend.open(keyring=Keyring(self.keys)), config.replace(initial_grace_s=0.0), recipe)
-        self.store = backend.open()  # the rogue writer's handle (no keys) and the test's reader
+        self.store = backend.open(role=LearnerStore)  # a rogue learner's handle (no keys) and the test's reader
         self.learners = [
-            RecipeLearner(backend.open(keyring=Keyring({lid: self.keys[lid]})) if keyed else self.store, lid,
-                    log=lambda _: None)
+            RecipeLearner(backend.open(keyring=Keyring({lid: self.keys[lid]}), role=LearnerStore) if keyed else self.store,
+                          lid, log=lambda _: None)
             for lid in HONEST
         ]
         self.clock = Clock()
@@ -120,7 +122,8 @@ class HostileRun:
     # -- the synchronizer and rounds ---------------------------------------------------------
     def new_synchronizer(self, *, fresh: bool = False) -> Synchronizer:
         """A (re)started synchronizer on its own handle (all keys when the run is keyed)."""
-        return Synchronizer(self.backend.open(keyring=Keyring(self.keys), fresh=fresh), clock=self.clock)
+        return Synchronizer(self.backend.open(keyring=Keyring(self.keys), fresh=fresh, role=SynchronizerStore),
+                            clock=self.clock)
 
     def rounds(self, n: int, sync: Synchronizer | None = None, *, max_ticks: int = 60,
                dt: float = 1.0) -> list[RoundSummary]:
@@ -159,7 +162,7 @@ class HostileRun:
         return done
 
     # -- reading -----------------------------------------------------------------------------
-    def reader(self, *, keyed: bool = False, fresh: bool = False) -> RunStore:
+    def reader(self, *, keyed: bool = False, fresh: bool = False) -> RunReader:
         """A new read-only handle (its own record caches; the filesystem instance is shared unless
         ``fresh``)."""
         return self.backend.open(keyring=Keyring(self.keys) if keyed else Keyring(), read_only=True, fresh=fresh)

@@ -16,7 +16,7 @@ from hostile_helpers import HONEST, Backend, HostileRun
 from atoll.core.rejection import MAX_RECORDED_PER_LEARNER, RejectionKind
 from atoll.core.weights import MIN_STEP_S, max_steps_since
 from atoll.storage import paths
-from atoll.storage.bucket import LIST_LIMIT, MAX_LISTED_PER_PREFIX
+from atoll.storage.reader import LIST_LIMIT, MAX_LISTED_PER_PREFIX
 from atoll.storage.records import CommitRecord
 from atoll.train.synchronizer import RoundSummary
 
@@ -66,7 +66,7 @@ def _forged_steps(run: HostileRun) -> tuple[int, int, int]:
     tokens at the recipe's batch x context: (fragment, c_steps, c_tokens)."""
     p, v = run.next_fragment()
     sync = run.sync
-    elapsed = run.clock() - sync._seen_at.get(v, sync._started_at)
+    elapsed = run.clock() - sync.screen.base_seen_at_s(v)
     steps = max_steps_since(v, sync.round + 1, sync.config.inner_steps, elapsed_s=elapsed)
     assert steps > 1000 and elapsed / MIN_STEP_S > 1000
     per_step = sync.token_bounds.of("evil") if sync.token_bounds is not None else 512
@@ -83,7 +83,7 @@ def test_forged_counters_after_a_stall_get_only_what_observed_time_could_produce
     run.clock.t += 10.0  # the synchronizer stalls (no polls, no learner steps on the clock)
     p, steps, tokens = _forged_steps(run)
     v = run.next_fragment()[1]
-    base_seen = run.sync._seen_at.get(v, run.sync._started_at)
+    base_seen = run.sync.screen.base_seen_at_s(v)
     key = run.contribution(changes={"c_steps": steps, "c_tokens": tokens})
     done = drive(run, 2)
     merged = [(s.record, a) for s in done for a in s.record.accepted if a.key == key]

@@ -27,15 +27,16 @@ import torch
 from hostile_helpers import HONEST, PRE_ROUNDS, Backend, HostileRun, fragment_payload, learner_key
 
 from atoll.core.rejection import RejectionKind
-from atoll.storage import RunStore, paths
-from atoll.storage.bucket import LIST_LIMIT
+from atoll.storage import LearnerStore, RunReader, paths
 from atoll.storage.codec import dump_record, sha256_hex
 from atoll.storage.integrity import IntegrityError, seal
+from atoll.storage.reader import LIST_LIMIT
 from atoll.storage.records import KIND_COMMIT, KIND_HEAD, CommitRecord
 from atoll.storage.store import NotRegularFileError
 from atoll.storage.validation import InvalidInput, validate_id
 from atoll.train.inner import RecipeLearner
-from atoll.train.synchronizer import MAX_TIMING_S, RoundSummary
+from atoll.train.synchronizer import RoundSummary
+from atoll.train.trust import MAX_TIMING_S
 
 
 @pytest.fixture
@@ -317,7 +318,7 @@ def test_learner_restarted_under_a_garbage_head_sees_new_commits(run: HostileRun
     """A learner (re)started while head.json holds garbage finds the latest round by a LIST of
     sync/commits/, then must still see every later commit."""
     run.put(paths.HEAD, b"\x00garbage{")
-    restarted = RecipeLearner(run.backend.open(fresh=True), "learner-1", log=lambda _: None)
+    restarted = RecipeLearner(run.backend.open(fresh=True, role=LearnerStore), "learner-1", log=lambda _: None)
     run.learners[1] = restarted
     run._seen[id(restarted)] = restarted.start_round
     start = run.sync.round
@@ -677,7 +678,7 @@ def test_two_synchronizers_race_on_the_same_round(run: HostileRun) -> None:
 def test_two_copies_of_a_learner_publish_the_same_fragment(run: HostileRun) -> None:
     """A second incarnation of learner-0 (a copy that did not die) publishes beside the first:
     at most one contribution of learner-0 is merged per round, the others are recorded."""
-    twin = RecipeLearner(run.backend.open(fresh=True), "learner-0", log=lambda _: None)
+    twin = RecipeLearner(run.backend.open(fresh=True, role=LearnerStore), "learner-0", log=lambda _: None)
     run.learners.append(twin)
     run._seen[id(twin)] = run.sync.round
     done = run.goes_on(4)
@@ -709,5 +710,5 @@ def test_control_run_without_attack_verifies(run: HostileRun) -> None:
     """A control: a run under no attack verifies end to end after more rounds."""
     run.goes_on()
     assert run.reader().verify().ok
-    assert isinstance(run.reader(), RunStore)
+    assert isinstance(run.reader(), RunReader)
     assert set(HONEST) <= set(run.store.learner_ids())

@@ -27,8 +27,9 @@ from hostile_helpers import HONEST, Backend, HostileRun
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atoll.runs.report import GoodputTracker, run_status
-from atoll.storage import paths
+from atoll.runs.goodput import GoodputTracker
+from atoll.runs.report import run_status
+from atoll.storage import SynchronizerStore, paths
 from atoll.storage.codec import dump_record
 from atoll.storage.integrity import seal
 from atoll.storage.retention import RetentionPolicy, RetentionRefused, plan_prune
@@ -77,13 +78,14 @@ class ReadersRun:
         self.run = HostileRun(backend)
         self.run.rounds(3)
         self.store = self.run.store
-        self.store.write_checkpoint()
+        sync = SynchronizerStore.beside(self.store)
+        sync.write_checkpoint()
         self.evil_lease = self.store.take_learner_lease("evil")
         self.store.write_heartbeat(self.evil_lease)
-        self.sync_lease = self.store.take_synchronizer_lease()
-        self.store.write_heartbeat(self.sync_lease)
-        self.store.mark_stopped("x", "test")
-        self.store.clear_stopped()
+        self.sync_lease = sync.take_synchronizer_lease()
+        sync.write_heartbeat(self.sync_lease)
+        sync.mark_stopped("x", "test")
+        sync.clear_stopped()
         self.latest = self.run.sync.round
 
     def target(self, kind: str) -> tuple[str, dict[str, Any] | None, str]:

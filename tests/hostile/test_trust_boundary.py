@@ -12,8 +12,8 @@ import time
 import pytest
 from hostile_helpers import HONEST, PRE_ROUNDS, Backend, HostileRun
 
+from atoll.storage import SynchronizerStore, paths
 from atoll.storage import liveness as lc
-from atoll.storage import paths
 from atoll.storage.codec import dump_record, sha256_hex
 
 HUGE = "1" + "0" * 400  # a 400-digit integer, spelled in JSON
@@ -93,7 +93,8 @@ def _make_void(run: HostileRun, round_: int, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["garbage", "huge-int", "fifo", "folder"])
 def test_void_past_slot_is_skipped_by_every_reader(run: HostileRun, backend: Backend, how: str) -> None:
-    from atoll.runs.report import GoodputTracker, run_status
+    from atoll.runs.goodput import GoodputTracker
+    from atoll.runs.report import run_status
     from atoll.train.fetcher import Fetcher
 
     if how in ("fifo", "folder"):
@@ -219,7 +220,7 @@ def test_stop_marker_and_retention_record_are_signed_for_a_keyed_run(backend: Ba
 
     run = HostileRun(backend, keyed=True)
     run.rounds(1)
-    sync = run.backend.open(keyring=Keyring(run.keys))
+    sync = run.backend.open(keyring=Keyring(run.keys), role=SynchronizerStore)
     stop = {"stopped": True, "reason": "forged", "by": "x", "time": time.time()}
     prune = PruneRecord(through_round=1, floors=(1, 1), pruned_at=time.time(), by="x", deleted_objects=0,
                         deleted_bytes=0).to_dict()
@@ -236,7 +237,7 @@ def test_stop_marker_and_retention_record_are_signed_for_a_keyed_run(backend: Ba
     assert sync.read_stop_marker()[0] is None
     run.goes_on(1)  # the synchronizer does not stop on the forged marker
     with pytest.raises(PermissionError, match="ATOLL_KEYRING"):
-        run.backend.open().mark_stopped("no key", by="operator")
+        run.backend.open(role=SynchronizerStore).mark_stopped("no key", by="operator")
     # written with the key: honoured; the same bytes in another keyed run are not (the run id)
     sync.mark_stopped("done", by="operator")
     marker, why = sync.read_stop_marker()
@@ -247,7 +248,7 @@ def test_stop_marker_and_retention_record_are_signed_for_a_keyed_run(backend: Ba
     assert marker is None and why is not None and "signature does not verify" in why, why
     # an unkeyed run keeps plain markers (a digest, checked when present)
     plain = HostileRun(Backend(backend.name, backend.root + "-plain", backend.storage_options))
-    plain.store.mark_stopped("done", by="operator")
+    SynchronizerStore.beside(plain.store).mark_stopped("done", by="operator")
     assert plain.store.stop_marker() is not None
 
 
@@ -259,7 +260,7 @@ def test_a_rewritten_checkpoint_config_is_refused_with_the_key(backend: Backend)
 
     run = HostileRun(backend, keyed=True)
     run.rounds(2)
-    sync = run.backend.open(keyring=Keyring(run.keys))
+    sync = run.backend.open(keyring=Keyring(run.keys), role=SynchronizerStore)
     info = sync.write_checkpoint()
     round_ = sync.list_checkpoints()[-1]
     assert sync.load_checkpoint(round_)

@@ -35,7 +35,7 @@ from atoll.ops.deploy import deploy_all, learner_job_env, start_supervisor, star
 from atoll.ops.observe import alive, live_copies, pid_state
 from atoll.ops.stack import LocalStack
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.storage.bucket import RunStore
+from atoll.storage import SynchronizerStore
 from atoll.tasks.queries import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
@@ -90,7 +90,7 @@ def test_chaos_on_the_real_stack(s3: Any, tmp_path: Path, monkeypatch: pytest.Mo
     recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners],
                                "eval_every_rounds": 1000})
     create_run(url, config, recipe, storage_options=s3.storage_options)
-    store = RunStore.open(url, s3.storage_options)
+    store = SynchronizerStore.open(url, s3.storage_options)  # it marks the run stopped at the end
     fault_dir = tmp_path / "fault"
     fault_dir.mkdir()
     env = {**s3.env, "ATOLL_IT_MARKER": marker, "ATOLL_QUERY_PAGE_SIZE": PAGE_SIZE}
@@ -255,7 +255,8 @@ def check_round_artifacts(client: Any, store: Any, run_id: str, rounds: list[int
     contributions table and summary match the commit record in the bucket."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from atoll.runs.report import contributions_from_markdown, round_flow_name
+    from atoll.runs.names import round_flow_name
+    from atoll.runs.render import contributions_from_markdown
 
     def done() -> dict[str, Any] | None:
         found = {r.name: r for r in flow_runs(client, run_id, "atoll-round") if r.state and r.state.is_completed()}

@@ -30,7 +30,7 @@ from atoll.ops.postgres import LocalPostgres, PostgresNotFound, find_postgres_bi
 from atoll.ops.procs import free_port
 from atoll.ops.stack import LocalStack
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.storage.bucket import RunStore
+from atoll.storage import RunReader
 from atoll.tasks.queries import run_tag
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
@@ -112,7 +112,7 @@ def test_eight_learners_on_two_pools_on_postgres(s3: Any, tmp_path: Path) -> Non
     recipe = Recipe.from_dict({**recipe.to_dict(), "learners": [vars(s) for s in learners],
                                "eval_every_rounds": 1000})
     create_run(url, config, recipe, storage_options=s3.storage_options)
-    store = RunStore.open(url, s3.storage_options)
+    store = RunReader.open(url, s3.storage_options)
     env = {**s3.env, "ATOLL_IT_MARKER": marker}
     home = tmp_path / "prefect"
     # A random port, not 4200-or-next: another stack taking 4200 between our check and our server's

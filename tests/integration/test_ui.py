@@ -162,7 +162,7 @@ def test_a_recorded_round_shows_its_log_lines(ui_run: UiRun) -> None:
 
 
 def test_the_run_plots_artifact_renders_png_images(ui_run: UiRun) -> None:
-    from atoll.tasks.recorder import artifact_keys
+    from atoll.tasks.round_artifacts import artifact_keys
 
     key = artifact_keys(ui_run.run_id)["plots"]
     versions = [a for a in ui_run.artifacts if a.key == key]

@@ -67,7 +67,7 @@ def lab_of(tmp_path: Path) -> Iterator[Callable[..., wanlab.Lab]]:
 
 
 def new_run(moto: wanlab.Moto, learners: int, **config_changes: Any) -> tuple[str, Any]:
-    from atoll.storage.bucket import RunStore
+    from atoll.storage import RunReader
     from atoll.train.recipe import smoke_recipe
     from atoll.train.run import create_run
 
@@ -76,7 +76,7 @@ def new_run(moto: wanlab.Moto, learners: int, **config_changes: Any) -> tuple[st
     recipe = recipe.replace(eval_every_rounds=0)
     url = f"s3://{wanlab.BUCKET}/run-{time.time_ns() % 10**12}"
     create_run(url, config, recipe, storage_options=moto.options())
-    return url, RunStore.open(url, moto.options())
+    return url, RunReader.open(url, moto.options())
 
 
 def merged_after(store: Any, after_round: int) -> dict[str, int]:
@@ -155,7 +155,7 @@ def test_sites_ten_minutes_fast_and_slow_stay_alive_are_fenced_orphaned_and_coun
     measured on the store's clock, so both are alive, and s0's learner is dead within the timeout
     once it is killed; fencing (lease numbers) and the orphan exit (the learner's monotonic clock)
     do not read wall clocks; goodput counts both learners' merged work."""
-    from atoll.runs.report import GoodputTracker
+    from atoll.runs.goodput import GoodputTracker
 
     lab = lab_of(wanlab.SiteSpec(name="s0"), wanlab.SiteSpec(name="s1"))
     moto = wanlab.Moto(lab)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 # gcsfs 2026.x hangs ~60 s per call against the emulator unless this is set before it is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -22,10 +22,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import pytest  # noqa: E402
 from fsspec.core import url_to_fs  # noqa: E402
 
-from atoll.storage import ObjectStore, RetryPolicy, RunStore  # noqa: E402
+from atoll.storage import ObjectStore, RetryPolicy, RunHandle, RunReader  # noqa: E402
 from atoll.storage.paths import join_url  # noqa: E402
 
 BACKENDS = ("memory", "local", "s3", "gcs")
+H = TypeVar("H", bound=RunHandle)
 S3_BUCKET = "atoll-test"
 GCS_BUCKET = "atoll-test"
 
@@ -68,16 +69,18 @@ class Backend:
         retry: RetryPolicy | None = None,
         sleep: Callable[[float], None] | None = None,
         fresh: bool = False,
+        role: type[H] = RunReader,
         **kwargs: Any,
-    ) -> RunStore:
-        """Open a RunStore; ``fresh=True`` gives it its own filesystem instance (own listing cache,
-        own connections), like a separate process would have."""
+    ) -> H:
+        """Open the run as ``role`` (a bucket-policy role's class: the reader's by default);
+        ``fresh=True`` gives it its own filesystem instance (own listing cache, own connections),
+        like a separate process would have."""
         kw = {**self.open_kwargs, **kwargs}
         options = dict(self.storage_options)
         if fresh and self.name in ("s3", "gcs"):
             options["skip_instance_cache"] = True
         if wrap is None and retry is None and sleep is None:
-            return RunStore.open(url, options, **kw)
+            return role.open(url, options, **kw)
         fs, root = self.fs_and_root(url, options)
         store = ObjectStore(
             wrap(fs) if wrap else fs,
@@ -87,7 +90,7 @@ class Backend:
             retry=retry or RetryPolicy(attempts=4, base_delay_s=0.0, max_delay_s=0.0),
             sleep=sleep or (lambda s: None),
         )
-        return RunStore.open(url, store=store, **kw)
+        return role.open(url, store=store, **kw)
 
     def raw_put(self, url: str, key: str, data: bytes) -> None:
         """Write bytes behind the protocol's back (to plant bad input)."""

@@ -12,7 +12,7 @@ import torch
 from atoll.core import DilocoConfig, FragmentPlan, plan_fragments
 from atoll.core.compress import encode
 from atoll.core.weights import Counters
-from atoll.storage import RunStore, paths
+from atoll.storage import RunCreator, RunHandle, paths
 from atoll.storage.codec import SCHEMA_VERSION, dump_record, encoded_to_bytes, sha256_hex
 from atoll.storage.integrity import seal
 
@@ -34,13 +34,14 @@ def tiny_plan() -> FragmentPlan:
     return plan_fragments(SHAPES, num_fragments=2, inner_steps=2, embedding_names=["emb.weight"])
 
 
-def init_run(rs: RunStore, **cfg: Any) -> dict[str, torch.Tensor]:
+def init_run(rs: RunHandle, **cfg: Any) -> dict[str, torch.Tensor]:
+    """Create the tiny run through a creator beside ``rs`` (``rs`` then holds its manifest)."""
     params = tiny_params()
-    rs.init_run(tiny_config(**cfg), tiny_plan(), params, run_id="test-run")
+    RunCreator.beside(rs).init_run(tiny_config(**cfg), tiny_plan(), params, run_id="test-run")
     return params
 
 
-def fragment_delta(rs: RunStore, p: int, scale: float = 0.01, seed: int = 1) -> dict[str, torch.Tensor]:
+def fragment_delta(rs: RunHandle, p: int, scale: float = 0.01, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: scale * torch.randn(*SHAPES[n], generator=g) for n in rs.plan.fragments[p]}
 

@@ -26,9 +26,12 @@ from atoll.core.rejection import RejectionKind
 from atoll.storage import (
     AcceptedContribution,
     InvalidInput,
+    LearnerStore,
     RoundOrderError,
+    RunCreator,
     RunExistsError,
     RunNotFoundError,
+    SynchronizerStore,
     UnsafeStoreError,
     paths,
 )
@@ -78,7 +81,7 @@ def test_init_twice_is_refused_and_missing_run_is_clear(backend):
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int4"])
 def test_contribution_round_trip_every_codec(backend, codec):
     url = backend.new_url()
-    learner = backend.open(url)
+    learner = backend.open(url, role=LearnerStore)
     init_run(learner, compression=codec, compression_block_size=4)
     delta = fragment_delta(learner, 1, scale=0.5)
     rec = learner.publish_contribution("learner-a", 1, 0, counters(3, 96), delta, info={"pool": "gpu-a", "loss": 2.5})
@@ -102,7 +105,7 @@ def test_contribution_round_trip_every_codec(backend, codec):
 
 def test_pre_encoded_delta(backend):
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=LearnerStore)
     init_run(rs)  # run codec fp32; an int4-encoded delta carries its own codec info
     delta = fragment_delta(rs, 0)
     enc = {n: encode(t, "int4", block_size=8) for n, t in delta.items()}
@@ -118,11 +121,11 @@ def test_republish_keeps_the_first_record(backend, request):
     if backend.name == "gcs":
         request.applymarker(pytest.mark.xfail(reason=GCS_NO_CREATE_ONCE, strict=True))
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=LearnerStore)
     init_run(rs)
     delta = fragment_delta(rs, 0)
     r1 = rs.publish_contribution("l1", 0, 0, counters(), delta)
-    r2 = backend.open(url).publish_contribution("l1", 0, 0, counters(), delta)  # same key
+    r2 = backend.open(url, role=LearnerStore).publish_contribution("l1", 0, 0, counters(), delta)  # same key
     assert r1.key == r2.key and r2.created_at == r1.created_at
     assert len(backend.open(url).list_contributions(0, 0).records) == 1
 
@@ -141,7 +144,7 @@ def test_create_once_race_exactly_one_wins(backend, request):
     url = backend.new_url()
     init_run(backend.open(url))
     n = 4
-    stores = [backend.open(url, fresh=True) for _ in range(n)]
+    stores = [backend.open(url, fresh=True, role=SynchronizerStore) for _ in range(n)]
     args = [_commit_args(s, 0, i + 1) for i, s in enumerate(stores)]
     barrier = threading.Barrier(n)
     results: list = [None] * n
@@ -177,7 +180,7 @@ def test_second_commit_of_a_round_loses(backend, request, monkeypatch):
         request.applymarker(pytest.mark.xfail(reason=GCS_NO_CREATE_ONCE, strict=True))
     url = backend.new_url()
     init_run(backend.open(url))
-    a, b = backend.open(url), backend.open(url)
+    a, b = backend.open(url, role=SynchronizerStore), backend.open(url, role=SynchronizerStore)
     args_a, args_b = _commit_args(a, 0, 1), _commit_args(b, 0, 2)
     assert a.commit_round(1, 0, committed_by="a", **args_a).won
     assert b.store.create(paths.commit_key(1), b"{}") is False
@@ -211,7 +214,7 @@ def test_capability_probe(backend):
 
 def test_rounds_commit_in_order(backend):
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=SynchronizerStore)
     init_run(rs)
     with pytest.raises(RoundOrderError, match="round 1 is not committed in "):
         rs.commit_round(2, 1, **_commit_args(rs, 1, 1))
@@ -223,7 +226,8 @@ def test_rounds_commit_in_order(backend):
 def test_polling_sees_new_contributions_and_commits(backend):
     url = backend.new_url()
     init_run(backend.open(url))
-    sync, learner = backend.open(url, fresh=True), backend.open(url, fresh=True)
+    sync = backend.open(url, fresh=True, role=SynchronizerStore)
+    learner = backend.open(url, fresh=True, role=LearnerStore)
     assert sync.list_contributions(0, 0).records == []
     assert learner.latest_round() == 0 and learner.poll_commits(0) == []
 
@@ -243,7 +247,7 @@ def test_polling_sees_new_contributions_and_commits(backend):
 def test_list_calls_per_poll_are_bounded(backend):
     url = backend.new_url()
     init_run(backend.open(url))
-    writer = backend.open(url, fresh=True)
+    writer = backend.open(url, fresh=True, role=LearnerStore)
     proxies: list = []
     reader = backend.open(url, fresh=True, wrap=lambda fs: proxies.append(FsProxy(fs)) or proxies[-1])
     px = proxies[0]
@@ -263,7 +267,7 @@ def test_list_calls_per_poll_are_bounded(backend):
     before = px.lists
     reader.list_contributions(0, [0, 1], learner_ids=["l0", "l1", "l2"])  # two base versions x 3 learners
     assert px.lists - before == 6
-    assert writer.commit_round(1, 0, **_commit_args(writer, 0, 1)).won
+    assert SynchronizerStore.beside(writer).commit_round(1, 0, **_commit_args(writer, 0, 1)).won
     before = px.lists
     for _ in range(3):
         reader.latest_round()
@@ -301,8 +305,9 @@ def test_a_capped_listing_is_one_request_and_leaves_no_partial_cache(backend):
 
 def _run_rounds(backend, url, rounds: int):
     """A miniature synchronizer: two learners per round, real merge and Nesterov step."""
-    rs = backend.open(url)
+    rs = backend.open(url, role=SynchronizerStore)
     params = init_run(rs)
+    learners = LearnerStore.beside(rs)
     P = rs.plan.num_fragments
     opts = {p: NesterovOuterOptimizer(lr=0.7, momentum=0.9) for p in range(P)}
     current = {p: rs.read_global_fragment(p, 0) for p in range(P)}
@@ -311,7 +316,8 @@ def _run_rounds(backend, url, rounds: int):
         p = (r - 1) % P
         version = rs.read_global_state().versions[p]
         for i, lid in enumerate(("l0", "l1")):
-            rs.publish_contribution(lid, p, version, counters(2, 64 * (i + 1)), fragment_delta(rs, p, seed=10 * r + i))
+            learners.publish_contribution(lid, p, version, counters(2, 64 * (i + 1)),
+                                          fragment_delta(rs, p, seed=10 * r + i))
         listing = rs.list_contributions(p, version)
         contribs, rejected = rs.load_contributions(listing.records)
         res = synchronize_fragment(current=current[p], bases=bases[p], contributions=contribs, optimizer=opts[p])
@@ -331,7 +337,7 @@ def test_resume_reads_exactly_the_committed_state(backend):
     url = backend.new_url()
     rs, _, current, opts = _run_rounds(backend, url, rounds=3)
     # An uncommitted contribution must not change what resume reads.
-    rs.publish_contribution("straggler", 0, 3, counters(), fragment_delta(rs, 0, scale=9.0))
+    LearnerStore.beside(rs).publish_contribution("straggler", 0, 3, counters(), fragment_delta(rs, 0, scale=9.0))
 
     fresh = backend.open(url)
     assert fresh.latest_round() == 3
@@ -358,7 +364,7 @@ def test_resume_reads_exactly_the_committed_state(backend):
 
 def test_learner_state_round_trip(backend):
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=LearnerStore)
     init_run(rs)
     assert rs.load_learner_state("l1") is None
     t = {"param.blk.0.w": torch.randn(4, 3), "adam.exp_avg.blk.0.w": torch.randn(4, 3),
@@ -413,7 +419,7 @@ def test_checkpoint_loads_with_plain_safetensors(backend, tmp_path):
 def committed(backend):
     """A run with one committed round; tests plant bad input and check it stays undisturbed."""
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=SynchronizerStore)
     init_run(rs)
     assert rs.commit_round(1, 0, **_commit_args(rs, 0, 1)).won
     before = rs.read_global_state()
@@ -438,7 +444,7 @@ def _reject(rs, key: str, kind: str, match: str | None = None) -> InvalidInput:
 
 def test_bad_truncated_payload(committed):
     backend, url, rs = committed
-    rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
+    rec = LearnerStore.beside(rs).publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     backend.raw_put(url, blob, backend.raw_get(url, blob)[:-7])
     err = _reject(backend.open(url), rec.key, "truncated")
@@ -447,7 +453,7 @@ def test_bad_truncated_payload(committed):
 
 def test_bad_checksum(committed):
     backend, url, rs = committed
-    rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
+    rec = LearnerStore.beside(rs).publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     blob = paths.blob_key(rec.payload.sha256, rec.learner_id)
     data = bytearray(backend.raw_get(url, blob))
     data[-1] ^= 0xFF
@@ -495,7 +501,7 @@ def test_bad_non_finite(committed):
     n0 = next(iter(delta))
     bad = {**delta, n0: delta[n0].clone().index_fill_(0, torch.tensor([0]), float("nan"))}
     with pytest.raises(InvalidInput, match=rf"^\[non_finite\] delta '{n0}': ") as ei:
-        rs.publish_contribution("l1", 0, 0, counters(), bad)
+        LearnerStore.beside(rs).publish_contribution("l1", 0, 0, counters(), bad)
     assert ei.value.kind == "non_finite"
     from atoll.storage.codec import tensors_to_bytes
     payload = tensors_to_bytes({f"{n}::data": t for n, t in {**delta, n0: torch.full_like(delta[n0], float("inf"))}.items()})
@@ -552,10 +558,10 @@ def test_bad_ids(committed):
     backend, url, rs = committed
     for bad_id in BAD_IDS:
         with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
-            rs.publish_contribution(bad_id, 0, 0, counters(), fragment_delta(rs, 0))
+            LearnerStore.beside(rs).publish_contribution(bad_id, 0, 0, counters(), fragment_delta(rs, 0))
         assert ei.value.kind == "bad_id", bad_id
         with pytest.raises(InvalidInput, match=r"^\[bad_id\] learner id ") as ei:
-            rs.save_learner_state(bad_id, {"x": torch.zeros(1)})
+            LearnerStore.beside(rs).save_learner_state(bad_id, {"x": torch.zeros(1)})
         assert ei.value.kind == "bad_id", bad_id
         with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id ") as ei:
             paths.run_url(backend.base_url, bad_id)
@@ -564,7 +570,8 @@ def test_bad_ids(committed):
             rs.load_learner_state(bad_id)
         assert ei.value.kind == "bad_id", bad_id
     with pytest.raises(InvalidInput, match=r"^\[bad_id\] run id '\.\./up' contains a path separator") as ei:
-        backend.open(backend.new_url()).init_run(tiny_config(), tiny_plan(), tiny_params(), run_id="../up")
+        backend.open(backend.new_url(), role=RunCreator).init_run(tiny_config(), tiny_plan(), tiny_params(),
+                                                                  run_id="../up")
     assert ei.value.kind == "bad_id"
     assert rs.list_contributions(0, 0).records == []
 
@@ -580,11 +587,11 @@ def test_bad_planted_learner_id_in_record(committed):
 
 def test_bad_oversize(committed):
     backend, url, rs = committed
-    small = backend.open(url, max_payload_bytes=200)
+    small = backend.open(url, max_payload_bytes=200, role=LearnerStore)
     with pytest.raises(InvalidInput, match=r"^\[oversize\] delta payload is \d+ bytes, cap is 200$") as ei:
         small.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert ei.value.kind == "oversize"
-    rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
+    rec = LearnerStore.beside(rs).publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     _reject(small, rec.key, "oversize")
     # A record that lies about the size is caught by the capped read.
     from atoll.storage.codec import tensors_to_bytes

@@ -13,7 +13,7 @@ import torch
 
 from atoll.core.config import DilocoConfig
 from atoll.core.downlink import apply_update, downlink_step, drift_bound
-from atoll.storage import RunStore
+from atoll.storage import OperatorStore, RunHandle, RunReader, SynchronizerStore
 from atoll.storage import paths as P
 from atoll.storage.paths import to_url
 from atoll.storage.records import CommitRecord, FragmentState
@@ -23,7 +23,7 @@ from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 
 
-def new_run(tmp_path: Path, codec: str = "int4") -> RunStore:
+def new_run(tmp_path: Path, codec: str = "int4") -> SynchronizerStore:
     config, recipe = smoke_recipe(2, max_rounds=1000)
     return create_run(to_url(str(tmp_path / "run")), config.replace(downlink_compression=codec), recipe)
 
@@ -31,7 +31,7 @@ def new_run(tmp_path: Path, codec: str = "int4") -> RunStore:
 class Committer:
     """New master versions (the previous one plus noise) with their downlink step, committed."""
 
-    def __init__(self, store: RunStore, seed: int = 0) -> None:
+    def __init__(self, store: SynchronizerStore, seed: int = 0) -> None:
         self.store = store
         self.master = [store.read_global_fragment(p, 0) for p in range(store.plan.num_fragments)]
         self.view = [dict(m) for m in self.master]
@@ -49,7 +49,7 @@ class Committer:
         return result.record
 
 
-def blob_file(store: RunStore, sha256: str) -> Path:
+def blob_file(store: RunHandle, sha256: str) -> Path:
     return Path(store.url.removeprefix("file://")) / P.blob_key(sha256)
 
 
@@ -61,7 +61,7 @@ def test_a_version_publishes_its_view_and_update_and_they_read_back_exactly(tmp_
     assert dl is not None and (dl.base, dl.codec, dl.block_size) == (0, "int4", 32) and dl.update is not None
     assert rec.state[1].downlink is None  # fragment 1 is still version 0: learners hold the master
     assert dl.update.nbytes < dl.view.nbytes / 5  # int4 codes and scales against fp32
-    fresh = RunStore.open(store.url)  # a learner's handle: verifies the chain on its own
+    fresh = RunReader.open(store.url)  # a learner's handle: verifies the chain on its own
     view = fresh.read_fragment_view(0, 1)
     base, update = fresh.read_fragment_update(0, 1)
     assert base == 0
@@ -115,15 +115,15 @@ def test_a_damaged_or_missing_update_is_refused_and_an_unchained_version_has_non
     path = blob_file(store, dl.update.sha256)
     path.write_bytes(b"\x00" * dl.update.nbytes)
     with pytest.raises(InvalidInput) as e:
-        RunStore.open(store.url).read_fragment_update(0, 1)
+        RunReader.open(store.url).read_fragment_update(0, 1)
     assert e.value.kind.value == "checksum"
     path.unlink()
     with pytest.raises(InvalidInput) as e:
-        RunStore.open(store.url).read_fragment_update(0, 1)
+        RunReader.open(store.url).read_fragment_update(0, 1)
     assert e.value.kind.value == "missing_payload"
     # The view does not read: a joiner takes the master for that fragment and says so.
     blob_file(store, dl.view.sha256).unlink()
-    held = RunStore.open(store.url).read_global_state(1, view=True, momentum=False)
+    held = RunReader.open(store.url).read_global_state(1, view=True, momentum=False)
     assert "view of v1 unreadable (missing_payload)" in held.restored[0]
     assert all(torch.equal(held.params[n], c.master[0][n]) for n in c.master[0])
     rec2 = c.commit(0, chained=False)  # published after a synchronizer lost the view it had published
@@ -135,7 +135,7 @@ def test_verify_and_retention_know_the_downlink_objects(tmp_path: Path) -> None:
     store = new_run(tmp_path)
     c = Committer(store)
     records = [c.commit(r % 2) for r in range(10)]
-    assert RunStore.open(store.url, read_only=True).verify().ok
+    assert RunReader.open(store.url, read_only=True).verify().ok
     named = {ref.sha256 for rec in records for st in rec.state for ref in st.refs()}
     downlink = {ref.sha256 for rec in records for st in rec.state if st.downlink is not None
                 for ref in (st.downlink.view, st.downlink.update) if ref is not None}
@@ -146,12 +146,12 @@ def test_verify_and_retention_know_the_downlink_objects(tmp_path: Path) -> None:
     deleted = {P.parse_blob_name(d.key.rsplit("/", 1)[-1]) for d in plan.deletes}
     assert deleted and not deleted & kept and deleted <= named - kept
     assert {r.sha256 for rec in records[:4] for r in (rec.state[rec.fragment].downlink.view,)} <= deleted
-    apply_prune(store, plan)
-    report = RunStore.open(store.url, read_only=True).verify()
+    apply_prune(OperatorStore.beside(store), plan)
+    report = RunReader.open(store.url, read_only=True).verify()
     assert report.ok and report.pruned > 0
     # A lost update is named by verify.
     last = records[-1].state[records[-1].fragment].downlink
     assert last is not None and last.update is not None
     blob_file(store, last.update.sha256).unlink()
-    report = RunStore.open(store.url, read_only=True).verify()
+    report = RunReader.open(store.url, read_only=True).verify()
     assert not report.ok and any(last.update.sha256 in line for line in report.problems)

@@ -13,7 +13,7 @@ import torch
 from storage_helpers import init_run
 
 from atoll.core.rejection import Rejection, RejectionKind
-from atoll.storage import paths
+from atoll.storage import SynchronizerStore, paths
 
 BLOBS = paths.blob_key("0" * 64).rsplit("/", 1)[0]  # blobs/sha256
 from atoll.storage.records import AcceptedContribution
@@ -21,7 +21,7 @@ from atoll.storage.records import AcceptedContribution
 
 def test_a_round_with_nothing_merged_writes_no_tensors_and_keeps_the_state(backend) -> None:
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=SynchronizerStore)
     init_run(rs)
     frag0 = rs.read_global_fragment(0, 0)
     new0 = {n: t + 1 for n, t in frag0.items()}

@@ -8,7 +8,17 @@ import pytest
 import torch
 from storage_helpers import FsProxy, counters, fragment_delta, init_run
 
-from atoll.storage import ObjectStore, RetryPolicy, TransientStorageError, is_transient, paths, redact
+from atoll.storage import (
+    LearnerStore,
+    ObjectStore,
+    RetryPolicy,
+    RunReader,
+    SynchronizerStore,
+    TransientStorageError,
+    is_transient,
+    paths,
+    redact,
+)
 from atoll.storage.validation import InvalidInput
 
 
@@ -32,10 +42,11 @@ class Faults:
         raise self.exc
 
 
-def _open(backend, url, faults, sleeps=None, attempts=4):
+def _open(backend, url, faults, sleeps=None, attempts=4, role=RunReader):
     proxies = []
     rs = backend.open(
         url,
+        role=role,
         wrap=lambda fs: proxies.append(FsProxy(fs, faults)) or proxies[-1],
         retry=RetryPolicy(attempts=attempts, base_delay_s=0.01, max_delay_s=0.04),
         sleep=(sleeps.append if sleeps is not None else (lambda s: None)),
@@ -66,7 +77,7 @@ def test_transient_errors_are_retried_with_bounded_backoff(backend, exc):
     init_run(backend.open(url))
     sleeps: list[float] = []
     faults = Faults(("cat_file", "pipe_file", "ls"), n=0, exc=exc)
-    rs, px = _open(backend, url, faults, sleeps)
+    rs, px = _open(backend, url, faults, sleeps, role=LearnerStore)
     faults.n = 3  # three failures, four attempts: the operation still succeeds
     rec = rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert faults.hits == 3 and rs.store.op_counts["retry"] == 3
@@ -106,17 +117,17 @@ def test_half_failed_contribution_leaves_nothing_trusted(backend):
     init_run(backend.open(url))
     # The record write fails for good after the payload landed: no record, nothing listed.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="contributions/")
-    rs, _ = _open(backend, url, faults, attempts=2)
+    rs, _ = _open(backend, url, faults, attempts=2, role=LearnerStore)
     with pytest.raises(TransientStorageError, match=r"^create .*/contributions/f0000/b00000000/l1\.s.* failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0))
     assert backend.open(url).list_contributions(0, 0).records == []
     # A payload write that stored half the bytes and then failed for good: no record points at it.
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="blobs/",
                     write_first=True, truncate=True)
-    rs, _ = _open(backend, url, faults, attempts=2)
+    rs, _ = _open(backend, url, faults, attempts=2, role=LearnerStore)
     with pytest.raises(TransientStorageError, match=r"^put .*/blobs/sha256/[0-9a-f]{64}\.safetensors failed after 2"):
         rs.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0, seed=5))
-    reader = backend.open(url)
+    reader = backend.open(url, role=LearnerStore)
     assert reader.list_contributions(0, 0).records == []
     # ... and if a record did point at such a blob, the reader would refuse it (size/sha checks).
     good = reader.publish_contribution("l2", 0, 0, counters(), fragment_delta(rs, 0, seed=6))
@@ -131,11 +142,11 @@ def test_half_failed_commit_leaves_the_round_open(backend):
     url = backend.new_url()
     init_run(backend.open(url))
     faults = Faults(("pipe_file",), n=10**6, exc=ConnectionResetError("reset"), where="commits/")
-    rs, _ = _open(backend, url, faults, attempts=2)
+    rs, _ = _open(backend, url, faults, attempts=2, role=SynchronizerStore)
     cur = rs.read_global_fragment(0, 0)
     with pytest.raises(TransientStorageError, match=r"^create .*/commits/00000001\.json failed after 2"):
         rs.commit_round(1, 0, params={n: t + 1 for n, t in cur.items()})
-    reader = backend.open(url)
+    reader = backend.open(url, role=SynchronizerStore)
     assert reader.latest_round() == 0
     assert reader.read_global_state().versions == (0, 0)
     # Another synchronizer can still commit the round.
@@ -148,7 +159,7 @@ def test_commit_whose_reply_was_lost_is_still_won(backend):
     url = backend.new_url()
     init_run(backend.open(url))
     faults = Faults(("pipe_file",), n=1, exc=ConnectionResetError("reset"), where="commits/", write_first=True)
-    rs, _ = _open(backend, url, faults)
+    rs, _ = _open(backend, url, faults, role=SynchronizerStore)
     cur = rs.read_global_fragment(0, 0)
     res = rs.commit_round(1, 0, params={n: t + 1 for n, t in cur.items()}, committed_by="me")
     assert faults.hits == 1 and res.won and res.record.committed_by == "me"

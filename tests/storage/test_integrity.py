@@ -14,7 +14,7 @@ import torch
 from storage_helpers import counters, fragment_delta, init_run
 
 from atoll.core.rejection import RejectionKind
-from atoll.storage import paths
+from atoll.storage import LearnerStore, SynchronizerStore, paths
 from atoll.storage.codec import dump_record, load_record
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, seal
 from atoll.storage.records import KIND_COMMIT, KIND_CONTRIBUTION
@@ -27,7 +27,7 @@ KEYS = Keyring({SYNCHRONIZER_KEY_ID: b"s" * 32, "l0": b"0" * 32, "l1": b"1" * 32
 def run(hostile_backend):
     backend = hostile_backend
     url = backend.new_url()
-    rs = backend.open(url)
+    rs = backend.open(url, role=SynchronizerStore)
     init_run(rs)
     return backend, url, rs
 
@@ -73,20 +73,20 @@ def test_an_overwritten_older_commit_breaks_the_chain(run):
 
 def test_a_forged_next_commit_is_refused_with_a_keyring_and_the_round_is_repaired(run):
     backend, url, rs = run
-    signed = backend.open(url, keyring=KEYS)
+    signed = backend.open(url, keyring=KEYS, role=SynchronizerStore)
     _commit(signed, 1, 0)
     # A learner writes round 2 itself: chained correctly and sealed, but it has no synchronizer key.
     forged = dict(load_record(backend.raw_get(url, paths.commit_key(1)), KIND_COMMIT))
     from atoll.storage.codec import sha256_hex
     forged.update(round=2, fragment=1, committed_by="l0", prev_sha256=sha256_hex(backend.raw_get(url, paths.commit_key(1))))
     backend.raw_put(url, paths.commit_key(2), dump_record(KIND_COMMIT, seal(KIND_COMMIT, forged, b"0" * 32)))
-    sync = backend.open(url, keyring=KEYS)
+    sync = backend.open(url, keyring=KEYS, role=SynchronizerStore)
     assert sync.latest_round() == 1
     with pytest.raises(IntegrityError, match="signature does not verify"):
         sync.read_commit(2)
     # The synchronizer commits round 2 to a repair slot; every keyed reader uses the repair.
     _commit(sync, 2, 1)
-    again = backend.open(url, keyring=KEYS)
+    again = backend.open(url, keyring=KEYS, role=SynchronizerStore)
     assert again.latest_round() == 2 and again.read_commit(2).committed_by == "synchronizer"
     assert backend.raw_get(url, paths.repair_key(2, 1)) is not None
     _commit(again, 3, 0)  # and the run goes on, chained through the repair
@@ -95,11 +95,11 @@ def test_a_forged_next_commit_is_refused_with_a_keyring_and_the_round_is_repaire
 
 def test_contributions_must_be_signed_when_the_run_has_keys(run):
     backend, url, rs = run
-    l0 = backend.open(url, keyring=Keyring({"l0": b"0" * 32}))
+    l0 = backend.open(url, keyring=Keyring({"l0": b"0" * 32}), role=LearnerStore)
     good = l0.publish_contribution("l0", 0, 0, counters(), fragment_delta(rs, 0, seed=1))
-    unkeyed = backend.open(url, keyring=Keyring())  # a learner with no key
+    unkeyed = backend.open(url, keyring=Keyring(), role=LearnerStore)  # a learner with no key
     unsigned = unkeyed.publish_contribution("l1", 0, 0, counters(), fragment_delta(rs, 0, seed=2))
-    wrong = backend.open(url, keyring=Keyring({"l2": b"1" * 32}))  # l2 signs with l1's key? no: l2 has no entry
+    wrong = backend.open(url, keyring=Keyring({"l2": b"1" * 32}), role=LearnerStore)  # l2 signs with l1's key? no: l2 has no entry
     stranger = wrong.publish_contribution("l2", 0, 0, counters(), fragment_delta(rs, 0, seed=3))
     listing = backend.open(url, keyring=KEYS).list_contributions(0, 0)
     assert [r.key for r in listing.records] == [good.key]
@@ -112,7 +112,7 @@ def test_contributions_must_be_signed_when_the_run_has_keys(run):
 
 def test_a_record_outside_its_learners_prefix_is_rejected(run):
     backend, url, rs = run
-    rec = rs.publish_contribution("l0", 0, 0, counters(), fragment_delta(rs, 0))
+    rec = LearnerStore.beside(rs).publish_contribution("l0", 0, 0, counters(), fragment_delta(rs, 0))
     body = load_record(backend.raw_get(url, rec.key), KIND_CONTRIBUTION)
     # l1 copies l0's record into its own prefix under l0's name.
     key = paths.contributions_prefix(0, 0, "l1") + rec.key.rsplit("/", 1)[-1]
@@ -124,12 +124,12 @@ def test_a_record_outside_its_learners_prefix_is_rejected(run):
 
 def test_read_only_handles_write_nothing(run):
     backend, url, rs = run
-    ro = backend.open(url, read_only=True)
+    ro = backend.open(url, read_only=True, role=LearnerStore)
     assert ro.latest_round() == 0
     with pytest.raises(ReadOnlyError, match="read-only"):
         ro.publish_contribution("l0", 0, 0, counters(), fragment_delta(rs, 0))
     with pytest.raises(ReadOnlyError, match="read-only"):
-        ro.commit_round(1, 0, params=None)
+        SynchronizerStore.beside(ro).commit_round(1, 0, params=None)
     assert ro.list_contributions(0, 0).records == []
 
 
@@ -145,7 +145,7 @@ def test_an_old_layout_run_is_refused_clearly(run):
 def test_global_state_lives_where_no_learner_writes(run):
     backend, url, rs = run
     _commit(rs, 1, 0)
-    rec = rs.publish_contribution("l0", 0, 1, counters(), fragment_delta(rs, 0))
+    rec = LearnerStore.beside(rs).publish_contribution("l0", 0, 1, counters(), fragment_delta(rs, 0))
     state = rs.read_commit(1).state
     for st in state:
         assert backend.raw_get(url, paths.blob_key(st.params.sha256)) is not None  # sync/blobs

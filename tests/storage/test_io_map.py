@@ -1,4 +1,4 @@
-"""atoll.storage.store.io_map: object-store calls at once, results in order, errors after all ended;
+"""atoll.storage.io_pool.io_map: object-store calls at once, results in order, errors after all ended;
 and a round's reads (list_contributions, load_contributions) give the same answer either way."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from atoll.core.weights import Counters
-from atoll.storage import RunStore
-from atoll.storage import store as store_module
+from atoll.storage import LearnerStore, RunReader
+from atoll.storage.io_pool import io_map
 from atoll.storage.paths import to_url
-from atoll.storage.store import io_map
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
 
@@ -46,7 +45,7 @@ def test_the_first_error_is_raised_once_every_call_has_ended() -> None:
 
 
 def test_one_thread_means_one_call_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_module, "IO_THREADS", 1)
+    monkeypatch.setattr("atoll.storage.io_pool.IO_THREADS", 1)
     seen = []
     assert io_map(lambda x: seen.append(threading.current_thread().name) or x, [1, 2, 3]) == [1, 2, 3]
     assert set(seen) == {threading.current_thread().name}
@@ -59,11 +58,11 @@ def test_a_round_s_reads_are_the_same_concurrent_or_not(tmp_path: Path, monkeypa
     for i in range(6):
         for steps in (1, 2):
             delta = {n: torch.randn(*s, generator=g) for n, s in store.manifest.fragment_shapes(0).items()}
-            store.publish_contribution(f"learner-{i}", 0, 0, Counters(c_steps=steps, c_tokens=4 * steps), delta)
+            LearnerStore.beside(store).publish_contribution(f"learner-{i}", 0, 0, Counters(c_steps=steps, c_tokens=4 * steps), delta)
 
     def reads(threads: int) -> tuple[list[str], list[tuple[str, list[float]]]]:
-        monkeypatch.setattr(store_module, "IO_THREADS", threads)
-        fresh = RunStore.open(store.url)
+        monkeypatch.setattr("atoll.storage.io_pool.IO_THREADS", threads)
+        fresh = RunReader.open(store.url)
         listing = fresh.list_contributions(0, [0, 1])
         loaded, rejected = fresh.load_contributions(listing.records)
         assert not listing.rejected and not rejected
@@ -77,7 +76,7 @@ def test_a_round_s_reads_are_the_same_concurrent_or_not(tmp_path: Path, monkeypa
 def test_every_learner_s_liveness_in_one_call(tmp_path: Path) -> None:
     config, recipe = smoke_recipe(3, max_rounds=4)
     store = create_run(to_url(str(tmp_path / "run")), config, recipe)
-    store.take_learner_lease("learner-1")
+    LearnerStore.beside(store).take_learner_lease("learner-1")
     live = store.learners_liveness(["learner-0", "learner-1", "learner-2", "learner-1"])
     assert list(live) == ["learner-0", "learner-1", "learner-2"]
     assert [v.incarnation for v in live.values()] == [0, 1, 0]

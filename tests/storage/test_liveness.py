@@ -15,7 +15,7 @@ import pytest
 import torch
 from storage_helpers import counters, fragment_delta, init_run, plant_contribution
 
-from atoll.storage import RunStore, paths
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore, paths
 from atoll.storage import liveness as lc
 from atoll.storage.codec import dump_record
 from atoll.storage.records import KIND_CONTRIBUTION, ContributionRecord
@@ -28,12 +28,12 @@ RACERS = 8
 
 def test_racing_takers_get_distinct_consecutive_incarnations(hostile_backend: Backend) -> None:
     url = hostile_backend.new_url()
-    handles = [hostile_backend.open(url, fresh=True) for _ in range(RACERS)]  # one "process" each
+    handles = [hostile_backend.open(url, fresh=True, role=LearnerStore) for _ in range(RACERS)]  # one "process" each
     start = threading.Barrier(RACERS)
     got: list[int] = []
     errors: list[BaseException] = []
 
-    def take(store: RunStore) -> None:
+    def take(store: LearnerStore) -> None:
         start.wait()
         try:
             got.append(store.take_learner_lease("l0").incarnation)
@@ -52,13 +52,13 @@ def test_racing_takers_get_distinct_consecutive_incarnations(hostile_backend: Ba
     live = reader.learner_liveness("l0")
     assert live.incarnation == RACERS and live.lease is not None and live.lease.holder == "l0"
     # The synchronizer's leases are numbered on their own.
-    assert reader.take_synchronizer_lease(flow_run_id="fr-1").incarnation == 1
+    assert SynchronizerStore.beside(reader).take_synchronizer_lease(flow_run_id="fr-1").incarnation == 1
     assert reader.synchronizer_liveness().lease.flow_run_id == "fr-1"  # type: ignore[union-attr]
 
 
 def test_liveness_is_the_newest_lease_and_its_own_heartbeat(hostile_backend: Backend) -> None:
     url = hostile_backend.new_url()
-    store = hostile_backend.open(url)
+    store = hostile_backend.open(url, role=LearnerStore)
     assert store.current_incarnation("l0") == 0
     never = store.learner_liveness("l0")
     assert never.lease is None and never.incarnation == 0 and never.heartbeat_age_s(time.time()) is None
@@ -83,10 +83,12 @@ def test_liveness_is_the_newest_lease_and_its_own_heartbeat(hostile_backend: Bac
     with pytest.raises(ValueError, match="status"):
         store.write_heartbeat(new, status="sleeping")
 
-    ro = hostile_backend.open(url, read_only=True)
+    ro = hostile_backend.open(url, read_only=True, role=LearnerStore)
+    ro_sync = hostile_backend.open(url, read_only=True, role=SynchronizerStore)
     assert ro.learner_liveness("l0").incarnation == 2 and ro.current_incarnation("l0") == 2
-    for write in (lambda: ro.take_learner_lease("l0"), lambda: ro.take_synchronizer_lease(),
-                  lambda: ro.write_heartbeat(new), lambda: ro.mark_stopped("x", "y"), lambda: ro.clear_stopped()):
+    for write in (lambda: ro.take_learner_lease("l0"), lambda: ro_sync.take_synchronizer_lease(),
+                  lambda: ro.write_heartbeat(new), lambda: ro_sync.mark_stopped("x", "y"),
+                  lambda: ro_sync.clear_stopped()):
         with pytest.raises(ReadOnlyError):
             write()
 
@@ -119,7 +121,7 @@ def test_ages_are_on_the_store_s_clock_whatever_the_writer_s_clock_says(hostile_
 
 def test_stop_marker_round_trip(hostile_backend: Backend) -> None:
     url = hostile_backend.new_url()
-    store = hostile_backend.open(url)
+    store = hostile_backend.open(url, role=SynchronizerStore)
     assert store.stop_marker() is None
     store.mark_stopped("maintenance window", by="alice")
     marker = hostile_backend.open(url, fresh=True, read_only=True).stop_marker()
@@ -134,7 +136,7 @@ def test_stop_marker_round_trip(hostile_backend: Backend) -> None:
 
 def test_corrupt_or_oversized_lifecycle_objects_are_ignored_with_a_reason(hostile_backend: Backend) -> None:
     url = hostile_backend.new_url()
-    store = hostile_backend.open(url)
+    store = hostile_backend.open(url, role=LearnerStore)
     store.write_heartbeat(store.take_learner_lease("l0"))
     # A garbage lease at the next number: it still counts as the newest (fences incarnation 1),
     # its content is ignored, and the next taker moves past it.
@@ -171,15 +173,15 @@ def test_corrupt_or_oversized_lifecycle_objects_are_ignored_with_a_reason(hostil
 
 def test_a_forged_top_incarnation_only_stops_its_own_learner(hostile_backend: Backend) -> None:
     url = hostile_backend.new_url()
-    store = hostile_backend.open(url)
+    store = hostile_backend.open(url, role=LearnerStore)
     hostile_backend.raw_put(url, paths.learner_lease_key("l0", paths.MAX_INCARNATION), b"{}")
     with pytest.raises(lc.LeaseError, match="forged"):
         store.take_learner_lease("l0")
     assert store.take_learner_lease("l1").incarnation == 1
 
 
-def _tiny_run(url: str) -> RunStore:
-    store = RunStore.open(url)
+def _tiny_run(url: str) -> LearnerStore:
+    store = LearnerStore.open(url)
     init_run(store)
     return store
 
@@ -188,7 +190,7 @@ def test_contributions_carry_their_incarnation_and_old_records_read_as_zero(tmp_
     store = _tiny_run(str(tmp_path / "run"))
     rec = store.publish_contribution("l0", 0, 0, counters(), fragment_delta(store, 0), incarnation=3)
     assert rec.incarnation == 3
-    again = RunStore.open(store.url).list_contributions(0, 0, ["l0"]).records
+    again = RunReader.open(store.url).list_contributions(0, 0, ["l0"]).records
     assert [r.incarnation for r in again] == [3]
     plain = store.publish_contribution("l1", 0, 0, counters(), fragment_delta(store, 0))
     assert plain.incarnation == 0
@@ -213,7 +215,7 @@ def test_fault_hook_signals_between_payloads_and_commit(tmp_path: Path, monkeypa
 
     def commit() -> None:
         params = {n: torch.full(s, 2.0) for n, s in store.manifest.fragment_shapes(0).items()}
-        store.commit_round(1, 0, params=params)
+        SynchronizerStore.beside(store).commit_round(1, 0, params=params)
         done.set()
 
     blobs = tmp_path / "run" / "sync" / "blobs" / "sha256"
@@ -230,7 +232,7 @@ def test_fault_hook_signals_between_payloads_and_commit(tmp_path: Path, monkeypa
     assert len(list(blobs.iterdir())) == before + 1  # the round's new fragment payload is written
     t.join(30)
     assert done.is_set() and time.monotonic() - t0 >= 3.9
-    assert RunStore.open(store.url).latest_round() == 1
+    assert RunReader.open(store.url).latest_round() == 1
 
 
 @pytest.mark.parametrize("bad", [True, -1, "3", 2**60, 1.5])

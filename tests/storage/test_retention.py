@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 
-from atoll.storage import ContributionRecord, PrunedError, RunStore
+from atoll.storage import (
+    ContributionRecord,
+    LearnerStore,
+    OperatorStore,
+    PrunedError,
+    RunHandle,
+    RunReader,
+    SynchronizerStore,
+)
 from atoll.storage import paths as P
 from atoll.storage.paths import to_url
 from atoll.storage.retention import (
@@ -40,20 +48,21 @@ from conftest import Backend
 LATER = 2 * 3600.0  # plan "two hours from now": everything written so far is old enough
 
 
-def _train(store: RunStore, rounds: int) -> None:
+def _train(store: RunHandle, rounds: int) -> None:
     """About ``rounds`` more rounds (two per round's worth of tokens with K = 1 and P = 2)."""
     from atoll.train.run import load_recipe
 
     recipe = load_recipe(store)
     per_round = sum(s.batch_size for s in recipe.learners) * 64 * store.config.inner_steps
-    run_virtual(store, token_budget=max(1, rounds // 2) * per_round)
+    run_virtual(SynchronizerStore.beside(store), token_budget=max(1, rounds // 2) * per_round)
     # The virtual driver keeps inner state in memory; save it the way a learner process does, twice
     # (each save writes a new payload: the first one is replaced).
     import torch
 
+    learners = LearnerStore.beside(store)
     for i, spec in enumerate(recipe.learners):
         for step in (1, 2):
-            store.save_learner_state(spec.learner_id, {"adamw.w.exp_avg": torch.full((64,), float(i + step))},
+            learners.save_learner_state(spec.learner_id, {"adamw.w.exp_avg": torch.full((64,), float(i + step))},
                                      {"step": step})
 
 
@@ -62,16 +71,16 @@ def _recipe(checkpoint_every: int = 4) -> tuple[Any, Any]:
     return config, dataclasses.replace(recipe, checkpoint_every_rounds=checkpoint_every)
 
 
-def _new_run(url: str) -> RunStore:
+def _new_run(url: str) -> SynchronizerStore:
     return create_run(url, *_recipe())
 
 
-def _init(store: RunStore) -> RunStore:
+def _init(store: RunHandle) -> SynchronizerStore:
     """A new run through a store the backend fixture opened (the GCS emulator needs its open options)."""
     return create_run(store, *_recipe())
 
 
-def _keys(store: RunStore, prefix: str = "") -> set[str]:
+def _keys(store: RunHandle, prefix: str = "") -> set[str]:
     """Every object under ``prefix`` (a walk with the store's own LISTs)."""
     out: set[str] = set()
     for info in store.store.list_info(prefix):
@@ -83,7 +92,7 @@ def _keys(store: RunStore, prefix: str = "") -> set[str]:
     return out
 
 
-def _contribution_keys(store: RunStore) -> set[str]:
+def _contribution_keys(store: RunHandle) -> set[str]:
     return {k for k in _keys(store, P.LEARNERS_PREFIX) if "/contributions/" in k}
 
 
@@ -91,7 +100,7 @@ def test_prune_keeps_what_training_needs_and_the_run_trains_on(tmp_path: Path) -
     url = to_url(str(tmp_path / "run"))
     store = _new_run(url)
     _train(store, 40)
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     latest = run.latest_round()
     assert latest >= 30
     before = _keys(run)
@@ -106,7 +115,7 @@ def test_prune_keeps_what_training_needs_and_the_run_trains_on(tmp_path: Path) -
     assert after == before - {d.key for d in plan.deletes} | {P.PRUNE}
     assert record.deleted_objects == len(plan.deletes) and record.deleted_bytes == plan.bytes > 0
 
-    fresh = RunStore.open(url)
+    fresh = RunReader.open(url)
     # Every commit record is still there and the chain verifies; deleted state is reported as such.
     assert all(P.commit_key(r) in after for r in range(1, latest + 1))
     report = fresh.verify()
@@ -133,7 +142,7 @@ def test_prune_keeps_what_training_needs_and_the_run_trains_on(tmp_path: Path) -
 
     # The run trains on: learners rejoin, rounds merge contributions, the chain still verifies.
     _train(fresh, 12)
-    resumed = RunStore.open(url)
+    resumed = OperatorStore.open(url)
     assert resumed.latest_round() > latest
     new = resumed.history(latest + 1)
     assert sum(len(r.accepted) for r in new) >= len(new) and all(r.updated for r in new)
@@ -151,11 +160,11 @@ def test_prune_keeps_what_training_needs_and_the_run_trains_on(tmp_path: Path) -
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run trained once, in a local folder (training on moto or the emulator takes 10x longer)."""
     root = tmp_path_factory.mktemp("trained") / "run"
-    _train(_init(RunStore.open(to_url(str(root)))), 12)
+    _train(_init(RunReader.open(to_url(str(root)))), 12)
     return root
 
 
-def _copy_to(root: Path, store: RunStore) -> None:
+def _copy_to(root: Path, store: RunHandle) -> None:
     """Every object of the local run at ``root``, byte for byte, into ``store`` (written now: new
     modification times, which is what the age guard looks at)."""
     from atoll.storage.store import io_map
@@ -168,7 +177,7 @@ def test_prune_on_every_backend_keeps_young_objects_and_dry_run_deletes_nothing(
         backend: Backend, trained_run: Path) -> None:
     url = backend.new_url()
     _copy_to(trained_run, backend.open(url))
-    run = backend.open(url)
+    run = backend.open(url, role=OperatorStore)
     latest = run.latest_round()
     before = _keys(run)
     # Every backend reports when an object was written (the age guard depends on it).
@@ -213,7 +222,7 @@ def test_policy_errors_name_the_knob(tmp_path: Path) -> None:
 def test_a_prune_killed_midway_leaves_a_run_that_verifies_and_a_rerun_finishes(tmp_path: Path) -> None:
     url = to_url(str(tmp_path / "run"))
     _train(_new_run(url), 20)
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     plan = plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
     assert len(plan.deletes) > 10
     real = run.store.delete_many
@@ -229,13 +238,13 @@ def test_a_prune_killed_midway_leaves_a_run_that_verifies_and_a_rerun_finishes(t
     with pytest.raises(KeyboardInterrupt):
         apply_prune(run, plan, chunk=5, by="test")
     # The retention record went first: nothing deleted so far reads as lost.
-    report = RunStore.open(url).verify()
+    report = RunReader.open(url).verify()
     assert report.ok and report.pruned > 0, report.problems
-    rerun = RunStore.open(url)
+    rerun = OperatorStore.open(url)
     rest = plan_prune(rerun, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
     assert 0 < len(rest.deletes) == len(plan.deletes) - 5
     apply_prune(rerun, rest, by="test")
-    assert plan_prune(RunStore.open(url), RetentionPolicy(keep_rounds=4), now=time.time() + LATER).deletes == []
+    assert plan_prune(RunReader.open(url), RetentionPolicy(keep_rounds=4), now=time.time() + LATER).deletes == []
 
 
 def test_junk_and_unreadable_records_are_left_alone(tmp_path: Path) -> None:
@@ -243,7 +252,7 @@ def test_junk_and_unreadable_records_are_left_alone(tmp_path: Path) -> None:
     state.json cannot be read, stay; a damaged retention record is reported by verify, not trusted."""
     url = to_url(str(tmp_path / "run"))
     _train(_new_run(url), 16)
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     junk = ["sync/blobs/sha256/not-a-sha.safetensors", "learners/learner-0/blobs/sha256/README",
             "learners/learner-0/contributions/f0000/bogus/x.json"]
     for key in junk:
@@ -256,7 +265,7 @@ def test_junk_and_unreadable_records_are_left_alone(tmp_path: Path) -> None:
     assert any(k.startswith("learners/learner-0/blobs/") for k in deleted)
     apply_prune(run, plan, by="test")
     run.store.put(P.PRUNE, b'{"schema": "atoll/prune", "schema_version": 3, "floors": "all"}')
-    report = RunStore.open(url).verify()
+    report = RunReader.open(url).verify()
     assert not report.ok and any("retention record ignored" in p for p in report.problems)
     assert report.prune is None
 
@@ -268,12 +277,12 @@ def test_a_learner_whose_saved_state_is_gone_rejoins_with_fresh_inner_state(tmp_
 
     url = to_url(str(tmp_path / "run"))
     _train(_new_run(url), 4)
-    run = RunStore.open(url)
+    run = RunReader.open(url)
     saved = run.load_learner_state_record("learner-0")
     assert saved is not None
     run.store.delete(P.blob_key(saved.payload.sha256, "learner-0"))
     lines: list[str] = []
-    learner = RecipeLearner(RunStore.open(url), "learner-0", log=lines.append)
+    learner = RecipeLearner(LearnerStore.open(url), "learner-0", log=lines.append)
     assert "missing_payload" in learner.summary.inner_state_lost and not learner.summary.resumed_inner_state
     assert any("rejoining with fresh optimizer state" in line for line in lines)
     assert learner.start_round == run.latest_round()
@@ -336,7 +345,7 @@ def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     old = time.time() - LATER
     for f in [*root.rglob("*"), *outside.rglob("*")]:
         os.utime(f, (old, old), follow_symlinks=False)
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     with pytest.raises(NotPlainObjectError, match="symlink"):
         plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
     with pytest.raises(NotPlainObjectError, match="link"):
@@ -375,7 +384,7 @@ def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path:
     for f in root.rglob("*"):
         os.utime(f, (old, old), follow_symlinks=False)
     before = sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir())
-    run = RunStore.open(url)
+    run = OperatorStore.open(url)
     with pytest.raises(NotPlainObjectError, match="symlink|link"):
         plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
     victim = f"learners/evil/blobs/sha256/{before[0]}"
@@ -386,7 +395,7 @@ def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path:
     with pytest.raises(RetentionRefused):
         apply_prune(run, forged, by="test")
     assert sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir()) == before
-    assert RunStore.open(url).verify().ok
+    assert RunReader.open(url).verify().ok
 
 
 def test_prune_deletes_only_keys_whose_name_proves_class_and_owner() -> None:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 from storage_helpers import FsProxy, counters, fragment_delta, init_run
 
-from atoll.storage import ObjectStore, RetryPolicy, RunStore, paths
+from atoll.storage import LearnerStore, ObjectStore, RetryPolicy, RunReader, paths
 from atoll.storage.wire import (
     PART_BYTES,
     REPORT_LIMIT,
@@ -123,7 +123,7 @@ def test_every_attempt_of_a_retried_request_is_counted(tmp_path) -> None:
 
 
 def test_threads_sharing_a_store_and_its_siblings_add_up_exactly(tmp_path) -> None:
-    rs = RunStore.open(str(tmp_path), check_create_once=False)
+    rs = RunReader.open(str(tmp_path), check_create_once=False)
     handles = [rs, rs.sibling(), rs.sibling().sibling()]
     body = b"x" * 100
 
@@ -234,13 +234,13 @@ def s3_proxy(hostile_backend) -> Iterator[CountingProxy | None]:
         proxy.close()
 
 
-def _open_counted(backend, url: str, proxy: CountingProxy | None) -> RunStore:
+def _open_counted(backend, url: str, proxy: CountingProxy | None) -> LearnerStore:
     """A fresh handle on the run (its own client and counts), through the proxy on S3."""
     if proxy is None:
-        return RunStore.open(url, backend.storage_options, check_create_once=False)
+        return LearnerStore.open(url, backend.storage_options, check_create_once=False)
     options = {**backend.storage_options, "skip_instance_cache": True,
                "client_kwargs": {**backend.storage_options["client_kwargs"], "endpoint_url": proxy.endpoint}}
-    return RunStore.open(url, options, check_create_once=False)
+    return LearnerStore.open(url, options, check_create_once=False)
 
 
 def test_hand_count_publish_read_back_and_list(hostile_backend, s3_proxy: CountingProxy | None) -> None:

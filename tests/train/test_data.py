@@ -16,12 +16,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from atoll.train.corpus import FILE_SEPARATOR, _is_val
 from atoll.train.data import (
     CURSOR_FORMAT,
-    FILE_SEPARATOR,
     BatchStream,
     DataError,
-    _is_val,
     decode_bytes,
     encode_bytes,
     evaluate,

@@ -10,19 +10,20 @@ import pytest
 import torch
 
 import atoll.train.device as device_mod
-import atoll.train.synchronizer as sync_mod
+import atoll.train.merge_device as merge_device_mod
 from atoll.core.config import ConfigError
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.synchronize import FragmentContribution, synchronize_fragment
 from atoll.core.weights import Counters
-from atoll.storage.bucket import RunStore
+from atoll.storage import LearnerStore, SynchronizerStore
 from atoll.storage.paths import to_url
 from atoll.train.device import DeviceError, fragment_to_host, resolve_device
 from atoll.train.inner import RecipeLearner
+from atoll.train.merge_device import merge_on_device
 from atoll.train.publisher import BackgroundOutbox
 from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
-from atoll.train.synchronizer import Synchronizer, SynchronizerOptions, merge_on_device
+from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
 
 def _expected_auto() -> str:
@@ -40,12 +41,12 @@ def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_mod, "_mps_available", lambda: False)
 
 
-def _run(root: Path, **learner_changes: object) -> RunStore:
+def _run(root: Path, **learner_changes: object) -> LearnerStore:
     config, recipe = smoke_recipe(2, max_rounds=20)
     if learner_changes:
         recipe = recipe.replace(learners=tuple(
             LearnerSpec(**{**vars(s), **learner_changes}) for s in recipe.learners))  # type: ignore[arg-type]
-    return create_run(to_url(str(root / "run")), config, recipe)
+    return LearnerStore.beside(create_run(to_url(str(root / "run")), config, recipe))
 
 
 # -- the setting ----------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_merge_on_a_device_equals_the_cpu_merge(monkeypatch: pytest.MonkeyPatch)
 
     copies: list[int] = []
     real = device_mod.copy_to_host
-    monkeypatch.setattr(sync_mod, "fragment_to_device", to_device)
+    monkeypatch.setattr(merge_device_mod, "fragment_to_device", to_device)
     monkeypatch.setattr(device_mod, "copy_to_host", lambda flat: copies.append(flat.numel()) or real(flat))
     opt = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
     opt.load_state_dict(momentum)
@@ -234,10 +235,11 @@ def test_merge_on_a_device_equals_the_cpu_merge(monkeypatch: pytest.MonkeyPatch)
 
 def test_synchronizer_device_option(tmp_path: Path, no_accelerator: None) -> None:
     store = _run(tmp_path)
-    assert Synchronizer(store).device == torch.device("cpu")  # default: cpu
-    assert Synchronizer(store, options=SynchronizerOptions(device="auto")).device == torch.device("cpu")
+    sync = SynchronizerStore.beside(store)
+    assert Synchronizer(sync).device == torch.device("cpu")  # default: cpu
+    assert Synchronizer(sync, options=SynchronizerOptions(device="auto")).device == torch.device("cpu")
     with pytest.raises(DeviceError, match="SynchronizerOptions.device"):
-        Synchronizer(store, options=SynchronizerOptions(device="cuda"))
+        Synchronizer(sync, options=SynchronizerOptions(device="cuda"))
 
 
 # -- publishing in the background -----------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from atoll.core.downlink import downlink_step, drift_bound
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunHandle, RunReader, SynchronizerStore
 from atoll.storage import paths as P
 from atoll.storage.paths import to_url
 from atoll.storage.records import CommitRecord
@@ -28,7 +28,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 def new_run(tmp_path: Path, codec: str = "int4", *, learners: int = 2, rounds: int = 1000,
-            outer_momentum: float = 0.9) -> RunStore:
+            outer_momentum: float = 0.9) -> SynchronizerStore:
     config, recipe = smoke_recipe(learners, max_rounds=rounds)
     config = config.replace(initial_grace_s=0.0, downlink_compression=codec, outer_momentum=outer_momentum)
     return create_run(to_url(str(tmp_path / "run")), config, recipe)
@@ -38,7 +38,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def blob_file(store: RunStore, sha256: str) -> Path:
+def blob_file(store: RunHandle, sha256: str) -> Path:
     return Path(store.url.removeprefix("file://")) / P.blob_key(sha256)
 
 
@@ -46,7 +46,7 @@ class Committer:
     """New master versions by hand (the previous one plus noise), published as the synchronizer's
     commit path publishes them."""
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: SynchronizerStore) -> None:
         self.store = store
         self.master = [store.read_global_fragment(p, 0) for p in range(store.plan.num_fragments)]
         self.view = [dict(m) for m in self.master]
@@ -72,7 +72,7 @@ def test_the_fetcher_reads_only_the_newest_version_of_each_fragment(tmp_path: Pa
     c = Committer(store)
     for p in (0, 1, 0, 1, 0):
         c.commit(p)
-    joined = RunStore.open(store.url)
+    joined = RunReader.open(store.url)
     _ = joined.manifest  # a learner read it when it joined
     reader = joined.sibling(metered_apart=True)
     fetcher = Fetcher(reader, 0, 0.01, versions=[0, 0], log=lambda _: None)
@@ -99,7 +99,7 @@ def test_a_learner_applies_the_chain_of_updates_or_reads_the_view_whichever_is_f
     store = new_run(tmp_path)
     c = Committer(store)
     initial = [store.read_global_fragment(p, 0) for p in range(2)]
-    follower = Follower(RunStore.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
+    follower = Follower(RunReader.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
 
     def follow() -> dict[int, tuple[int, Tensors]]:
         records = follower.store.poll_commits(max(follower.versions))
@@ -158,14 +158,14 @@ def assert_holds_the_views(learner: Learner, views: list[Tensors]) -> None:
 
 def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path: Path) -> None:
     store = new_run(tmp_path)
-    learners = [RecipeLearner(RunStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
+    learners = [RecipeLearner(LearnerStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
     followers = [Follower(lr.store.sibling(), lr.versions, lr.held_views(), log=lambda _: None) for lr in learners]
-    sync = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    sync = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
     drive(sync, learners, followers, 6)
     assert sync.views is not None
     for lr in learners:
         assert_holds_the_views(lr, sync.views)
-    again = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    again = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
     assert again.views is not None and again._unchained == set()
     assert all(same(a, b) for a, b in zip(again.views, sync.views, strict=True))
     drive(again, learners, followers, 6)
@@ -182,7 +182,7 @@ def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path:
         for n in view:
             assert torch.all((master[n] - view[n]).abs() <= drift_bound(master[n] - base[n], "int4") + 1e-6)
     # A joiner reads each fragment's view in full, and not the outer momentum.
-    joiner_store = RunStore.open(store.url).sibling(metered_apart=True)
+    joiner_store = LearnerStore.open(store.url).sibling(metered_apart=True)
     joiner = RecipeLearner(joiner_store, "learner-1", log=lambda _: None)
     assert_holds_the_views(joiner, again.views)
     state = store.read_commit(again.round).state
@@ -195,14 +195,14 @@ def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path:
 
 def test_a_view_lost_before_a_restart_is_published_again_in_full(tmp_path: Path) -> None:
     store = new_run(tmp_path)
-    learners = [RecipeLearner(RunStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
+    learners = [RecipeLearner(LearnerStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
     followers = [Follower(lr.store.sibling(), lr.versions, lr.held_views(), log=lambda _: None) for lr in learners]
-    sync = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    sync = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
     drive(sync, learners, followers, 4)
     st = store.read_commit(sync.round).state[0]
     assert st.downlink is not None
     blob_file(store, st.downlink.view.sha256).unlink()
-    again = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
+    again = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
     assert again._unchained == {0}  # it cannot know the view learners hold: it stands in the master
     drive(again, learners, followers, 2)
     rec = store.read_commit(again.versions[0])
@@ -216,7 +216,7 @@ def test_a_view_lost_before_a_restart_is_published_again_in_full(tmp_path: Path)
 
 def learner_thread(url: str, learner_id: str, out: dict[str, LearnerSession]) -> None:
     """A learner as its process runs it (lease, heartbeats, the fetcher thread), on atoll's own loop."""
-    store = RunStore.open(url)
+    store = LearnerStore.open(url)
     loops: list[InnerLoop] = []
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
@@ -247,7 +247,7 @@ def test_an_int4_downlink_run_of_learner_threads_trains_and_learners_hold_the_vi
     threads = [threading.Thread(target=learner_thread, args=(store.url, lid, sessions)) for lid in ("learner-0", "learner-1")]
     for t in threads:
         t.start()
-    last = run_synchronizer(RunStore.open(store.url), evaluate=evaluate, log=lambda _: None,
+    last = run_synchronizer(SynchronizerStore.open(store.url), evaluate=evaluate, log=lambda _: None,
                             options=SynchronizerOptions(poll_interval_s=0.02))
     for t in threads:
         t.join(timeout=120)

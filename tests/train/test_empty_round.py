@@ -17,7 +17,7 @@ from atoll.core.compress import EncodedTensor
 from atoll.core.rejection import RejectionKind
 from atoll.core.retry import RetryPolicy
 from atoll.core.weights import Counters
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, SynchronizerStore
 from atoll.train.inner import RecipeLearner, run_learner
 from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import smoke_recipe
@@ -33,13 +33,14 @@ class Clock:
         return self.t
 
 
-def new_run(learners: int, max_rounds: int) -> RunStore:
+def new_run(learners: int, max_rounds: int) -> LearnerStore:
+    """A new run, as its learners' handle."""
     config, recipe = smoke_recipe(learners, max_rounds=max_rounds)
-    return create_run(f"memory://atoll-empty-{uuid.uuid4().hex[:8]}/run", config.replace(initial_grace_s=0.0),
-                      recipe)
+    return LearnerStore.beside(create_run(f"memory://atoll-empty-{uuid.uuid4().hex[:8]}/run",
+                                          config.replace(initial_grace_s=0.0), recipe))
 
 
-def publish_nan(store: RunStore, fragment: int, base_version: int, learner_id: str = "rogue") -> str:
+def publish_nan(store: LearnerStore, fragment: int, base_version: int, learner_id: str = "rogue") -> str:
     """A contribution whose delta is NaN: valid on the wire, refused by the merge."""
     delta = {n: EncodedTensor("fp32", tuple(s), {"data": torch.full(tuple(s), float("nan"))})
              for n, s in store.manifest.fragment_shapes(fragment).items()}
@@ -72,7 +73,7 @@ def test_synchronizer_versions_values_and_momentum_stay_put_after_a_round_with_n
     store = new_run(3, max_rounds=1000)
     learners = [RecipeLearner(store, f"learner-{i}", log=lambda _: None) for i in range(3)]
     clock = Clock()
-    sync = Synchronizer(RunStore.open(store.url), clock=clock, options=SynchronizerOptions(live_timeout_s=1e9))
+    sync = Synchronizer(SynchronizerStore.open(store.url), clock=clock, options=SynchronizerOptions(live_timeout_s=1e9))
     for lr in learners:
         lr.step()  # step 1 publishes fragment 1 (H = 2, P = 2)
         lr.step()  # step 2 publishes fragment 0
@@ -95,7 +96,7 @@ def test_synchronizer_versions_values_and_momentum_stay_put_after_a_round_with_n
     assert_same(snapshot(sync), before)
 
     # A synchronizer restarted from the bucket sees the same state, and does not merge the rogue again.
-    again = Synchronizer(RunStore.open(store.url), clock=clock, options=SynchronizerOptions(live_timeout_s=1e9))
+    again = Synchronizer(SynchronizerStore.open(store.url), clock=clock, options=SynchronizerOptions(live_timeout_s=1e9))
     assert again.round == 3
     assert_same(snapshot(again), before)
     assert rogue in again.consumed
@@ -123,7 +124,7 @@ def test_the_learner_fetcher_steps_over_a_round_with_nothing_merged() -> None:
     policy of one attempt, stop the learner with FetchError; adopting it would count an alignment.
     """
     store = new_run(1, max_rounds=3)
-    committer = RunStore.open(store.url)
+    committer = SynchronizerStore.open(store.url)
     lines: list[str] = []
     state = {"round": 0}
 

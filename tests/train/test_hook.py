@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atoll.storage import RunStore
+from atoll.storage import RunReader, SynchronizerStore
 from atoll.storage.paths import to_url
 from atoll.train.learner import LearnerOptions
 from atoll.train.local import LocalRun
@@ -35,7 +35,7 @@ def user_loop(url: str, learner_id: str, log: Path) -> subprocess.Popen[bytes]:
                                                                "ATOLL_LEARNER_ID": learner_id})
 
 
-def merged(store: RunStore, learner_id: str, after: int = 0) -> bool:
+def merged(store: RunReader, learner_id: str, after: int = 0) -> bool:
     return any(a.learner_id == learner_id for r in store.history(after + 1) for a in r.accepted)
 
 
@@ -43,7 +43,7 @@ def test_user_loop_and_atoll_loop_learners_are_both_merged_and_a_killed_user_loo
     url = to_url(str(tmp_path / "run"))
     subprocess.run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--create", url, "--learners", "2",
                     "--rounds", "100000"], check=True, env=env())
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     logs = tmp_path / "logs"
     logs.mkdir()
     with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
@@ -89,8 +89,8 @@ def test_join_in_process_publishes_adopts_and_stops_when_the_run_is_finished(tmp
 
     url = to_url(str(tmp_path / "run"))
     plain_loop.create(url, 1, rounds=3)
-    store = RunStore.open(url)
-    sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(poll_interval_s=0.01))
+    store = RunReader.open(url)
+    sync = Synchronizer(SynchronizerStore.open(url), options=SynchronizerOptions(poll_interval_s=0.01))
     model = plain_loop.char_lm()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = plain_loop.corpus(1 << 16)
@@ -153,7 +153,7 @@ def test_lockstep_user_loops_equal_synchronous_diloco_bit_for_bit(tmp_path: Path
     url = to_url(str(tmp_path / "run"))
     subprocess.run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--create", url, "--learners", str(learners),
                     "--rounds", str(rounds), "--lockstep"], check=True, env=env())
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     h = store.config.inner_steps
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -187,7 +187,7 @@ def test_a_torchrun_ddp_user_loop_is_one_island_rank_0_does_the_io(tmp_path: Pat
     url = to_url(str(tmp_path / "run"))
     subprocess.run([sys.executable, str(EXAMPLES / "ddp_loop.py"), "--create", url, "--ranks", "2",
                     "--rounds", "30"], check=True, env=env())
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     logs = tmp_path / "logs"
     logs.mkdir()
     with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:
@@ -230,7 +230,7 @@ def test_framework_callbacks_make_a_trainer_a_learner(tmp_path: Path, example: s
     url = to_url(str(tmp_path / "run"))
     subprocess.run([sys.executable, str(EXAMPLES / example), "--create", url, "--learners", "2", "--rounds", "10"],
                    check=True, env=env(), capture_output=True)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     logs = tmp_path / "logs"
     logs.mkdir()
     with LocalRun(url, log_dir=logs, extra_env={"PYTHONPATH": env()["PYTHONPATH"]}) as run:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from atoll.core.rejection import RejectionKind
-from atoll.storage import RunStore, paths
+from atoll.storage import LearnerStore, RunCreator, RunReader, SynchronizerStore, paths
 from atoll.storage.codec import dump_record
 from atoll.storage.integrity import seal
 from atoll.storage.paths import to_url
@@ -19,7 +19,8 @@ from atoll.storage.validation import InvalidInput, validate_id
 from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
-from atoll.train.synchronizer import MAX_TIMING_S, RoundSummary, Synchronizer
+from atoll.train.synchronizer import RoundSummary, Synchronizer
+from atoll.train.trust import MAX_TIMING_S
 
 
 class Clock:
@@ -30,12 +31,12 @@ class Clock:
         return self.t
 
 
-def _run(tmp_path: Path) -> tuple[RunStore, list[RecipeLearner], Synchronizer, Clock]:
+def _run(tmp_path: Path) -> tuple[RunReader, list[RecipeLearner], Synchronizer, Clock]:
     config, recipe = smoke_recipe(3, max_rounds=1000)
     store = create_run(to_url(str(tmp_path / "run")), config.replace(initial_grace_s=0.0), recipe)
-    learners = [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    learners = [RecipeLearner(LearnerStore.beside(store), s.learner_id, log=lambda _: None) for s in recipe.learners]
     clock = Clock()
-    return store, learners, Synchronizer(RunStore.open(store.url), clock=clock), clock
+    return store, learners, Synchronizer(SynchronizerStore.open(store.url), clock=clock), clock
 
 
 def _rounds(learners: list[RecipeLearner], sync: Synchronizer, clock: Clock, n: int) -> list[RoundSummary]:
@@ -56,7 +57,7 @@ def _rounds(learners: list[RecipeLearner], sync: Synchronizer, clock: Clock, n: 
     return out
 
 
-def _plant(store: RunStore, fragment: int, name: str, body_changes: dict) -> str:
+def _plant(store: RunReader, fragment: int, name: str, body_changes: dict) -> str:
     """A record written behind the protocol's back under a well-formed key (payload: a real one)."""
     version = store.read_global_state().versions[fragment]
     listing = store.list_contributions(fragment, version)
@@ -72,11 +73,11 @@ def _plant(store: RunStore, fragment: int, name: str, body_changes: dict) -> str
     return key
 
 
-def _rejections(store: RunStore) -> dict:
+def _rejections(store: RunReader) -> dict:
     return {k: v for r in store.history() for k, v in r.rejected.items()}
 
 
-def _learner_has_published(store: RunStore, learners: list[RecipeLearner], sync: Synchronizer, clock: Clock) -> None:
+def _learner_has_published(store: RunReader, learners: list[RecipeLearner], sync: Synchronizer, clock: Clock) -> None:
     _rounds(learners, sync, clock, 2)
 
 
@@ -94,14 +95,14 @@ def test_integer_beyond_float_range_is_a_schema_rejection(tmp_path: Path) -> Non
 def test_huge_reported_step_time_cannot_set_a_huge_grace_window(tmp_path: Path) -> None:
     store, learners, sync, clock = _run(tmp_path)
     _learner_has_published(store, learners, sync, clock)
-    original = RunStore.publish_contribution
+    original = LearnerStore.publish_contribution
 
     def lying(self, *args, **kwargs):  # the learner's own number, as a hostile learner would send it
         kwargs["info"] = {**(kwargs.get("info") or {}), "step_time_s": 1e300}  # 10**400 is no record at all
         return original(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RunStore, "publish_contribution", lying)
+        mp.setattr(LearnerStore, "publish_contribution", lying)
         done = _rounds(learners, sync, clock, 4)
     assert len(done) >= 4
     step = sync.ema.get("step_s")
@@ -115,7 +116,7 @@ def test_huge_reported_step_time_cannot_set_a_huge_grace_window(tmp_path: Path) 
 def test_junk_wire_reports_are_clipped_or_left_out(tmp_path: Path, junk) -> None:
     store, learners, sync, clock = _run(tmp_path)
     _learner_has_published(store, learners, sync, clock)
-    original = RunStore.publish_contribution
+    original = LearnerStore.publish_contribution
     liar = learners[0].learner_id
 
     def lying(self, learner_id, *args, **kwargs):  # one learner reports junk as its traffic
@@ -124,7 +125,7 @@ def test_junk_wire_reports_are_clipped_or_left_out(tmp_path: Path, junk) -> None
         return original(self, learner_id, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RunStore, "publish_contribution", lying)
+        mp.setattr(LearnerStore, "publish_contribution", lying)
         done = _rounds(learners, sync, clock, 4)
     assert len(done) >= 4
     reports = [r.record.stats.get("learner_wire", {}) for r in done]
@@ -150,7 +151,7 @@ def test_directory_where_a_record_belongs_is_a_rejection(tmp_path: Path) -> None
     assert len(done) >= 4
     assert _rejections(store)[key].kind is RejectionKind.CORRUPT
     # A restarted synchronizer is not stopped by it either.
-    again = Synchronizer(RunStore.open(store.url), clock=clock)
+    again = Synchronizer(SynchronizerStore.open(store.url), clock=clock)
     assert len(_rounds(learners, again, clock, 2)) >= 2
 
 
@@ -181,13 +182,13 @@ def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_p
     config, recipe = smoke_recipe(3, max_rounds=1000)
     keys = {SYNCHRONIZER_KEY_ID: b"s" * 32, **{s.learner_id: s.learner_id.encode() * 4 for s in recipe.learners}}
     url = to_url(str(tmp_path / "run"))
-    create_run(RunStore.open(url, keyring=Keyring(keys)), config.replace(initial_grace_s=0.0), recipe)
-    learners = [RecipeLearner(RunStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
-                        log=lambda _: None) for s in recipe.learners]
+    create_run(RunCreator.open(url, keyring=Keyring(keys)), config.replace(initial_grace_s=0.0), recipe)
+    learners = [RecipeLearner(LearnerStore.open(url, keyring=Keyring({s.learner_id: keys[s.learner_id]})), s.learner_id,
+                              log=lambda _: None) for s in recipe.learners]
     clock = Clock()
-    sync = Synchronizer(RunStore.open(url, keyring=Keyring(keys)), clock=clock)
+    sync = Synchronizer(SynchronizerStore.open(url, keyring=Keyring(keys)), clock=clock)
     assert len(_rounds(learners, sync, clock, 2)) >= 2
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     r = sync.round + 1
     prev = store.store.get_or_none(paths.commit_key(r - 1))
     assert prev is not None
@@ -198,7 +199,7 @@ def test_forged_next_commit_is_repaired_by_the_real_synchronizer_with_keys(tmp_p
     assert len(done) >= 3 and all(s.won for s in done)
     assert done[0].record.round == r and done[0].record.committed_by == "synchronizer"
     assert store.store.get_or_none(paths.repair_key(r, 1)) is not None
-    keyed = RunStore.open(url, keyring=Keyring(keys))
+    keyed = RunReader.open(url, keyring=Keyring(keys))
     assert keyed.latest_round() == sync.round and keyed.read_commit(r).committed_by == "synchronizer"
     assert any(a.learner_id.startswith("learner-") for s in done for a in s.record.accepted)
 
@@ -213,12 +214,12 @@ def test_a_destroyed_state_object_does_not_stop_the_run(tmp_path: Path) -> None:
     p = done[-1].record.fragment
     ref = latest.record.state[p].params
     store.store.put(paths.blob_key(ref.sha256), b"\0" * ref.nbytes)
-    fresh = RunStore.open(store.url)
+    fresh = RunReader.open(store.url)
     state = fresh.read_global_state()
     assert p in state.restored and "checksum" in state.restored[p]
-    restarted = Synchronizer(RunStore.open(store.url), clock=clock)
-    rejoined = [RecipeLearner(RunStore.open(store.url), lr.learner_id, log=lambda _: None) for lr in learners]
+    restarted = Synchronizer(SynchronizerStore.open(store.url), clock=clock)
+    rejoined = [RecipeLearner(LearnerStore.open(store.url), lr.learner_id, log=lambda _: None) for lr in learners]
     assert len(_rounds(rejoined, restarted, clock, 2 * store.plan.num_fragments)) >= 2 * store.plan.num_fragments
-    assert not RunStore.open(store.url).read_global_state().restored  # republished by its next round
-    report = RunStore.open(store.url, read_only=True).verify()
+    assert not RunReader.open(store.url).read_global_state().restored  # republished by its next round
+    report = RunReader.open(store.url, read_only=True).verify()
     assert any(ref.sha256 in line or "checksum" in line for line in report.problems)

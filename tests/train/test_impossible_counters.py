@@ -13,7 +13,7 @@ from pathlib import Path
 
 from atoll.core.rejection import RejectionKind
 from atoll.core.weights import MIN_STEP_S, impossible_counters, max_steps_since
-from atoll.storage import RunStore
+from atoll.storage import RunReader, SynchronizerStore
 from atoll.train.inner import RecipeLearner
 from atoll.train.run import TokenBounds, load_recipe, recipe_context_tokens
 from atoll.train.synchronizer import RoundSummary, Synchronizer
@@ -24,7 +24,7 @@ from .test_hostile_records import _plant as _plant_with_two_steps
 TOKENS_PER_STEP = 4 * 64  # smoke recipe: batch 4, micro GPT context 64
 
 
-def _plant(store: RunStore, fragment: int, name: str, body_changes: dict) -> str:
+def _plant(store: RunReader, fragment: int, name: str, body_changes: dict) -> str:
     """_plant of test_hostile_records, with the record's c_steps in its key (a well-formed key)."""
     steps = body_changes.get("c_steps", 2)
     key = _plant_with_two_steps(store, fragment, name, body_changes)
@@ -37,11 +37,11 @@ def _plant(store: RunStore, fragment: int, name: str, body_changes: dict) -> str
     return moved
 
 
-def _accepted_keys(store: RunStore) -> set[str]:
+def _accepted_keys(store: RunReader) -> set[str]:
     return {a.key for r in store.history() for a in r.accepted}
 
 
-def _honest_merged(store: RunStore, since_round: int) -> set[str]:
+def _honest_merged(store: RunReader, since_round: int) -> set[str]:
     return {a.learner_id for r in store.history() if r.round > since_round for a in r.accepted}
 
 
@@ -99,7 +99,7 @@ def test_absurd_step_count_is_rejected(tmp_path: Path) -> None:
     assert key not in _accepted_keys(store)
     assert _honest_merged(store, start) == {lr.learner_id for lr in learners}
     # A restarted synchronizer (fresh clock origin) refuses it too and keeps committing.
-    again = Synchronizer(RunStore.open(store.url), clock=clock)
+    again = Synchronizer(SynchronizerStore.open(store.url), clock=clock)
     assert len(_rounds(learners, again, clock, 2)) >= 2
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from atoll.core.config import DilocoConfig
-from atoll.storage.bucket import RunStore
+from atoll.storage import LearnerStore, RunReader
 from atoll.storage.paths import to_url
 from atoll.train.inner import RecipeLearner
 from atoll.train.island import island_device, run_island
@@ -36,16 +36,16 @@ differ by up to ~1e-5 (measured), while the relative L2 error stays around 1e-5.
 holds, for the deltas and for the saved AdamW moments."""
 
 
-def _run(root: Path, learners: tuple[LearnerSpec, ...], *, rounds: int = 100) -> RunStore:
+def _run(root: Path, learners: tuple[LearnerSpec, ...], *, rounds: int = 100) -> LearnerStore:
     config = DilocoConfig(num_learners=len(learners), num_fragments=2, inner_steps=2, overlap_steps=1,
                           min_quorum=1, initial_grace_s=0.5)
     recipe = Recipe(model="micro", data=DataSpec(max_corpus_mb=2.0), learners=learners,
                     inner=InnerOptimConfig(lr=3e-3, warmup_steps=2, total_steps=200), max_rounds=rounds,
                     eval_every_rounds=0, save_every_steps=1000)
-    return create_run(to_url(str(root / "run")), config, recipe)
+    return LearnerStore.beside(create_run(to_url(str(root / "run")), config, recipe))
 
 
-def _published(store: RunStore, learner_id: str) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+def _published(store: RunReader, learner_id: str) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     out = {}
     for p in range(store.plan.num_fragments):
         records = [r for r in store.list_contributions(p, {0}).records if r.learner_id == learner_id]
@@ -141,7 +141,7 @@ def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp
         assert sync.wait(timeout=200) == 0, (tmp_path / "logs" / "synchronizer.log").read_text()[-3000:]
         for lid in ("solo", "pair"):
             assert run.learners[lid].wait(timeout=60) == 0, (tmp_path / "logs" / f"{lid}.log").read_text()[-3000:]
-    history = RunStore.open(store.url).history()
+    history = RunReader.open(store.url).history()
     assert len(history) == 16
     both = 0
     for rec in history:
@@ -161,7 +161,7 @@ def test_a_run_mixing_a_one_rank_and_a_two_rank_island_weighs_them_by_tokens(tmp
     assert aligned is not None and int(aligned.group(2)) >= 1, log[-3000:]
     # The island published against a version it adopted. (Whether such a contribution is also
     # merged depends on timing: the solo learner is faster and K = 1 may close rounds without it.)
-    final = RunStore.open(store.url)
+    final = RunReader.open(store.url)
     bases = {rec.base_version for p in range(final.config.num_fragments)
              for rec in final.list_contributions(p, range(1, len(history) + 1), ["pair"]).records}
     assert bases and max(bases) >= 1, bases

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from atoll.core.config import synchronous_diloco
-from atoll.runs.report import MergedWork
-from atoll.storage import RunStore
+from atoll.runs.goodput import MergedWork
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.train.recipe import LearnerSpec, smoke_recipe
 from atoll.train.run import create_run
@@ -47,7 +47,7 @@ def _merged_share(tmp_path: Path, keep: bool) -> float:
     ledger, merged = MergedWork(), 0
     for rec in store.history():
         merged += sum(t for _, t in ledger.round(rec).values()) * store.plan.fragment_numel(rec.fragment)
-    assert RunStore.open(store.url, read_only=True).manifest.config.keep_local_progress is keep
+    assert RunReader.open(store.url, read_only=True).manifest.config.keep_local_progress is keep
     return merged / (result.tokens * sum(store.plan.sizes.values()))
 
 

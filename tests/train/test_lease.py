@@ -18,7 +18,7 @@ import torch
 
 from atoll.core.rejection import RejectionKind
 from atoll.core.weights import Counters
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunHandle, RunReader, SynchronizerStore
 from atoll.storage.paths import to_url
 from atoll.storage.records import ContributionRecord
 from atoll.train.inner import run_learner
@@ -36,17 +36,18 @@ def quiet(_: str) -> None:
     pass
 
 
-def new_run(tmp_path: Path, max_rounds: int = 100) -> RunStore:
+def new_run(tmp_path: Path, max_rounds: int = 100) -> SynchronizerStore:
     config, recipe = smoke_recipe(2, max_rounds=max_rounds)
     return create_run(to_url(str(tmp_path / "run")), config, recipe)
 
 
-def publish(store: RunStore, learner_id: str, fragment: int, base: int, *, steps: int,
+def publish(store: RunHandle, learner_id: str, fragment: int, base: int, *, steps: int,
             incarnation: int, seed: int = 0) -> ContributionRecord:
     g = torch.Generator().manual_seed(seed)
     delta = {n: 1e-3 * torch.randn(*s, generator=g) for n, s in store.manifest.fragment_shapes(fragment).items()}
-    return store.publish_contribution(learner_id, fragment, base, Counters(c_steps=steps, c_tokens=4 * steps), delta,
-                                      incarnation=incarnation)
+    return LearnerStore.beside(store).publish_contribution(learner_id, fragment, base,
+                                                           Counters(c_steps=steps, c_tokens=4 * steps), delta,
+                                                           incarnation=incarnation)
 
 
 def close_round(sync: Synchronizer) -> RoundSummary:
@@ -63,9 +64,9 @@ def close_round(sync: Synchronizer) -> RoundSummary:
 
 def test_synchronizer_fences_stale_incarnations_and_never_merges_two_of_one_learner(tmp_path: Path) -> None:
     store = new_run(tmp_path)
-    assert store.take_learner_lease(L0).incarnation == 1
+    assert LearnerStore.beside(store).take_learner_lease(L0).incarnation == 1
     old = publish(store, L0, 0, 0, steps=2, incarnation=1)
-    assert store.take_learner_lease(L0).incarnation == 2  # a second copy of learner-0 starts
+    assert LearnerStore.beside(store).take_learner_lease(L0).incarnation == 2  # a second copy of learner-0 starts
     new = publish(store, L0, 0, 0, steps=1, incarnation=2, seed=1)  # sorts before the old one
     plain = publish(store, L1, 0, 0, steps=2, incarnation=0, seed=2)  # never leased: accepted
     sync = Synchronizer(store, options=SynchronizerOptions(poll_interval_s=0.01))
@@ -85,7 +86,7 @@ def test_synchronizer_fences_stale_incarnations_and_never_merges_two_of_one_lear
     current = publish(store, L0, 1, 0, steps=2, incarnation=2)
     first = sync.poll()
     assert isinstance(first, RoundPoll) and current.key not in first.rejected
-    assert store.take_learner_lease(L0).incarnation == 3
+    assert LearnerStore.beside(store).take_learner_lease(L0).incarnation == 3
     late = publish(store, L0, 1, 0, steps=3, incarnation=2, seed=3)
     second = sync.poll()
     assert isinstance(second, RoundPoll)
@@ -129,12 +130,12 @@ def test_synchronizer_lease_heartbeats_stops_and_is_fenced(tmp_path: Path) -> No
     assert last.exited_reason == "stopped: done for today"
 
 
-def learner_in_thread(store: RunStore, learner_id: str, options: LearnerOptions) -> tuple[threading.Thread, list[Any]]:
+def learner_in_thread(store: RunReader, learner_id: str, options: LearnerOptions) -> tuple[threading.Thread, list[Any]]:
     out: list[Any] = []
 
     def target() -> None:
         try:
-            out.append(run_learner(RunStore.open(store.url), learner_id, options=options, log=quiet))
+            out.append(run_learner(LearnerStore.open(store.url), learner_id, options=options, log=quiet))
         except BaseException as e:  # noqa: BLE001 - reported by the test
             out.append(e)
 
@@ -150,7 +151,7 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def stop_after_step(store: RunStore, step: int, *, reason: str, by: str) -> LearnerSummary:
+def stop_after_step(store: SynchronizerStore, step: int, *, reason: str, by: str) -> LearnerSummary:
     """Run learner-0 in a thread until it heartbeats at ``step``, mark the run stopped, return its summary."""
     options = LearnerOptions(heartbeat_interval_s=0.1, orphan_timeout_s=None, poll_interval_s=0.05)
     t, out = learner_in_thread(store, L0, options)
@@ -198,7 +199,7 @@ def test_orphaned_learner_saves_and_exits(tmp_path: Path) -> None:
 
 def test_a_learner_without_a_lease_is_never_fenced_and_does_not_heartbeat(tmp_path: Path) -> None:
     store = new_run(tmp_path)
-    summary = run_learner(store, L1, options=LearnerOptions(take_lease=False, max_steps=4, handle_sigterm=False),
+    summary = run_learner(LearnerStore.beside(store), L1, options=LearnerOptions(take_lease=False, max_steps=4, handle_sigterm=False),
                           log=quiet)
     assert summary.exit_reason == "max_steps" and summary.incarnation == 0
     assert store.current_incarnation(L1) == 0 and store.learner_liveness(L1).heartbeat is None
@@ -235,7 +236,7 @@ def test_learner_processes_fencing_sigkill_staleness_and_sigterm(tmp_path: Path)
         assert "exit_reason=fenced" in log_of(tmp_path, L0)
         lease2 = store.learner_liveness(L0).lease
         assert lease2 is not None and lease2.incarnation == 2
-        fenced_hb = RunStore.open(store.url).store.get(f"learners/{L0}/heartbeats/00000001.json")
+        fenced_hb = RunReader.open(store.url).store.get(f"learners/{L0}/heartbeats/00000001.json")
         assert b'"exited"' in fenced_hb and b"fenced by incarnation 2" in fenced_hb
         # Nothing of incarnation 1 was published after incarnation 2 took its lease (the old copy
         # checks the lease right before each publish; allow for the check-to-write latency).
@@ -297,10 +298,10 @@ def test_sigterm_flag_only_in_the_main_thread_and_the_previous_handler_comes_bac
 
 def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(tmp_path: Path) -> None:
     store = new_run(tmp_path)
-    lease = store.take_learner_lease(L0)
+    lease = LearnerStore.beside(store).take_learner_lease(L0)
     now = [1000.0]
     latest = [0]
-    keeper = LeaseKeeper(store, L0, lease, stall_timeout_s=10.0, orphan_timeout_s=30.0,
+    keeper = LeaseKeeper(LearnerStore.beside(store), L0, lease, stall_timeout_s=10.0, orphan_timeout_s=30.0,
                          latest_round=lambda: latest[0], log=quiet, clock=lambda: now[0])
     keeper.tick(1)
     keeper.check_once()
@@ -320,7 +321,7 @@ def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(
     keeper.tick(4)
     keeper.check_once()
     assert keeper.exit_reason == "orphaned"
-    store.take_learner_lease(L0)
+    LearnerStore.beside(store).take_learner_lease(L0)
     keeper.check_once()  # a fence overrides any earlier reason, and stops the heartbeats
     assert keeper.exit_reason == "fenced" and keeper.fenced_by == 2 and keeper.heartbeats == 4
     assert not keeper.still_current()
@@ -330,9 +331,9 @@ def test_a_keeper_paused_after_its_lease_check_checks_again_before_it_heartbeats
     """SIGSTOP can land between the lease check and the heartbeat; meanwhile a newer copy takes the
     lease. On waking, the keeper must not write "alive" on its stale answer."""
     store = new_run(tmp_path)
-    lease = store.take_learner_lease(L0)
+    lease = LearnerStore.beside(store).take_learner_lease(L0)
     now = [1000.0]
-    keeper = LeaseKeeper(store, L0, lease, interval_s=5.0, stall_timeout_s=1e9, orphan_timeout_s=None,
+    keeper = LeaseKeeper(LearnerStore.beside(store), L0, lease, interval_s=5.0, stall_timeout_s=1e9, orphan_timeout_s=None,
                          latest_round=lambda: 0, log=quiet, clock=lambda: now[0])
     keeper.tick(1)
     keeper.check_once()
@@ -342,7 +343,7 @@ def test_a_keeper_paused_after_its_lease_check_checks_again_before_it_heartbeats
     def check_then_frozen() -> bool:
         current = real_check()  # the lease is still ours when checked ...
         now[0] += 60.0  # ... then the process is frozen for a minute,
-        store.take_learner_lease(L0)  # and a replacement takes the lease
+        LearnerStore.beside(store).take_learner_lease(L0)  # and a replacement takes the lease
         keeper.still_current = real_check  # type: ignore[method-assign]
         return current
 
@@ -374,7 +375,7 @@ def test_a_thawed_synchronizer_that_finds_its_round_committed_by_its_replacement
     old = Synchronizer(store, options=SynchronizerOptions(heartbeat_interval_s=3600.0))
     old.hold_lease("old")
     assert isinstance(old.poll(), RoundPoll)  # waiting on round 1; its last lease check is recent
-    new = Synchronizer(RunStore.open(store.url), options=SynchronizerOptions(heartbeat_interval_s=0.0))
+    new = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(heartbeat_interval_s=0.0))
     new.hold_lease("new")
     publish(store, "learner-0", 0, 0, steps=2, incarnation=0)
     publish(store, "learner-1", 0, 0, steps=2, incarnation=0)

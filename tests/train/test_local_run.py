@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from atoll.core.config import synchronous_diloco
-from atoll.storage import RunStore
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.train.local import LearnerRestarts
 from atoll.train.recipe import smoke_recipe
@@ -69,7 +69,7 @@ def test_a_dead_learner_is_restarted_and_merged_again_and_sigterm_stops_everythi
     bucket, logs, out = tmp_path / "run", tmp_path / "logs", tmp_path / "runner.out"
     _, recipe = smoke_recipe(2, max_rounds=100_000)
     create_run(to_url(str(bucket)), synchronous_diloco(2, inner_steps=2), recipe.replace(eval_every_rounds=0))
-    store = RunStore.open(to_url(str(bucket)))
+    store = RunReader.open(to_url(str(bucket)))
     with open(out, "wb") as f:
         runner = subprocess.Popen(
             [sys.executable, "-m", "atoll.train.local", "run", "--preset", "smoke", "--bucket", str(bucket),

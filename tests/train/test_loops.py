@@ -18,7 +18,7 @@ import torch
 from atoll.core.compress import EncodedTensor
 from atoll.core.config import synchronous_diloco
 from atoll.core.rejection import RejectionKind
-from atoll.storage import RunStore, paths
+from atoll.storage import RunReader, paths
 from atoll.storage.codec import dump_record, encoded_to_bytes, sha256_hex
 from atoll.storage.integrity import seal
 from atoll.storage.paths import to_url
@@ -58,7 +58,7 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
         run.start_learners(recipe)
         sync = run.start_synchronizer()
         assert sync.wait(timeout=180) == 0, (tmp_path / "logs" / "synchronizer.log").read_text()[-3000:]
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     history = store.history()
     assert [r.round for r in history] == list(range(1, 41))
     losses = [r.stats["val_loss"] for r in history if "val_loss" in r.stats]
@@ -137,7 +137,7 @@ def test_lockstep_multiprocess_equals_in_process_synchronous_diloco(tmp_path: Pa
         assert sync.wait(timeout=180) == 0
         for p in run.learners.values():
             p.wait(timeout=60)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     assert [len(r.accepted) for r in store.history()] == [3] * rounds
     got = store.read_global_state().params
     threads = torch.get_num_threads()
@@ -153,7 +153,7 @@ def test_lockstep_multiprocess_equals_in_process_synchronous_diloco(tmp_path: Pa
 
 def test_sigkilled_learner_rejoins_and_no_round_is_lost(tmp_path: Path) -> None:
     url, recipe = new_run(tmp_path, rounds=100_000)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
         run.start_learners(recipe)
         sync = run.start_synchronizer()
@@ -198,7 +198,7 @@ CRASHING_SYNCHRONIZER = textwrap.dedent(
 
 def test_synchronizer_killed_between_payload_and_commit_resumes_exactly(tmp_path: Path) -> None:
     url, recipe = new_run(tmp_path, rounds=14)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     crash_round = 6
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
         run.start_learners(recipe)
@@ -215,7 +215,7 @@ def test_synchronizer_killed_between_payload_and_commit_resumes_exactly(tmp_path
     assert len({r.nonce for r in history}) == 14
 
 
-def plant_garbage(store: RunStore, fragment: int, kind: str) -> str:
+def plant_garbage(store: RunReader, fragment: int, kind: str) -> str:
     """A rogue learner writes a contribution behind the protocol's back (no client-side checks)."""
     version = store.read_global_state().versions[fragment]
     shapes = store.manifest.fragment_shapes(fragment)
@@ -240,7 +240,7 @@ def plant_garbage(store: RunStore, fragment: int, kind: str) -> str:
 
 def test_garbage_contributions_are_rejected_with_reasons_and_training_goes_on(tmp_path: Path) -> None:
     url, recipe = new_run(tmp_path, rounds=100_000)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
         run.start_learners(recipe)
         sync = run.start_synchronizer()

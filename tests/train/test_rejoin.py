@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore
 from atoll.storage.paths import to_url
 from atoll.train.data import BatchStream
 from atoll.train.inner import RecipeLearner
@@ -63,7 +63,7 @@ def windows_served(cursor: dict) -> int:
 def test_restored_inner_state_equals_the_saved_one_and_data_continues_at_the_cursor() -> None:
     config, recipe = smoke_recipe(2, max_rounds=1000)
     store = create_run(f"memory://atoll-rejoin-{uuid.uuid4().hex[:8]}/run", config, recipe)
-    first = RecipeLearner(store, LID, log=quiet)
+    first = RecipeLearner(LearnerStore.beside(store), LID, log=quiet)
     batch = first.spec.batch_size
     fresh = first.stream.state_dict()
     for _ in range(7):
@@ -72,7 +72,7 @@ def test_restored_inner_state_equals_the_saved_one_and_data_continues_at_the_cur
     saved_adamw, saved_cursor = adamw_state(first), first.stream.state_dict()
     assert windows_served(saved_cursor) == 7 * batch  # the cursor counts exactly the windows trained on
 
-    again = RecipeLearner(RunStore.open(store.url), LID, log=quiet)  # the restart
+    again = RecipeLearner(LearnerStore.open(store.url), LID, log=quiet)  # the restart
     assert again.summary.resumed_inner_state
     assert again.step_count == 7 and again.tokens_total == first.tokens_total
     assert again.stream.state_dict() == saved_cursor
@@ -117,7 +117,7 @@ def test_sigkilled_learner_process_restarts_from_exactly_what_it_saved(tmp_path:
     assert windows_served(cursor) == step * batch  # nothing skipped or repeated up to the save
     assert tokens == step * batch * cursor["context_tokens"]
 
-    again = RecipeLearner(RunStore.open(url), LID, log=quiet)
+    again = RecipeLearner(LearnerStore.open(url), LID, log=quiet)
     assert again.summary.resumed_inner_state
     assert again.step_count == step and again.tokens_total == tokens
     assert again.stream.state_dict() == cursor

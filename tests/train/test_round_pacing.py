@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from atoll.core.config import DilocoConfig
-from atoll.runs.report import effective_h, run_status
-from atoll.storage import RunStore
+from atoll.runs.contributions import effective_h
+from atoll.runs.report import run_status
+from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.storage.records import RunManifest
 from atoll.train.recipe import LearnerSpec, smoke_recipe
@@ -22,7 +23,7 @@ H = 4
 STEPS_PER_LEARNER = 24
 
 
-def _run(tmp_path: Path, round_pacing: float) -> tuple[RunStore, int]:
+def _run(tmp_path: Path, round_pacing: float) -> tuple[RunReader, int]:
     config, recipe = smoke_recipe(4, max_rounds=10_000)
     config = config.replace(num_fragments=H, inner_steps=H, overlap_steps=1, round_pacing=round_pacing)
     learners = tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=2, slowdown=1.5 if i == 3 else 1.0)
@@ -45,16 +46,16 @@ def test_round_pacing_brings_the_effective_h_to_h(tmp_path: Path) -> None:
     reasons = [r.stats["reason"] for r in on.history()[H:]]
     assert all("paced: " in x or "pacing bound" in x for x in reasons)
     assert not any("pac" in r.stats["reason"] for r in off.history())
-    on_status = "\n".join(run_status(RunStore.open(on.url, read_only=True)))
+    on_status = "\n".join(run_status(RunReader.open(on.url, read_only=True)))
     assert "inner steps per merged contribution (H = 4, round pacing 1;" in on_status
-    assert "round pacing off;" in "\n".join(run_status(RunStore.open(off.url, read_only=True)))
+    assert "round pacing off;" in "\n".join(run_status(RunReader.open(off.url, read_only=True)))
 
 
 def test_the_manifest_keeps_round_pacing_and_an_old_one_reads_as_off(tmp_path: Path) -> None:
     config, recipe = smoke_recipe(2)
     url = to_url(str(tmp_path / "run"))
     create_run(url, config.replace(round_pacing=0.5), recipe)
-    manifest = RunStore.open(url, read_only=True).manifest
+    manifest = RunReader.open(url, read_only=True).manifest
     assert manifest.config.round_pacing == 0.5
     body = manifest.to_dict()
     del body["config"]["round_pacing"]  # written before the knob existed

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from atoll.core.retry import ROUND_RETRY
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage.validation import TransientStorageError
 from atoll.train import synchronizer as sync_module
 from atoll.train.inner import RecipeLearner
@@ -24,7 +24,7 @@ def run():
     config, recipe = smoke_recipe(2, max_rounds=2)
     store = create_run(f"memory://atoll-retry-{uuid.uuid4().hex[:8]}/run", config.replace(initial_grace_s=0.0), recipe)
     for i in range(2):
-        learner = RecipeLearner(store, f"learner-{i}", log=lambda _: None)
+        learner = RecipeLearner(LearnerStore.beside(store), f"learner-{i}", log=lambda _: None)
         learner.step()  # fragment 1
         learner.step()  # fragment 0: both rounds have everything they need
     return store
@@ -66,7 +66,7 @@ def test_rounds_that_fail_fewer_times_than_the_limit_are_retried_from_the_bucket
     assert ROUND_RETRY.attempts == 3
     calls = failing_ticks(monkeypatch, ROUND_RETRY.attempts - 1, storage_trouble())
     lines: list[str] = []
-    assert run_synchronizer(RunStore.open(run.url), log=lines.append) == 2
+    assert run_synchronizer(SynchronizerStore.open(run.url), log=lines.append) == 2
     retries = [line for line in lines if "; retry " in line]
     assert [line.split(": ", 1)[0] for line in retries] == ["synchronizer", "synchronizer"]
     assert retries[0].endswith("retry 1 of 2") and retries[1].endswith("retry 2 of 2")
@@ -75,19 +75,19 @@ def test_rounds_that_fail_fewer_times_than_the_limit_are_retried_from_the_bucket
     # Backed off per ROUND_RETRY: retry k waits between half and all of min(max, base * 2**k).
     backoff = [s for s in sleeps if s >= 0.5]
     assert len(backoff) == 2 and 0.5 <= backoff[0] <= 1.0 and 1.0 <= backoff[1] <= 2.0
-    assert [r.round for r in RunStore.open(run.url).history()] == [1, 2]
+    assert [r.round for r in RunReader.open(run.url).history()] == [1, 2]
 
 
 def test_a_round_that_fails_every_attempt_is_raised(run, sleeps, monkeypatch) -> None:
     calls = failing_ticks(monkeypatch, 10**6, storage_trouble())
     with pytest.raises(TransientStorageError, match=r"^get memory://x/commits/00000001\.json failed after 5"):
-        run_synchronizer(RunStore.open(run.url), log=lambda _: None)
+        run_synchronizer(SynchronizerStore.open(run.url), log=lambda _: None)
     assert calls["tick"] == ROUND_RETRY.attempts
-    assert RunStore.open(run.url).latest_round() == 0
+    assert RunReader.open(run.url).latest_round() == 0
 
 
 def test_a_bug_is_raised_at_once(run, sleeps, monkeypatch) -> None:
     calls = failing_ticks(monkeypatch, 10**6, KeyError("a bug"))
     with pytest.raises(KeyError, match="a bug"):
-        run_synchronizer(RunStore.open(run.url), log=lambda _: None)
+        run_synchronizer(SynchronizerStore.open(run.url), log=lambda _: None)
     assert calls["tick"] == 1 and sleeps == []

@@ -9,6 +9,7 @@ import pytest
 
 import atoll.train.virtual as virtual
 from atoll.core.config import ConfigError
+from atoll.storage import LearnerStore
 from atoll.storage.paths import to_url
 from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import InnerOptimConfig, LearnerSpec, Recipe, lr_at_step, smoke_recipe
@@ -47,7 +48,7 @@ def test_schedule_knob_is_validated_and_round_trips() -> None:
 def test_learner_lr_follows_committed_rounds(tmp_path: Path) -> None:
     config, recipe = smoke_recipe(3, max_rounds=40)
     store = create_run(to_url(str(tmp_path / "run")), config, recipe)
-    learner = RecipeLearner(store, "learner-0", log=lambda s: None)
+    learner = RecipeLearner(LearnerStore.beside(store), "learner-0", log=lambda s: None)
     assert learner.run_progress() == 0.0
     learner.versions = [10, 7]  # newest round adopted: 10 of 40
     assert learner.run_progress() == pytest.approx(0.25)

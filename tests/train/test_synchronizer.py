@@ -10,21 +10,15 @@ import torch
 from atoll.core.quorum import Arrival, QuorumDecision, TimingEma
 from atoll.core.retry import RetryPolicy
 from atoll.core.synchronize import FragmentRoundResult
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage.records import AcceptedContribution, BlobRef, ContributionRecord
 from atoll.storage.wire import WireCounts
 from atoll.train.inner import RecipeLearner, run_learner
 from atoll.train.learner import FetchError, LearnerOptions
 from atoll.train.recipe import smoke_recipe
+from atoll.train.round_stats import next_timings, round_stats
 from atoll.train.run import create_run
-from atoll.train.synchronizer import (
-    RoundPoll,
-    RoundSummary,
-    Synchronizer,
-    SynchronizerOptions,
-    next_timings,
-    round_stats,
-)
+from atoll.train.synchronizer import RoundPoll, RoundSummary, Synchronizer, SynchronizerOptions
 
 
 class Clock:
@@ -38,7 +32,7 @@ class Clock:
 def fresh_run() -> tuple[str, list[RecipeLearner]]:
     url = f"memory://atoll-test-{uuid.uuid4().hex[:8]}/run"
     config, recipe = smoke_recipe(3, max_rounds=1000)
-    store = create_run(url, config.replace(initial_grace_s=0.0), recipe)
+    store = LearnerStore.beside(create_run(url, config.replace(initial_grace_s=0.0), recipe))
     return url, [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
 
 
@@ -48,8 +42,8 @@ def test_two_synchronizers_race_and_the_loser_adopts_the_winner() -> None:
         lr.step()  # offsets (0, 1) with H = 2: step 1 publishes fragment 1
         lr.step()  # step 2 -> fragment 0
     clock = Clock()
-    a = Synchronizer(RunStore.open(url), clock=clock)
-    b = Synchronizer(RunStore.open(url), clock=clock)
+    a = Synchronizer(SynchronizerStore.open(url), clock=clock)
+    b = Synchronizer(SynchronizerStore.open(url), clock=clock)
     pa, pb = a.poll(), b.poll()
     assert pa.decision.close and pb.decision.close and pa.round == pb.round == 1
     ra, rb = a.close(pa), b.close(pb)
@@ -65,8 +59,8 @@ def test_two_synchronizers_race_and_the_loser_adopts_the_winner() -> None:
 def test_restarted_synchronizer_continues_with_the_next_round() -> None:
     url, learners = fresh_run()
     clock = Clock()
-    sync = Synchronizer(RunStore.open(url), clock=clock)
-    store = RunStore.open(url)
+    sync = Synchronizer(SynchronizerStore.open(url), clock=clock)
+    store = RunReader.open(url)
     for _ in range(3):
         for lr in learners:
             lr.step()
@@ -79,7 +73,7 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
                 lr.adopt(rec.round, rec.fragment, store.read_global_fragment(rec.fragment, rec.round))
     committed = sync.round
     assert committed >= 3
-    again = Synchronizer(RunStore.open(url), clock=clock)
+    again = Synchronizer(SynchronizerStore.open(url), clock=clock)
     assert again.round == committed and again.versions == sync.versions
     assert again.ema.to_dict() == sync.ema.to_dict()
     # What a restart rebuilds: the keys consumed by the last 2P rounds (older ones are never listed
@@ -93,7 +87,7 @@ def test_restarted_synchronizer_continues_with_the_next_round() -> None:
 def test_late_contribution_is_reconsidered_by_the_next_round_of_its_fragment() -> None:
     url, learners = fresh_run()
     clock = Clock()
-    sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)
+    sync = Synchronizer(SynchronizerStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)
     fast, slow = learners[0], learners[1]
     fast.step()
     fast.step()  # fragment 0 due at step 2
@@ -174,7 +168,7 @@ def test_round_stats_carry_the_round_s_traffic_and_each_contributor_s_report() -
 
 def test_each_round_counts_the_synchronizer_s_traffic_since_its_previous_commit() -> None:
     url, learners = fresh_run()
-    sync = Synchronizer(RunStore.open(url), clock=Clock())
+    sync = Synchronizer(SynchronizerStore.open(url), clock=Clock())
     start = sync.store.store.wire_counts()
     rounds = []
     while len(rounds) < 3:
@@ -213,14 +207,14 @@ def test_next_timings_by_hand() -> None:
 
 def test_learner_fetch_failures_are_bounded_and_loud(monkeypatch) -> None:
     url, learners = fresh_run()
-    store = RunStore.open(url)
+    store = LearnerStore.open(url)
     calls = []
 
     def broken(self, after_round):
         calls.append(after_round)
         raise OSError("bucket unreachable")
 
-    monkeypatch.setattr(RunStore, "poll_commits", broken)
+    monkeypatch.setattr(LearnerStore, "poll_commits", broken)
     logs: list[str] = []
     with pytest.raises(FetchError, match="after 3 attempts.*bucket unreachable"):
         run_learner(store, "learner-0", log=logs.append,
@@ -237,16 +231,16 @@ def test_a_repeat_of_merged_work_lands_once_and_counts_once() -> None:
     outer gradient is the distance from the *current* global fragment to the learner's, so with
     outer lr 1 and no momentum the global fragment becomes exactly the learner's fragment, not
     the base plus both deltas. Goodput and merged-work accounting count its steps once."""
-    from atoll.runs.report import GoodputTracker, MergedWork
+    from atoll.runs.goodput import GoodputTracker, MergedWork
 
     url = f"memory://atoll-test-{uuid.uuid4().hex[:8]}/run"
     config, recipe = smoke_recipe(3, max_rounds=1000)
     create_run(url, config.replace(initial_grace_s=0.0, outer_lr=1.0, outer_momentum=0.0), recipe)
-    store = RunStore.open(url)
+    store = LearnerStore.open(url)
     fast = RecipeLearner(store, recipe.learners[0].learner_id, log=lambda _: None)
     base = {n: t.clone() for n, t in fast.plan.select(fast.params, 0).items()}
     clock = Clock()
-    sync = Synchronizer(RunStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)
+    sync = Synchronizer(SynchronizerStore.open(url), options=SynchronizerOptions(live_timeout_s=1e9), clock=clock)
     fast.step()
     fast.step()  # fragment 0 against version 0, 2 steps
     first = {n: t.clone() for n, t in fast.plan.select(fast.params, 0).items()}

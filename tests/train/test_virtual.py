@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atoll.core.config import ConfigError, synchronous_diloco
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunReader
 from atoll.storage.paths import to_url
 from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import LearnerSpec, smoke_recipe
@@ -35,7 +35,7 @@ def _lockstep(tmp_path: Path) -> None:
     tokens_per_round = sum(s.batch_size for s in recipe.learners) * 64 * config.inner_steps
     result = run_virtual(store, token_budget=3 * tokens_per_round)
     assert result.rounds == 3 and result.merged_per_round == 3
-    got = RunStore.open(url).read_global_state(3).params
+    got = RunReader.open(url).read_global_state(3).params
     want = reference_synchronous_diloco(recipe, config, 3)
     for n in want:
         assert torch.equal(got[n], want[n]), n
@@ -56,7 +56,7 @@ def test_virtual_decoupled_run_with_slow_learners_is_deterministic(tmp_path: Pat
     assert a.curve == b.curve and a.rounds == b.rounds and a.steps == b.steps
     # The slow learner did 1/1.5 of the steps of a fast one, and it still got merged.
     assert a.steps["learner-2"] < a.steps["learner-0"]
-    history = RunStore.open(to_url(str(tmp_path / "run0"))).history()
+    history = RunReader.open(to_url(str(tmp_path / "run0"))).history()
     assert any(x.learner_id == "learner-2" for r in history for x in r.accepted)
     assert a.curve[-1][1] < a.curve[0][1]
 
@@ -96,4 +96,4 @@ def test_a_users_own_module_trains_through_the_same_loops(tmp_path: Path, monkey
     bad = recipe.replace(context_tokens=0)
     store2 = create_run(to_url(str(tmp_path / "run2")), config, bad)
     with pytest.raises(ConfigError, match="context_tokens"):
-        RecipeLearner(store2, "learner-0", log=lambda _: None)
+        RecipeLearner(LearnerStore.beside(store2), "learner-0", log=lambda _: None)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from atoll.runs.report import GoodputTracker, run_status
+from atoll.runs.goodput import GoodputTracker
+from atoll.runs.report import run_status
 from atoll.sim.planner import plan, plan_wire
-from atoll.storage import RunStore
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage.paths import to_url
 from atoll.storage.wire import WireCounts
 from atoll.train.inner import RecipeLearner
@@ -32,7 +33,7 @@ def test_each_contribution_reports_everything_its_learner_sent_before_it(tmp_pat
     config, recipe = smoke_recipe(3, max_rounds=10_000)
     url = to_url(str(tmp_path / "run"))
     create_run(url, config, recipe)
-    store = RunStore.open(url, check_create_once=False)
+    store = LearnerStore.open(url, check_create_once=False)
     learner = RecipeLearner(store, recipe.learners[0].learner_id, log=lambda _: None, publish_in_background=True)
     joined = store.store.wire_counts()
     assert joined.puts == 0 and joined.bytes_down > 0
@@ -63,7 +64,7 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     tokens_per_step = recipe.learners[0].batch_size * 64  # every smoke learner: batch 4, context 64
     assert {s.batch_size for s in recipe.learners} == {recipe.learners[0].batch_size}
 
-    result = run_virtual(RunStore.open(url), token_budget=STEPS * tokens_per_step * config.num_learners,
+    result = run_virtual(SynchronizerStore.open(url), token_budget=STEPS * tokens_per_step * config.num_learners,
                          own_stores=True)
     planned = plan_wire(config, params=sum(t.numel() for t in params.values()), tokens_per_step=tokens_per_step,
                         tensors=len(params))
@@ -83,7 +84,7 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     assert all(w.bytes_down >= fp32_model for who, w in result.join_wire.items() if who != "synchronizer")
     # What the bucket tells `atoll status`: every round's synchronizer traffic, and the learners'
     # up to their last merged report (what they sent after it has no commit yet).
-    goodput = GoodputTracker(RunStore.open(url, read_only=True))
+    goodput = GoodputTracker(RunReader.open(url, read_only=True))
     goodput.update()
     tracker = goodput.wire
     # Tokens merged are the tokens trained that reached the model: the merged-work share (equal step times).
@@ -94,7 +95,7 @@ def test_measured_bytes_per_token_match_the_plan(tmp_path: Path, inner_steps: in
     joined = sum((w for who, w in result.join_wire.items() if who != "synchronizer"), WireCounts())
     unreported = total + joined - tracker.learners
     assert min(unreported.to_dict().values()) >= 0 and tracker.learners.puts >= total.puts - 2 * config.num_learners
-    lines = run_status(RunStore.open(url, read_only=True))
+    lines = run_status(RunReader.open(url, read_only=True))
     assert f"learners ({config.num_learners})" in "\n".join(lines) and any(x.startswith("synchronizer") for x in lines)
 
 

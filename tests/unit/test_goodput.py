@@ -48,8 +48,8 @@ import torch
 
 from atoll.core import DilocoConfig, plan_fragments
 from atoll.core.rejection import Rejection, RejectionKind
-from atoll.runs.report import GoodputTracker
-from atoll.storage import RunStore, paths
+from atoll.runs.goodput import GoodputTracker
+from atoll.storage import RunCreator, SynchronizerStore, paths
 from atoll.storage.codec import dump_record
 from atoll.storage.integrity import seal
 from atoll.storage.records import KIND_CONTRIBUTION, AcceptedContribution, BlobRef, ContributionRecord
@@ -79,12 +79,12 @@ ROUNDS = {
 MERGED_S, TRAINING_S = 5 * 0.1 + 7 * 0.2, 8 * 0.1 + 12 * 0.2 + 4 * 0.5
 
 
-def write_run(contributions: dict = CONTRIBUTIONS, clocks: dict | None = None) -> tuple[RunStore, dict[str, str]]:
+def write_run(contributions: dict = CONTRIBUTIONS, clocks: dict | None = None) -> tuple[SynchronizerStore, dict[str, str]]:
     """``clocks``: name -> (up_s, train_s, meter) of the process that published it."""
-    store = RunStore.open(f"memory://atoll-goodput-{uuid.uuid4().hex[:8]}/run")
+    store = SynchronizerStore.open(f"memory://atoll-goodput-{uuid.uuid4().hex[:8]}/run")
     config = DilocoConfig(num_learners=3, num_fragments=2, inner_steps=2, overlap_steps=1, min_quorum=1)
     plan = plan_fragments(SHAPES, num_fragments=2, inner_steps=2)
-    store.init_run(config, plan, {n: torch.zeros(s) for n, s in SHAPES.items()}, run_id="goodput")
+    RunCreator.beside(store).init_run(config, plan, {n: torch.zeros(s) for n, s in SHAPES.items()}, run_id="goodput")
     keys: dict[str, str] = {}
     for name, (learner, step, created, step_time, fragment, c_steps) in contributions.items():
         sha = hashlib.sha256(name.encode()).hexdigest()
@@ -101,7 +101,7 @@ def write_run(contributions: dict = CONTRIBUTIONS, clocks: dict | None = None) -
     return store, keys
 
 
-def commit(store: RunStore, keys: dict[str, str], round_: int) -> None:
+def commit(store: SynchronizerStore, keys: dict[str, str], round_: int) -> None:
     accepted, rejected = ROUNDS[round_]
     fragment = (round_ - 1) % 2
     rows = []

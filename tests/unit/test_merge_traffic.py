@@ -8,7 +8,7 @@ import torch
 from atoll.core.merge import rda, weighted_mean
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.pseudograd import anchor_gradient, outer_gradient
-from atoll.core.synchronize import FragmentContribution, synchronize_fragment
+from atoll.core.synchronize import FragmentContribution, MergePolicy, synchronize_fragment
 from atoll.core.weights import Counters
 
 
@@ -52,7 +52,7 @@ def test_synchronize_reanchors_once_per_base_and_matches_the_formula() -> None:
     cs = [FragmentContribution(key=f"k{i}", learner_id=f"l{i}", base_version=5 if i % 2 else 4,
                                counters=Counters(c_steps=2, c_tokens=10), delta=d) for i, d in enumerate(deltas)]
     res = synchronize_fragment(current=current, bases={5: current, 4: old}, contributions=cs,
-                               optimizer=NesterovOuterOptimizer(lr=1.0, momentum=0.0), merge="mean")
+                               optimizer=NesterovOuterOptimizer(lr=1.0, momentum=0.0), policy=MergePolicy(merge="mean"))
     assert res is not None
     vs = [(current["w"] - old["w"]) + d["w"] if i % 2 == 0 else d["w"] for i, d in enumerate(deltas)]
     torch.testing.assert_close(res.update["w"], sum(vs) / 4)
@@ -89,9 +89,9 @@ def test_a_reused_workspace_and_output_change_no_bit_of_a_round() -> None:
             cur_plain, cur_fast = current, {n: t.clone() for n, t in current.items()}
             for _ in range(3):  # momentum carries over; the workspace is reused; outputs recycled
                 want = synchronize_fragment(current=cur_plain, bases={5: cur_plain, 4: old}, contributions=cs,
-                                            optimizer=plain, merge=merge, embedding_names={"emb"})
+                                            optimizer=plain, policy=MergePolicy(merge=merge, embedding_names={"emb"}))
                 got = synchronize_fragment(current=cur_fast, bases={5: cur_fast, 4: old}, contributions=cs,
-                                           optimizer=fast, merge=merge, embedding_names={"emb"},
+                                           optimizer=fast, policy=MergePolicy(merge=merge, embedding_names={"emb"}),
                                            workspace=workspace, out=spare)
                 assert want is not None and got is not None
                 for n in shapes:
@@ -130,7 +130,7 @@ def test_blocked_passes_give_the_whole_tensor_passes_values_bit_for_bit(monkeypa
             cur, out = {n: t.clone() for n, t in current.items()}, []
             for _ in range(3):
                 res = synchronize_fragment(current=cur, bases={5: cur, 4: old}, contributions=cs, optimizer=opt,
-                                           merge=merge, workspace=workspace, out=spare)
+                                           policy=MergePolicy(merge=merge), workspace=workspace, out=spare)
                 assert res is not None
                 out.append(tuple({n: t.clone() for n, t in d.items()}
                                  for d in (res.new_params, res.update, opt.buffers)))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from atoll.tasks.recorder import _soon
+from atoll.tasks.round_runs import soon
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_busy_answers_are_tried_again_soon(api: tuple[str, list[int]]) -> None:
     url, statuses = api
     statuses[:] = [503, 429, 503]
     calls: list[int] = []
-    assert _soon(lambda: post(url, calls)) == 200
+    assert soon(lambda: post(url, calls)) == 200
     assert len(calls) == 4
 
 
@@ -55,9 +55,9 @@ def test_other_errors_and_the_last_busy_answer_are_raised(api: tuple[str, list[i
     statuses[:] = [409]
     calls: list[int] = []
     with pytest.raises(httpx.HTTPStatusError):
-        _soon(lambda: post(url, calls))
+        soon(lambda: post(url, calls))
     assert len(calls) == 1
     statuses[:] = [503] * 3
     with pytest.raises(httpx.HTTPStatusError):
-        _soon(lambda: post(url, calls), tries=3)
+        soon(lambda: post(url, calls), tries=3)
     assert len(calls) == 4

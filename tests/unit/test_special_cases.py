@@ -19,6 +19,7 @@ from atoll.core import (
     Counters,
     FragmentContribution,
     LearnerCounters,
+    MergePolicy,
     NesterovOuterOptimizer,
     TimingEstimates,
     align_fragment,
@@ -104,7 +105,7 @@ def run_core_rounds(config, inner_opt_factory, data, rounds: int) -> dict[str, t
         assert decision.close and len(decision.accepted) == M
         result = synchronize_fragment(
             current=versions[r], bases=versions, contributions=published, optimizer=outer,
-            merge=config.merge, weighting=config.weighting, embedding_names=plan.embedding_names,
+            policy=MergePolicy(merge=config.merge, weighting=config.weighting, embedding_names=plan.embedding_names),
         )
         assert result is not None and result.weights == {c.key: 1 / M for c in published}
         versions[r + 1] = result.new_params

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atoll.core import Counters, FragmentContribution, NesterovOuterOptimizer, synchronize_fragment
+from atoll.core import Counters, FragmentContribution, MergePolicy, NesterovOuterOptimizer, synchronize_fragment
 from atoll.core.rejection import RejectionKind
 
 
@@ -26,7 +26,8 @@ def test_each_bad_contribution_gets_a_reason_and_the_rest_merge() -> None:
         contrib("nosteps", torch.ones(3), steps=0),
         contrib("huge", torch.tensor([1e6, 0.0, 0.0])),
     ]
-    res = synchronize_fragment(current=cur, bases={0: cur}, contributions=contributions, optimizer=opt, outlier_norm_ratio=10.0)
+    res = synchronize_fragment(current=cur, bases={0: cur}, contributions=contributions, optimizer=opt,
+                               policy=MergePolicy(outlier_norm_ratio=10.0))
     assert res is not None
     assert set(res.weights) == {"good1", "good2", "good3"}
     kinds = {k: r.kind for k, r in res.rejected.items()}

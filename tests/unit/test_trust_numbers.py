@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from atoll.core import Counters, FragmentContribution, NesterovOuterOptimizer, synchronize_fragment
+from atoll.core import Counters, FragmentContribution, MergePolicy, NesterovOuterOptimizer, synchronize_fragment
 from atoll.core.config import ConfigError, DilocoConfig
 from atoll.core.fragments import fragment_offsets
 from atoll.core.quorum import bounded_step_sample, publication_steps
@@ -106,20 +106,23 @@ def test_a_lone_contribution_far_above_the_fragments_history_is_an_outlier() -> 
     cur = {"w": torch.zeros(4)}
     forged = _one("forger", torch.full((4,), -500.0))  # sets the fragment to +350 with eta = 0.7
     res = synchronize_fragment(current=cur, bases={0: cur}, contributions=[forged],
-                               optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
+                               optimizer=NesterovOuterOptimizer(), policy=MergePolicy(outlier_norm_ratio=100.0),
                                norm_history=(0.02, 0.03, 0.025))
     assert res is None  # nothing left to merge: the fragment keeps its value
     reasons: dict[str, Rejection] = {}
     synchronize_fragment(current=cur, bases={0: cur}, contributions=[forged], optimizer=NesterovOuterOptimizer(),
-                         outlier_norm_ratio=100.0, norm_history=(0.02, 0.03, 0.025), reasons=reasons)
+                         policy=MergePolicy(outlier_norm_ratio=100.0), norm_history=(0.02, 0.03, 0.025),
+                         reasons=reasons)
     assert reasons["forger"].kind is RejectionKind.OUTLIER
     again = synchronize_fragment(current=cur, bases={0: cur}, contributions=[forged],
-                                 optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
-                                 norm_history=(0.02, 0.03, 0.025), max_weight_share=0.9)
+                                 optimizer=NesterovOuterOptimizer(),
+                                 policy=MergePolicy(outlier_norm_ratio=100.0, max_weight_share=0.9),
+                                 norm_history=(0.02, 0.03, 0.025))
     assert again is None
     opt = NesterovOuterOptimizer()
     honest = synchronize_fragment(current=cur, bases={0: cur}, contributions=[_one("h", torch.full((4,), 0.01))],
-                                  optimizer=opt, outlier_norm_ratio=100.0, norm_history=(0.02, 0.03, 0.025))
+                                  optimizer=opt, policy=MergePolicy(outlier_norm_ratio=100.0),
+                                  norm_history=(0.02, 0.03, 0.025))
     assert honest is not None and set(honest.weights) == {"h"}
 
 
@@ -128,13 +131,13 @@ def test_the_history_guard_names_its_reference_and_needs_enough_history() -> Non
     big = _one("forger", torch.full((4,), -500.0))
     small = _one("honest", torch.full((4,), 0.01))
     res = synchronize_fragment(current=cur, bases={0: cur}, contributions=[big, small],
-                               optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
+                               optimizer=NesterovOuterOptimizer(), policy=MergePolicy(outlier_norm_ratio=100.0),
                                norm_history=(0.02, 0.02, 0.02))
     assert res is not None and set(res.weights) == {"honest"}
     why = res.rejected["forger"]
     assert why.kind is RejectionKind.OUTLIER and "recent median update norm" in why.detail
     short = synchronize_fragment(current=cur, bases={0: cur}, contributions=[big], optimizer=NesterovOuterOptimizer(),
-                                 outlier_norm_ratio=100.0, norm_history=(0.02, 0.02))
+                                 policy=MergePolicy(outlier_norm_ratio=100.0), norm_history=(0.02, 0.02))
     assert short is not None  # two past norms are not a history yet
 
 
@@ -142,7 +145,7 @@ def test_two_learners_over_the_history_are_a_change_of_scale_not_an_attack() -> 
     cur = {"w": torch.zeros(4)}
     res = synchronize_fragment(current=cur, bases={0: cur},
                                contributions=[_one("a", torch.full((4,), 5.0)), _one("b", torch.full((4,), 6.0))],
-                               optimizer=NesterovOuterOptimizer(), outlier_norm_ratio=100.0,
+                               optimizer=NesterovOuterOptimizer(), policy=MergePolicy(outlier_norm_ratio=100.0),
                                norm_history=(0.02, 0.02, 0.02))
     assert res is not None and set(res.weights) == {"a", "b"}
 
@@ -152,7 +155,8 @@ def test_guards_that_do_not_trigger_change_nothing_bit_for_bit() -> None:
     cs = [_one("a", torch.full((6,), 0.01), steps=3), _one("b", torch.full((6,), -0.02), steps=5)]
     plain = synchronize_fragment(current=cur, bases={0: cur}, contributions=cs, optimizer=NesterovOuterOptimizer())
     guarded = synchronize_fragment(current=cur, bases={0: cur}, contributions=cs, optimizer=NesterovOuterOptimizer(),
-                                   outlier_norm_ratio=100.0, norm_history=(0.05, 0.05, 0.05), max_weight_share=0.9)
+                                   policy=MergePolicy(outlier_norm_ratio=100.0, max_weight_share=0.9),
+                                   norm_history=(0.05, 0.05, 0.05))
     assert plain is not None and guarded is not None
     assert plain.weights == guarded.weights
     assert torch.equal(plain.new_params["w"], guarded.new_params["w"])

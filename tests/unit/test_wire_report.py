@@ -19,7 +19,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from atoll.runs.report import WireTracker, round_markdown
+from atoll.runs.render import round_markdown
+from atoll.runs.traffic import WireTracker
 from atoll.storage.wire import WireCounts
 
 

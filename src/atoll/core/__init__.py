@@ -27,7 +27,7 @@ from atoll.core.quorum import (
 )
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.retry import FETCH_RETRY, ROUND_RETRY, STORAGE_RETRY, RetryPolicy
-from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, synchronize_fragment
+from atoll.core.synchronize import FragmentContribution, FragmentRoundResult, MergePolicy, synchronize_fragment
 from atoll.core.weights import Counters, WeightResult, contribution_weights, unweighable
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "FragmentPlan",
     "FragmentRoundResult",
     "LearnerCounters",
+    "MergePolicy",
     "NesterovOuterOptimizer",
     "QuorumDecision",
     "QuorumPolicy",

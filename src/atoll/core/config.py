@@ -33,6 +33,10 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the knob."""
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DilocoConfig:
     """Decoupled DiLoCo hyper-parameters. Defaults follow the paper (H = P = 24, tau = 2, K = 1)."""
@@ -98,7 +102,8 @@ class DilocoConfig:
 
     outlier_norm_ratio: float | None = 100.0
     """Reject a contribution whose outer-gradient norm exceeds this multiple of the round's median
-    (needs >= 3 contributions); None disables the guard."""
+    (with >= 3 contributions) or of the median of the fragment's recent merged update norms (with
+    >= 3 of them: the guard that works with K = 1); None disables the guard."""
 
     round_pacing: float = 0.0
     """Round pacing in [0, 1]: once K is met, a round also waits until its valid contributions
@@ -133,32 +138,42 @@ class DilocoConfig:
     a claim above it is clipped, not rejected (docs/threat-model.md). None turns the clip off."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, knob: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"{knob}: {msg} (got {getattr(self, knob)!r})")
+        # Checked in field order, so the first knob named is the first one out of range.
+        self._check_schedule()
+        self._check_outer_step()
+        self._check_codecs()
+        self._check_guards()
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+    def _need(self, ok: bool, knob: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{knob}: {msg} (got {getattr(self, knob)!r})")
 
-        need(is_int(self.num_learners) and self.num_learners >= 1, "num_learners", "M must be an integer >= 1")
-        need(is_int(self.num_fragments) and self.num_fragments >= 1, "num_fragments", "P must be an integer >= 1")
-        need(is_int(self.inner_steps) and self.inner_steps >= 1, "inner_steps", "H must be an integer >= 1")
+    def _check_schedule(self) -> None:
+        """M, P, H, tau, K: every fragment gets a slot and a round can close."""
+        need = self._need
+        need(_is_int(self.num_learners) and self.num_learners >= 1, "num_learners", "M must be an integer >= 1")
+        need(_is_int(self.num_fragments) and self.num_fragments >= 1, "num_fragments", "P must be an integer >= 1")
+        need(_is_int(self.inner_steps) and self.inner_steps >= 1, "inner_steps", "H must be an integer >= 1")
         need(
             self.inner_steps >= self.num_fragments,
             "inner_steps",
             f"H must be >= num_fragments (P={self.num_fragments}) so every fragment gets a slot",
         )
         need(
-            is_int(self.overlap_steps) and 0 <= self.overlap_steps < self.inner_steps,
+            _is_int(self.overlap_steps) and 0 <= self.overlap_steps < self.inner_steps,
             "overlap_steps",
             f"tau must be an integer in [0, H={self.inner_steps})",
         )
-        need(is_int(self.min_quorum) and self.min_quorum >= 1, "min_quorum", "K must be an integer >= 1")
+        need(_is_int(self.min_quorum) and self.min_quorum >= 1, "min_quorum", "K must be an integer >= 1")
         need(
             self.min_quorum <= self.num_learners,
             "min_quorum",
             f"K cannot exceed num_learners (M={self.num_learners}); the round could never close",
         )
+
+    def _check_outer_step(self) -> None:
+        """gamma, eta, mu, the merge rule, the weights and the timing EMA."""
+        need = self._need
         need(0.0 <= self.grace_factor < 1.0, "grace_factor", "gamma must be in [0, 1)")
         need(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", "eta must be finite and > 0")
         need(0.0 <= self.outer_momentum < 1.0, "outer_momentum", "mu must be in [0, 1)")
@@ -170,16 +185,24 @@ class DilocoConfig:
             "initial_grace_s",
             "must be finite and >= 0",
         )
+
+    def _check_codecs(self) -> None:
+        """Uplink and downlink precision, the int4 block."""
+        need = self._need
         need(self.compression in ("fp32", "bf16", "int4"), "compression", "choose 'fp32', 'bf16' or 'int4'")
         need(self.downlink_compression in ("fp32", "bf16", "int4"), "downlink_compression",
              "choose 'fp32', 'bf16' or 'int4'")
         need(
-            is_int(self.compression_block_size)
+            _is_int(self.compression_block_size)
             and self.compression_block_size >= 2
             and self.compression_block_size % 2 == 0,
             "compression_block_size",
             "must be an even integer >= 2 (two 4-bit codes share a byte)",
         )
+
+    def _check_guards(self) -> None:
+        """Round deadline, outlier guard, round pacing, kept progress, weight cap, speed clip."""
+        need = self._need
         need(
             self.max_wait_s is None or (math.isfinite(self.max_wait_s) and self.max_wait_s > 0),
             "max_wait_s",

@@ -1,16 +1,23 @@
-"""Every retry in atoll, stated in one place.
+"""The bounded retry policies of the store, the synchronizer's rounds and the learner's fetcher.
 
-Three things are retried, each with a bounded policy; none forever:
+Three things are retried under a :class:`RetryPolicy` from here, each bounded; none forever:
 
 * one storage operation that failed transiently (network, 5xx, throttling): :data:`STORAGE_RETRY`;
 * one round of the synchronizer that raised (a storage error that outlived the storage retries, a
-  bug): :data:`ROUND_RETRY`, in the plain loop and in the Prefect training run alike; after the
+  bug): :data:`ROUND_RETRY`, in the plain loop and in the Prefect training run alike (where a
+  failed poll of ``await-quorum`` is retried under it too); after the
   last attempt the error propagates, so the process fails loudly and orchestration restarts it
   from the bucket;
 * the learner's background fetch of new global versions: :data:`FETCH_RETRY`; after the last
   attempt the learner fails loudly instead of training on stale state.
 
 Bad *data* is never retried: a malformed contribution becomes a recorded rejection at once.
+
+Other waits live with what they pace: relaunching a crashed learner flow run or training run waits
+out ``relaunch_backoff_s`` (the healing and supervision policies); a local learner process that
+keeps dying restarts with a doubling back-off; the round recorder tries a Prefect API call again
+for about 2.5 s while the server answers busy, and a batch of rounds it failed to write after
+``retry_s``.
 """
 
 from __future__ import annotations

@@ -14,19 +14,59 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll.core.config import DilocoConfig, MergeRule, Weighting
 from atoll.core.merge import merge_fragment_unscaled
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.pseudograd import check_same_layout, outer_gradients
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.weights import Counters, cap_weight_share, contribution_weights, unweighable
 
-__all__ = ["FragmentContribution", "FragmentRoundResult", "MergeWorkspace", "synchronize_fragment",
+__all__ = ["FragmentContribution", "FragmentRoundResult", "MergePolicy", "MergeWorkspace", "synchronize_fragment",
            "MIN_NORM_HISTORY"]
 
 MIN_NORM_HISTORY = 3
 """Accepted update norms of a fragment the outlier guard needs before it compares against them."""
 
 Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergePolicy:
+    """How a round turns a fragment's contributions into one update: the merge rule, the weighting
+    and the guards on what learners send. A run has one (:meth:`from_config`); ``MergePolicy()``
+    is the paper's merge (RDA, token weights) with no guards."""
+
+    merge: MergeRule = "rda"
+    """'rda' (radial-directional averaging, paper) or 'mean' (the plain weighted mean)."""
+
+    weighting: Weighting = "tokens"
+    """Contribution weights: 'tokens' (c_tokens^2 / c_steps, paper) or 'uniform'."""
+
+    embedding_names: frozenset[str] = frozenset()
+    """The fragment's embedding tensors: merged by the plain weighted mean unless ``rda_embeddings``
+    (any collection of names given is held as a frozenset)."""
+
+    rda_embeddings: bool = False
+    """Apply RDA to embedding tensors too (paper: no)."""
+
+    outlier_norm_ratio: float | None = None
+    """Weight 0 for an outer gradient whose norm exceeds this multiple of the round's median (3 or
+    more contributions) or of the fragment's recent merged update norms (:data:`MIN_NORM_HISTORY`
+    or more); None: no guard (a run's DilocoConfig sets 100)."""
+
+    max_weight_share: float | None = None
+    """Largest normalised weight one contribution may get
+    (:func:`~atoll.core.weights.cap_weight_share`); None: no cap."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "embedding_names", frozenset(self.embedding_names))
+
+    @classmethod
+    def from_config(cls, config: DilocoConfig, *, embedding_names: Collection[str] = ()) -> MergePolicy:
+        """The merge ``config`` asks for, with the fragment plan's ``embedding_names``."""
+        return cls(merge=config.merge, weighting=config.weighting, embedding_names=frozenset(embedding_names),
+                   rda_embeddings=config.rda_embeddings, outlier_norm_ratio=config.outlier_norm_ratio,
+                   max_weight_share=config.max_weight_share)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,26 +243,22 @@ def synchronize_fragment(
     bases: Mapping[int, Tensors],
     contributions: Sequence[FragmentContribution],
     optimizer: NesterovOuterOptimizer,
-    merge: str = "rda",
-    weighting: str = "tokens",
-    embedding_names: Collection[str] = (),
-    rda_embeddings: bool = False,
-    outlier_norm_ratio: float | None = None,
+    policy: MergePolicy | None = None,
     workspace: MergeWorkspace | None = None,
     out: Tensors | None = None,
     norm_history: Sequence[float] = (),
-    max_weight_share: float | None = None,
     reasons: dict[str, Rejection] | None = None,
 ) -> FragmentRoundResult | None:
-    """Merge ``contributions`` into ``current`` and take one Nesterov outer step.
+    """Merge ``contributions`` into ``current`` as ``policy`` says (None: ``MergePolicy()``) and
+    take one Nesterov outer step.
 
     ``bases`` maps a global version number to the fragment's value at that version (at least
     every base version a contribution names). Contributions whose base is unknown, whose layout
     does not match, whose values are not finite, or whose outer-gradient norm exceeds
-    ``outlier_norm_ratio`` times the median of the round (with 3 or more) or times the median
-    of ``norm_history`` (the fragment's recent merged update norms, with
+    ``policy.outlier_norm_ratio`` times the median of the round (with 3 or more) or times the
+    median of ``norm_history`` (the fragment's recent merged update norms, with
     :data:`MIN_NORM_HISTORY` or more: the guard that works with K = 1) get weight 0 with a
-    reason. ``max_weight_share`` caps any one contribution's normalised weight
+    reason. ``policy.max_weight_share`` caps any one contribution's normalised weight
     (:func:`~atoll.core.weights.cap_weight_share`). Returns None (and leaves the optimizer
     untouched) if nothing is left to merge; ``reasons``, if given, then receives why each
     contribution was left out (otherwise they are the result's ``rejected``).
@@ -236,17 +272,16 @@ def synchronize_fragment(
     contribution's outer gradient against the current version), weigh (norms, outliers, the
     weighting rule), merge, outer step. Where each step writes is :class:`_RoundBuffers`' business.
     """
+    policy = policy or MergePolicy()
     buffers = _RoundBuffers(workspace, current)
     valid, invalid = _validate(current, bases, contributions)
     grads = _reanchor(current, bases, valid, buffers)
-    weighed = _weigh(valid, grads, weighting=weighting, outlier_norm_ratio=outlier_norm_ratio,
-                     norm_history=norm_history, max_weight_share=max_weight_share)
+    weighed = _weigh(valid, grads, policy, norm_history=norm_history)
     if not weighed.accepted:
         if reasons is not None:
             reasons.update({**invalid, **weighed.rejected})
         return None
-    update, factors, radii = _merge(weighed, rule=merge, embedding_names=embedding_names,
-                                    rda_embeddings=rda_embeddings, out=buffers.update(optimizer))
+    update, factors, radii = _merge(weighed, policy, out=buffers.update(optimizer))
     # RDA's last pass (scaling the direction to the radius) is fused into the outer step's pass.
     new_params = optimizer.step(current, update, out=out, scale=factors, scratch=buffers.step())
     return FragmentRoundResult(
@@ -306,10 +341,9 @@ def _reanchor(current: Tensors, bases: Mapping[int, Tensors], valid: Sequence[Fr
     return [grads[c.key] for c in valid]
 
 
-def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torch.Tensor]], *,
-           weighting: str, outlier_norm_ratio: float | None, norm_history: Sequence[float] = (),
-           max_weight_share: float | None = None) -> _Weighed:
-    """Weight 0 for non-finite outer gradients and norm outliers; the ``weighting`` rule for the rest."""
+def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torch.Tensor]], policy: MergePolicy, *,
+           norm_history: Sequence[float] = ()) -> _Weighed:
+    """Weight 0 for non-finite outer gradients and norm outliers; the policy's weighting rule for the rest."""
     measured: list[_Measured] = []
     rejected: dict[str, Rejection] = {}
     for c, v in zip(valid, grads, strict=True):
@@ -319,15 +353,15 @@ def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torc
             rejected[c.key] = Rejection(RejectionKind.NON_FINITE, "outer gradient has NaN/Inf values")
             continue
         measured.append(_Measured(contribution=c, grad=v, tensor_norms=per_tensor, norm=n))
-    outliers = _outliers(measured, outlier_norm_ratio)
+    outliers = _outliers(measured, policy.outlier_norm_ratio)
     outliers.update(_history_outliers([m for m in measured if m.contribution.key not in outliers],
-                                      outlier_norm_ratio, norm_history))
+                                      policy.outlier_norm_ratio, norm_history))
     rejected.update(outliers)
     kept = [m for m in measured if m.contribution.key not in outliers]
-    w = contribution_weights({m.contribution.key: m.contribution.counters for m in kept}, rule=weighting)
+    w = contribution_weights({m.contribution.key: m.contribution.counters for m in kept}, rule=policy.weighting)
     rejected.update(w.rejected)
     accepted = [m for m in kept if m.contribution.key in w.weights]
-    shares = cap_weight_share(w.weights, max_weight_share)
+    shares = cap_weight_share(w.weights, policy.max_weight_share)
     return _Weighed(accepted=accepted, weights=[shares[m.contribution.key] for m in accepted],
                     norms={m.contribution.key: m.norm for m in measured}, rejected=rejected)
 
@@ -366,12 +400,12 @@ def _history_outliers(measured: Sequence[_Measured], ratio: float | None,
         for m in over}
 
 
-def _merge(weighed: _Weighed, *, rule: str, embedding_names: Collection[str], rda_embeddings: bool,
+def _merge(weighed: _Weighed, policy: MergePolicy, *,
            out: Tensors | None) -> tuple[dict[str, torch.Tensor], dict[str, float | None], dict[str, float]]:
-    """The accepted outer gradients merged by ``rule``, RDA's last pass left to the outer step
+    """The accepted outer gradients merged by the policy's rule, RDA's last pass left to the outer step
     (see :func:`atoll.core.merge.merge_fragment_unscaled`); the norms measured while weighing are reused."""
-    return merge_fragment_unscaled([m.grad for m in weighed.accepted], weighed.weights, rule=rule,
-                                   embedding_names=embedding_names, rda_embeddings=rda_embeddings,
+    return merge_fragment_unscaled([m.grad for m in weighed.accepted], weighed.weights, rule=policy.merge,
+                                   embedding_names=policy.embedding_names, rda_embeddings=policy.rda_embeddings,
                                    norms=[m.tensor_norms for m in weighed.accepted], out=out)
 
 

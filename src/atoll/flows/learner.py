@@ -2,7 +2,9 @@
 
 Launched by the training run through ``run_deployment`` onto the learner's own work pool, or by
 hand anywhere (``atoll learner <run-url> --learner-id ID``). It runs
-:func:`atoll.train.inner.run_learner` unchanged: the learner rebuilds everything from the run
+:func:`atoll.train.inner.run_learner` unchanged (an island of ``ranks > 1``:
+:func:`atoll.train.island.run_island`; a ``command``: the user's script, which joins with
+``atoll.join``): the learner rebuilds everything from the run
 URL, takes a new lease (fencing any older copy of itself), rejoins from the bucket (latest global
 state + its own saved inner state) and heartbeats in its own prefix. It exits by itself, saving its
 state first, once the run has committed its last round, when the run is marked stopped, when no
@@ -18,6 +20,7 @@ import contextvars
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 from uuid import UUID
 
@@ -26,13 +29,14 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
+from atoll.runs.names import slug
 from atoll.runs.options import FleetOptions, default_of
-from atoll.runs.report import slug
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
+from atoll.storage.reader import RunReader
 from atoll.train.hook import run_command
 from atoll.train.inner import run_learner
 from atoll.train.island import run_island
-from atoll.train.learner import LearnerOptions
+from atoll.train.learner import LearnerOptions, LearnerSummary
 from atoll.train.run import load_recipe
 
 __all__ = ["learner_flow"]
@@ -98,22 +102,11 @@ def learner_flow(
     logger = get_run_logger()
     if exported := export_secret_env():  # bucket credentials from the Secret block in $ATOLL_SECRET_BLOCK
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
-    store = RunStore.open(run_url, storage_options)
+    store = LearnerStore.open(run_url, storage_options)
     recipe = load_recipe(store)
     _, spec = recipe.learner(learner_id)
     logger.info(f"{learner_id}: pid {os.getpid()} on {socket.gethostname()}, pool {spec.pool}, run {store.url}")
-    progress_id = cast(UUID | None, create_progress_artifact(  # sync call in a sync flow: a UUID, not a coroutine
-        progress=100.0 * min(1.0, store.latest_round() / recipe.max_rounds),
-        description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
-    ))
-
-    progress = _ProgressWriter(progress_id, store, recipe.max_rounds).start() if progress_id is not None else None
-
-    def log(line: str) -> None:
-        logger.info(line)
-        if progress is not None:
-            progress.post(line)  # written by a background thread: no API call inside the training step
-
+    log = _progress_log(logger.info, store, learner_id, recipe.max_rounds)
     options = LearnerOptions(threads=threads, poll_interval_s=poll_interval_s, log_every_steps=log_every_steps,
                              max_steps=max_steps, orphan_timeout_s=orphan_timeout_s,
                              heartbeat_interval_s=heartbeat_interval_s,
@@ -126,11 +119,38 @@ def learner_flow(
         summary = run_island(store, learner_id, options=options, storage_options=storage_options, log=log)
     else:
         summary = run_learner(store, learner_id, log=log, options=options)
+    _summary_artifact(store.manifest.run_id, learner_id, spec.pool, summary)
+    return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
+            "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss,
+            "exit_reason": summary.exit_reason}
+
+
+def _progress_log(info: Callable[[str], None], store: LearnerStore, learner_id: str,
+                  max_rounds: int) -> Callable[[str], None]:
+    """The learner's log: each line to the run logger and, as its latest line, to the learner's
+    progress artifact (rounds committed as this learner sees them)."""
+    progress_id = cast(UUID | None, create_progress_artifact(  # sync call in a sync flow: a UUID, not a coroutine
+        progress=100.0 * min(1.0, store.latest_round() / max_rounds),
+        description=f"{learner_id}: rounds committed of run {store.manifest.run_id}",
+    ))
+
+    progress = _ProgressWriter(progress_id, store, max_rounds).start() if progress_id is not None else None
+
+    def log(line: str) -> None:
+        info(line)
+        if progress is not None:
+            progress.post(line)  # written by a background thread: no API call inside the training step
+
+    return log
+
+
+def _summary_artifact(run_id: str, learner_id: str, pool: str, summary: LearnerSummary) -> None:
+    """What this flow run of the learner did, as a markdown artifact keyed by run and learner."""
     create_markdown_artifact(
-        key=f"{slug(store.manifest.run_id)}-{slug(learner_id)}",
-        description=f"learner {learner_id} of run {store.manifest.run_id}",
+        key=f"{slug(run_id)}-{slug(learner_id)}",
+        description=f"learner {learner_id} of run {run_id}",
         markdown=(
-            f"# Learner `{learner_id}` (pool `{spec.pool}`)\n\n| | |\n|---|---|\n"
+            f"# Learner `{learner_id}` (pool `{pool}`)\n\n| | |\n|---|---|\n"
             f"| started from round | {summary.started_from_round} |\n"
             f"| resumed its inner state | {'yes' if summary.resumed_inner_state else 'no'} |\n"
             f"| steps this flow run | {summary.steps} |\n| tokens this flow run | {summary.tokens:,} |\n"
@@ -139,12 +159,9 @@ def learner_flow(
             f"| exit | {summary.exit_reason} |\n"
         ),
     )
-    return {"learner_id": learner_id, "steps": summary.steps, "tokens": summary.tokens,
-            "published": summary.published, "aligned": summary.aligned, "last_loss": summary.last_loss,
-            "exit_reason": summary.exit_reason}
 
 
-def _run_user_command(store: RunStore, learner_id: str, command: list[str], options: LearnerOptions,
+def _run_user_command(store: RunReader, learner_id: str, command: list[str], options: LearnerOptions,
                       log: Any) -> dict[str, Any]:
     """Run the user's script; its exit reason comes from the bucket (its last heartbeat). A
     non-zero exit fails the flow run, so the training run's healing relaunches it."""

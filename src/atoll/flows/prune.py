@@ -20,8 +20,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.flows.credentials import SECRET_BLOCK_ENV, export_secret_env
-from atoll.runs.report import slug
-from atoll.storage.bucket import RunStore
+from atoll.runs.names import slug
+from atoll.storage.operator_side import OperatorStore
 from atoll.storage.retention import RetentionPolicy
 from atoll.tasks.prune import apply_retention, plan_retention, retention_markdown
 
@@ -49,7 +49,7 @@ def prune_flow(
     if exported := export_secret_env():
         logger.info(f"bucket credentials from Secret block {os.environ[SECRET_BLOCK_ENV]!r}: {', '.join(exported)}")
     policy = RetentionPolicy(keep_rounds=keep_rounds, keep_checkpoints=keep_checkpoints, min_age_s=min_age_s)
-    store = RunStore.open(run_url, storage_options, read_only=dry_run)
+    store = OperatorStore.open(run_url, storage_options, read_only=dry_run)
     policy.check(store.plan.num_fragments)  # a clear error naming the parameter, before any task runs
     plan = plan_retention(store, policy)
     record = None

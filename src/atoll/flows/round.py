@@ -1,7 +1,9 @@
 """The outer-round flow: one flow run per round of a training run, named ``round-000017``.
 
-Started by the training run (:mod:`atoll.flows.training`) as a subflow, with the run's
-:class:`~atoll.tasks.context.RunContext` and the round number; it composes two tasks:
+By default a round runs inline and its flow run is recorded (below). With ``record_rounds`` false
+the training run (:mod:`atoll.flows.training`) runs :func:`outer_round` as a flow run of its own
+(with ``nest_rounds``: as a subflow), with the run's :class:`~atoll.tasks.context.RunContext` and
+the round number; it composes two tasks:
 
 1. ``await-quorum``: poll the bucket until quorum + grace (atoll's clock, not Prefect timeouts);
    while it waits it hands back every ``fleet.watch_every_s`` so ``watch-learners`` can relaunch
@@ -19,7 +21,7 @@ slot before it starts, one more call per task that atoll never needs.
 
 If another synchronizer committed the round first, its commit is adopted and only recorded.
 
-**Recorded rounds** (``TrainingRunOptions.record_rounds``): :func:`recorded_round` runs the same
+**Recorded rounds** (``TrainingRunOptions.record_rounds``, the default): :func:`recorded_round` runs the same
 loop inline in the training-run process, calling the two tasks' functions directly (no task
 runs), so a round never waits for the Prefect API; the recorder's thread creates the round's flow
 run Running when the round opens and completes it when it commits (so its duration is the
@@ -33,11 +35,11 @@ import time
 from typing import Any
 
 from prefect import Flow, flow, get_run_logger
-from prefect.context import TagsContext
 from prefect.runtime import flow_run as prefect_flow_run
 
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import ROUND_STALLED, emit, run_resource
+from atoll.tasks.prefect_private import without_tags
 from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict, watch_learners
 from atoll.train.synchronizer import RoundSummary
 
@@ -55,7 +57,7 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
     if run_id is not None and run_id != ctx.run_id:
         raise ValueError(f"run_id {run_id!r} is not the context's run {ctx.run_id!r}")
     flow_run_id = prefect_flow_run.id
-    with TagsContext(current_tags=set()):  # the flow run is tagged; its task runs need not be
+    with without_tags():  # the flow run is tagged; its task runs need not be
         summary = _round(ctx, round_number, get_run_logger(), await_quorum, merge_and_commit, flow_run_id)
     ctx.round_recorder().submit(round_number, flow_run_id)
     return summary

@@ -14,17 +14,19 @@ does it:
   stopped in the bucket and cancels its learner flow runs (after they had a chance to save).
 
 ``atoll deploy`` registers it as ``atoll-supervisor/default`` on the control pool with an interval
-schedule equal to its lifetime, so there is always one supervisor and a crashed one is replaced
-at the next tick; it keeps no state (relaunch counts come from Prefect's tags), so overlapping or
+schedule and a lifetime just under that interval, so there is (almost) always one supervisor and a
+crashed one is replaced at the next tick; it keeps no state (relaunch counts come from Prefect's tags), so overlapping or
 missing ticks are harmless, and relaunches use an idempotency key per crashed flow run, so two
 supervisors never launch two training runs for one crash. ``atoll supervise`` runs the same loop
-in a terminal.
+(:func:`supervise`) in a terminal; both take their knobs from
+:class:`~atoll.runs.supervision.SupervisorOptions`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -36,7 +38,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Crashed
 
 from atoll.runs.healing import ATOLL_CANCEL_PREFIX
-from atoll.runs.options import TrainingRunOptions
+from atoll.runs.options import TrainingRunOptions, option_parameters
 from atoll.runs.supervision import (
     SupervisionAction,
     SupervisionPolicy,
@@ -44,7 +46,8 @@ from atoll.runs.supervision import (
     TrainingRunObservation,
     decide_training_run,
 )
-from atoll.storage.bucket import RunStore
+from atoll.storage.reader import RunReader
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.tasks.fleet import liveness_age_s
 from atoll.tasks.queries import (
     DEFAULT_TRAINING_DEPLOYMENT,
@@ -57,13 +60,13 @@ from atoll.tasks.queries import (
 from atoll.tasks.stop import cancel_flow_runs_of_run, mark_stopped_and_wait
 from atoll.train.run import load_recipe
 
-__all__ = ["supervisor", "supervise_once", "RELAUNCH_TAG", "DEFAULT_TRAINING_DEPLOYMENT", "RunVerdict"]
+__all__ = ["supervisor", "supervise", "supervise_once", "RELAUNCH_TAG", "DEFAULT_TRAINING_DEPLOYMENT", "RunVerdict",
+           "Supervision"]
 
 RELAUNCH_TAG = "atoll-relaunch"
 """Tag of training-run flow runs the supervisor launched (counted against ``max_relaunches``)."""
 
-_LOOP = SupervisorOptions()
-_POLICY = SupervisionPolicy()
+_DEFAULTS = SupervisorOptions()
 
 
 @dataclass
@@ -92,7 +95,7 @@ def observe(fr: FlowRun, group: list[FlowRun], options: TrainingRunOptions, poli
     """Prefect's view of the newest training-run flow run ``fr`` joined with the run's bucket."""
     state = fr.state.type.value if fr.state is not None else None
     message = (fr.state.message or "") if fr.state is not None else ""
-    store = RunStore.open(options.target_url or "", options.storage_options)
+    store = RunReader.open(options.target_url or "", options.storage_options)
     latest = store.latest_round()
     finished = latest >= load_recipe(store).max_rounds
     marker = store.stop_marker()
@@ -123,8 +126,8 @@ def relaunch(client: Any, fr: FlowRun, options: TrainingRunOptions, run_id: str,
     return new  # type: ignore[return-value]  # sync call: a FlowRun, not a coroutine
 
 
-def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = _LOOP.window_s,
-                   stop_grace_s: float = _LOOP.stop_grace_s, log: Any = print) -> list[RunVerdict]:
+def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = _DEFAULTS.window_s,
+                   stop_grace_s: float = _DEFAULTS.stop_grace_s, log: Any = print) -> list[RunVerdict]:
     """One pass over every run with a training-run flow run in the last ``window_s``."""
     now = datetime.now(timezone.utc)
     runs = read_flow_runs_paged(client, flow_names=[TRAINING_FLOW_NAME], since=now - timedelta(seconds=window_s))
@@ -159,7 +162,7 @@ def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 
             new = relaunch(client, newest, options, rid, len(group))
             verdict.launched = new.name
         if decision.stop:
-            store = RunStore.open(options.target_url, options.storage_options)
+            store = SynchronizerStore.open(options.target_url, options.storage_options)
             report = mark_stopped_and_wait(store, reason="training run cancelled in the Prefect UI",
                                            by="atoll-supervisor", grace_s=stop_grace_s, log=log)
             cancelled = cancel_flow_runs_of_run(client, run_tag(rid), reason="run stopped")
@@ -171,43 +174,56 @@ def supervise_once(client: Any, policy: SupervisionPolicy, *, window_s: float = 
     return verdicts
 
 
-@flow(name="atoll-supervisor", persist_result=False, log_prints=False)
-def supervisor(
-    check_every_s: float = _LOOP.check_every_s,
-    lifetime_s: float = _LOOP.lifetime_s,
-    window_s: float = _LOOP.window_s,
-    heartbeat_timeout_s: float = _POLICY.heartbeat_timeout_s,
-    startup_grace_s: float = _POLICY.startup_grace_s,
-    relaunch_backoff_s: float = _POLICY.relaunch_backoff_s,
-    max_relaunches: int = _POLICY.max_relaunches,
-    stop_grace_s: float = _LOOP.stop_grace_s,
-) -> dict[str, Any]:
-    """Watch every recent training run for ``lifetime_s``, every ``check_every_s``: relaunch the
-    crashed and the zombies, finish stops requested in the UI (see the module docstring). The
-    defaults are :class:`~atoll.runs.supervision.SupervisorOptions`' and ``SupervisionPolicy``'s."""
-    logger = get_run_logger()
-    policy = SupervisionPolicy(heartbeat_timeout_s=heartbeat_timeout_s, startup_grace_s=startup_grace_s,
-                               relaunch_backoff_s=relaunch_backoff_s, max_relaunches=max_relaunches)
-    acted: list[RunVerdict] = []
-    passes = 0
-    deadline = time.monotonic() + lifetime_s
+@dataclass
+class Supervision:
+    """What one supervisor did over its lifetime."""
+
+    passes: int = 0
+    acted: list[RunVerdict] = field(default_factory=list)
+    """Its relaunches and the stops it finished."""
+
+
+def supervise(options: SupervisorOptions, *, log: Callable[[str], None] = print,
+              warn: Callable[[str], None] | None = None,
+              on_verdict: Callable[[RunVerdict], None] | None = None) -> Supervision:
+    """The supervisor's loop, for ``options.lifetime_s``: a pass (:func:`supervise_once`) every
+    ``options.check_every_s``. A failed pass is reported through ``warn`` (default: ``log``) and the
+    next one retries: the API may blip. ``on_verdict`` sees every run's verdict of every pass."""
+    policy = options.policy()
+    done = Supervision()
+    deadline = time.monotonic() + options.lifetime_s
     with get_client(sync_client=True) as client:
         while True:
-            passes += 1
+            done.passes += 1
             try:
-                verdicts = supervise_once(client, policy, window_s=window_s, stop_grace_s=stop_grace_s,
-                                          log=logger.info)
+                verdicts = supervise_once(client, policy, window_s=options.window_s,
+                                          stop_grace_s=options.stop_grace_s, log=log)
             except Exception as e:  # noqa: BLE001 - the API may blip; the next pass retries
-                logger.warning(f"supervision pass {passes} failed: {e!r}")
+                (warn or log)(f"supervision pass {done.passes} failed: {e!r}")
                 verdicts = []
-            acted += [v for v in verdicts if v.launched or v.action == SupervisionAction.STOP_REQUESTED]
-            if time.monotonic() + check_every_s > deadline:
+            for v in verdicts:
+                if on_verdict is not None:
+                    on_verdict(v)
+            done.acted += [v for v in verdicts if v.launched or v.action == SupervisionAction.STOP_REQUESTED]
+            if time.monotonic() + options.check_every_s > deadline:
                 break
-            time.sleep(check_every_s)
-    if acted:
-        rows = "\n".join(f"| {v.run_id} | {v.action} | {v.flow_run} | {v.launched or '-'} | {v.reason} |" for v in acted)
+            time.sleep(options.check_every_s)
+    return done
+
+
+@flow(name="atoll-supervisor", persist_result=False, log_prints=False)
+@option_parameters(SupervisorOptions)
+def supervisor(**options: Any) -> dict[str, Any]:
+    """Watch every recent training run for ``lifetime_s``, every ``check_every_s``: relaunch the
+    crashed and the zombies, finish stops requested in the UI (see the module docstring). The
+    parameters are :class:`~atoll.runs.supervision.SupervisorOptions`' fields."""
+    logger = get_run_logger()
+    done = supervise(SupervisorOptions(**options), log=logger.info, warn=logger.warning)
+    if done.acted:
+        rows = "\n".join(f"| {v.run_id} | {v.action} | {v.flow_run} | {v.launched or '-'} | {v.reason} |"
+                         for v in done.acted)
         create_markdown_artifact(
             key="atoll-supervisor", description="what the supervisor did",
-            markdown=f"# Supervisor: {len(acted)} actions in {passes} passes\n\n| run | action | flow run | launched | "
-                     f"why |\n|---|---|---|---|---|\n{rows}\n")
-    return {"passes": passes, "actions": [vars(v) | {"action": str(v.action)} for v in acted]}
+            markdown=f"# Supervisor: {len(done.acted)} actions in {done.passes} passes\n\n| run | action | flow run | "
+                     f"launched | why |\n|---|---|---|---|---|\n{rows}\n")
+    return {"passes": done.passes, "actions": [vars(v) | {"action": str(v.action)} for v in done.acted]}

@@ -39,7 +39,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
-from prefect.context import FlowRunContext, TagsContext
+from prefect.context import FlowRunContext
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run as prefect_flow_run
@@ -49,10 +49,12 @@ from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
 from atoll.flows.round import ROUND_FLOW, outer_round, recorded_round
 from atoll.runs.manage import RunInfo, prepare_run
+from atoll.runs.names import round_flow_name
 from atoll.runs.options import WATCH_EVERY_ROUNDS, TrainingRunOptions
-from atoll.runs.report import last_val_loss, round_flow_name
+from atoll.runs.report import last_val_loss
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import RUN_FINISHED, RUN_HANDED_OVER, emit, run_resource
+from atoll.tasks.prefect_private import run_flow_run, without_tags
 from atoll.tasks.queries import (
     DEFAULT_TRAINING_DEPLOYMENT,
     HANDED_OVER_TAG,
@@ -63,7 +65,8 @@ from atoll.tasks.queries import (
     flow_id,
     run_tag,
 )
-from atoll.tasks.recorder import RoundRecorder, artifact_keys
+from atoll.tasks.recorder import RoundRecorder
+from atoll.tasks.round_artifacts import artifact_keys
 from atoll.tasks.rounds import watch_learners
 from atoll.train.lease import Fenced, RunStopped
 
@@ -158,7 +161,7 @@ def _recorded_rounds(ctx: RunContext, log: Any) -> RoundRunner:
     """Rounds inline, in this process: no round waits for the Prefect API (``record_rounds``)."""
 
     def run(r: int) -> dict[str, Any]:
-        with TagsContext(current_tags=set()):  # the recorder tags the round's flow run itself
+        with without_tags():  # the recorder tags the round's flow run itself
             return recorded_round(ctx, r, log)
 
     return run
@@ -236,7 +239,7 @@ def _run_rounds(ctx: RunContext, info: RunInfo, seg: _Segment, run_round: RoundR
             failures = 0
             seg.summaries.append(out)
             if ctx.fleet is not None and not ctx.finished and r % WATCH_EVERY_ROUNDS == 0:
-                with TagsContext(current_tags=set()):  # the loop's tags are for round flow runs only
+                with without_tags():  # the loop's tags are for round flow runs only
                     watch_learners(ctx)
 
 
@@ -306,7 +309,6 @@ class RoundLauncher:
     def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
         from prefect.client.schemas.actions import FlowRunCreate
         from prefect.client.schemas.objects import FlowRun
-        from prefect.flow_engine import run_flow
         from prefect.states import Pending, to_state_create
 
         params = {"ctx": ctx, "round_number": round_, "run_id": self.run_id}
@@ -321,7 +323,7 @@ class RoundLauncher:
                                state=to_state_create(Pending()))
         resp = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json"))
         flow_run = FlowRun.model_validate(resp.json())
-        out: dict[str, Any] = run_flow(ROUND_FLOW, flow_run=flow_run, parameters=params)  # type: ignore[assignment]
+        out: dict[str, Any] = run_flow_run(ROUND_FLOW, flow_run, params)
         return out
 
 

@@ -18,9 +18,10 @@ from atoll.ops.deploy import deploy_all, start_training
 from atoll.ops.procs import free_port
 from atoll.ops.stack import LocalStack
 from atoll.runs.manage import new_run_url
+from atoll.runs.names import plural
 from atoll.runs.options import TrainingRunOptions
-from atoll.runs.report import last_val_loss, plural
-from atoll.storage.bucket import RunStore
+from atoll.runs.report import last_val_loss
+from atoll.storage.reader import RunReader
 
 __all__ = ["launch_training", "follow", "run_demo"]
 
@@ -36,7 +37,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
             state = (fr.state.name or "?") if fr.state else "?"
             final = fr.state is not None and fr.state.is_final()
             if run_url and (final or time.monotonic() - last_print >= every_s):
-                store = RunStore.open(run_url, storage_options, read_only=True)
+                store = RunReader.open(run_url, storage_options, read_only=True)
                 if store.exists():
                     latest = store.latest_round()
                     if latest > shown:
@@ -51,7 +52,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
             time.sleep(poll_s)
     loss = None
     if run_url:
-        store = RunStore.open(run_url, storage_options, read_only=True)
+        store = RunReader.open(run_url, storage_options, read_only=True)
         if store.exists() and store.latest_round():
             latest = store.latest_round()
             loss = last_val_loss(store.history(max(1, latest - 64), latest))
@@ -106,7 +107,7 @@ def run_demo(directory: str | Path = DEMO_DIR, *, learners: int = 0, rounds: int
             fr = start_training(options, flow_run_name=run_url.rsplit("/", 1)[-1])
             print(f"training run: {stack.ui_url}/runs/flow-run/{fr.id}\nbucket: {run_url}", flush=True)
             state, loss = follow(fr.id, run_url)
-        store = RunStore.open(run_url, read_only=True)
+        store = RunReader.open(run_url, read_only=True)
         print("\n".join([
             "",
             f"demo finished: training run {state} in {time.monotonic() - t0:.0f}s",

@@ -11,9 +11,12 @@ image, a kubernetes image); no source checkout is pulled.
 * ``atoll-supervisor/default``: the supervisor (:mod:`atoll.flows.supervisor`), on the control
   pool, scheduled every ``supervisor_interval_s`` with a lifetime just under it: it relaunches
   crashed and zombie training runs from the bucket, and turns a Cancel of a training run in the
-  UI into a clean stop of the run.
+  UI into a clean stop of the run;
+* ``atoll-prune/default``: retention (:mod:`atoll.flows.prune`), on the control pool, unscheduled
+  (each run needs a schedule of its own, with its ``run_url``).
 
-``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``.
+``infra/prefect.yaml`` declares the same deployments for ``prefect deploy --all``, except the
+supervisor.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from prefect import Flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.client.schemas.objects import FlowRun
@@ -104,46 +108,51 @@ def deploy_all(
     for pool in pools:
         jv = dict((pool_job_variables or {}).get(pool, {}))
         jv["env"] = {**base_env, **dict(jv.get("env", {}))}
-        dep = cast(RunnerDeployment, learner_flow.to_deployment(  # sync call: not a coroutine
-            name=pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
-            job_variables=jv, tags=["atoll", "atoll-learner", pool_tag(pool)], concurrency_limit=learner_concurrency,
+        out[f"{LEARNER_FLOW_NAME}/{pool}"] = _apply(
+            learner_flow, name=pool, work_pool_name=pool, job_variables=jv,
+            tags=["atoll", "atoll-learner", pool_tag(pool)], concurrency_limit=learner_concurrency,
             description=f"atoll learner on work pool {pool}: one long-lived flow run per learner (island)",
-        ))
-        out[f"{LEARNER_FLOW_NAME}/{pool}"] = str(dep.apply())
+        )
     control = control_pool or pools[0]
     # The control plane (training run, supervisor, retention): one CPU thread, the same job variables.
     control_jv = {**dict(control_job_variables or {}), "env": {**dict(env or {}), "OMP_NUM_THREADS": "1"}}
-    dep = cast(RunnerDeployment, training_run.to_deployment(  # sync call: not a coroutine
-        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables=control_jv,
+    out[TRAINING_DEPLOYMENT] = _apply(
+        training_run, name="default", work_pool_name=control, job_variables=control_jv,
         tags=["atoll", "atoll-training-run"],
         description="atoll training run: the synchronizer; one outer-round flow run per round",
+    )
+    out[SUPERVISOR_DEPLOYMENT] = _apply(
+        supervisor, name="default", work_pool_name=control, job_variables=control_jv,
+        tags=["atoll", "atoll-supervisor"],
+        parameters=_supervisor_parameters(supervisor_interval_s, supervisor_parameters), interval=supervisor_interval_s,
+        description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
+    )
+    # Retention, without a schedule: each run needs its own (with its run_url), and the operator's
+    # credentials (docs/protocol.md, section 10).
+    out[PRUNE_DEPLOYMENT] = _apply(
+        prune_flow, name="default", work_pool_name=control, job_variables=control_jv,
+        tags=["atoll", "atoll-prune"],
+        description="atoll retention: delete what a long run no longer needs; schedule it per run with its run_url",
+    )
+    return out
+
+
+def _apply(flow: Flow[..., Any], **deployment: Any) -> str:
+    """Register one deployment of ``flow`` by module entrypoint; its id."""
+    dep = cast(RunnerDeployment, flow.to_deployment(  # sync call: not a coroutine
+        entrypoint_type=EntrypointType.MODULE_PATH, **deployment,
     ))
-    out[TRAINING_DEPLOYMENT] = str(dep.apply())
+    return str(dep.apply())
+
+
+def _supervisor_parameters(interval_s: float | None, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     # Each supervisor flow run lives just under the interval, so one is (almost) always watching and
     # a crashed one is replaced at the next tick.
     params: dict[str, Any] = {}
-    if supervisor_interval_s is not None:
-        params["lifetime_s"] = supervisor_lifetime_s(supervisor_interval_s)
-    params.update(dict(supervisor_parameters or {}))
-    dep = cast(RunnerDeployment, supervisor.to_deployment(  # sync call: not a coroutine
-        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables=control_jv,
-        tags=["atoll", "atoll-supervisor"],
-        parameters=params, interval=supervisor_interval_s,
-        description="atoll supervisor: relaunches crashed or zombie training runs from the bucket",
-    ))
-    out[SUPERVISOR_DEPLOYMENT] = str(dep.apply())
-    # Retention, without a schedule: each run needs its own (with its run_url), and the operator's
-    # credentials (docs/protocol.md, section 10).
-    dep = cast(RunnerDeployment, prune_flow.to_deployment(  # sync call: not a coroutine
-        name="default", work_pool_name=control, entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables=control_jv,
-        tags=["atoll", "atoll-prune"],
-        description="atoll retention: delete what a long run no longer needs; schedule it per run with its run_url",
-    ))
-    out[PRUNE_DEPLOYMENT] = str(dep.apply())
-    return out
+    if interval_s is not None:
+        params["lifetime_s"] = supervisor_lifetime_s(interval_s)
+    params.update(dict(extra or {}))
+    return params
 
 
 def start_training(options: TrainingRunOptions, *, deployment: str = TRAINING_DEPLOYMENT,

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from atoll.core.config import DilocoConfig
-from atoll.storage.bucket import RunStore
 from atoll.storage.paths import join_url, to_url
+from atoll.storage.reader import RunReader
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
 from atoll.train.run import create_run, load_recipe
 
@@ -81,7 +81,7 @@ def _preset(preset: str, learners: int, rounds: int) -> tuple[DilocoConfig, Reci
     return config, recipe
 
 
-def _info(store: RunStore, action: str) -> RunInfo:
+def _info(store: RunReader, action: str) -> RunInfo:
     recipe = load_recipe(store)
     return RunInfo(run_url=store.url, run_id=store.manifest.run_id, latest_round=store.latest_round(),
                    max_rounds=recipe.max_rounds, action=action,
@@ -107,17 +107,17 @@ def prepare_run(
         if run_url and to_url(run_url) != to_url(resume_from):
             raise ValueError("resume_from without fork_round continues that run; give no other run_url "
                              "(or give fork_round to fork it into run_url)")
-        store = RunStore.open(resume_from, opts, read_only=True)  # the synchronizer opens it for writing
+        store = RunReader.open(resume_from, opts, read_only=True)  # the synchronizer opens it for writing
         if not store.exists():
             raise FileNotFoundError(f"no run at {resume_from} to resume")
         return _info(store, "continued")
     if not run_url:
         raise ValueError("run_url is required (or resume_from to continue an existing run)")
-    store = RunStore.open(run_url, opts)
+    store = RunReader.open(run_url, opts)  # not read-only: probed, and created through it if absent
     if store.exists():
         return _info(store, "continued")
     if resume_from:
-        source = RunStore.open(resume_from, opts, read_only=True)  # a fork never writes to its source
+        source = RunReader.open(resume_from, opts, read_only=True)  # a fork never writes to its source
         if not source.exists():
             raise FileNotFoundError(f"no run at {resume_from} to fork")
         recipe = load_recipe(source)

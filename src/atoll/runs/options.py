@@ -10,17 +10,22 @@ Only two kinds of thing live here:
 
 Nothing here changes what is trained: to change the training, fork the run with a new config.
 No Prefect import (pydantic only), so the CLI and notebooks build options without a server.
+:func:`default_of` and :func:`option_parameters` read any options model's fields, for the CLI's
+flags and the flows' parameters.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from atoll.runs.healing import HealingPolicy
 
-__all__ = ["FleetOptions", "TrainingRunOptions", "DEFAULT_SEGMENT_ROUNDS", "WATCH_EVERY_ROUNDS", "default_of"]
+__all__ = ["FleetOptions", "TrainingRunOptions", "DEFAULT_SEGMENT_ROUNDS", "WATCH_EVERY_ROUNDS", "default_of",
+           "option_parameters"]
 
 WATCH_EVERY_ROUNDS = 5
 """Between rounds, the training run looks after its learners every this many rounds."""
@@ -77,6 +82,24 @@ def default_of(model: type[BaseModel], name: str) -> Any:
     """The default of ``model``'s field ``name``: what the CLI's flags and the flows' parameters that
     set it default to, so each default is written once, on its field."""
     return model.model_fields[name].get_default(call_default_factory=True)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def option_parameters(model: type[BaseModel]) -> Callable[[F], F]:
+    """Give a function ``fn(**options)`` one keyword-only parameter per field of ``model``, with the
+    field's type and default: what Prefect shows, validates and stores as a flow's parameters, so a
+    flow's flat parameters are written once, as the model's fields."""
+
+    def apply(fn: F) -> F:
+        parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of(model, name),
+                                        annotation=info.annotation) for name, info in model.model_fields.items()]
+        returns = inspect.signature(fn).return_annotation
+        fn.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
+        return fn
+
+    return apply
 
 
 DEFAULT_SEGMENT_ROUNDS = 500

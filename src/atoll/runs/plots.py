@@ -1,8 +1,8 @@
 """The run's plots, from the bucket alone: what ``atoll status --plot DIR`` writes and what the
 training run's ``<run>-plots`` artifact shows in the Prefect UI (PNGs embedded as data URIs).
 
-Input is a :class:`~atoll.runs.report.GoodputTracker` that has been fed the run's commit records
-(its ``series``, one :class:`~atoll.runs.report.RoundPoint` per round, and its report):
+Input is a :class:`~atoll.runs.goodput.GoodputTracker` that has been fed the run's commit records
+(its ``series``, one :class:`~atoll.runs.goodput.RoundPoint` per round, and its report):
 
 * ``loss``: validation loss against tokens merged and against wall time;
 * ``figures``: goodput and merged-work share so far, over wall time;
@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from atoll.runs.report import GoodputReport, GoodputTracker, RoundPoint, figure_lines
+from atoll.runs.goodput import GoodputReport, GoodputTracker, RoundPoint
+from atoll.runs.render import figure_lines
 
 __all__ = ["DPI", "MAX_POINTS", "PLOTS", "render_plots", "plots_markdown", "write_plots"]
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from atoll.runs.healing import STOP_GRACE_S, HealingPolicy
 
 __all__ = ["SupervisionAction", "SupervisionPolicy", "SupervisorOptions", "TrainingRunObservation",
@@ -65,7 +67,8 @@ class SupervisionAction(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisionPolicy:
-    """Knobs of :func:`decide_training_run` (the supervisor flow's and ``atoll supervise``'s defaults)."""
+    """Knobs of :func:`decide_training_run`; :class:`SupervisorOptions` sets the first four (its
+    defaults are these)."""
 
     heartbeat_timeout_s: float = HealingPolicy.heartbeat_timeout_s
     """A synchronizer whose newest heartbeat is older than this is not alive. It heartbeats every
@@ -86,23 +89,41 @@ class SupervisionPolicy:
     """The window ``max_relaunches`` counts over."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SupervisorOptions:
-    """How the supervisor looks (its loop), beside what it decides (:class:`SupervisionPolicy`): the
-    supervisor flow's parameters and ``atoll supervise``'s flags default to these."""
+class SupervisorOptions(BaseModel):
+    """Everything one supervisor is given: how it looks (its loop) and the knobs of what it decides
+    (:meth:`policy`). The supervisor flow's parameters and ``atoll supervise``'s flags are generated
+    from these fields, so each default is written here (or on :class:`SupervisionPolicy`) once."""
 
-    check_every_s: float = 5.0
-    """Time between two passes over the recent runs."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lifetime_s: float = supervisor_lifetime_s(SUPERVISOR_INTERVAL_S)
-    """A supervisor flow run ends after this long (the deployment's schedule starts the next)."""
+    check_every_s: float = Field(default=5.0, description="Time between two passes over the recent runs (s).")
+    lifetime_s: float = Field(
+        default=supervisor_lifetime_s(SUPERVISOR_INTERVAL_S),
+        description="A supervisor stops after this long (s); a scheduled flow run ends before the deployment's "
+        "schedule starts the next.")
+    window_s: float = Field(
+        default=86400.0, description="A pass looks at every run with a training-run flow run created this recently (s).")
+    heartbeat_timeout_s: float = Field(
+        default=SupervisionPolicy.heartbeat_timeout_s,
+        description="A synchronizer whose newest heartbeat is older than this (s) is not alive.")
+    startup_grace_s: float = Field(
+        default=SupervisionPolicy.startup_grace_s,
+        description="A Running training run that has taken no lease after this long (s) is a zombie.")
+    relaunch_backoff_s: float = Field(
+        default=SupervisionPolicy.relaunch_backoff_s,
+        description="Least time between the newest training-run flow run's creation and a relaunch (s).")
+    max_relaunches: int = Field(
+        default=SupervisionPolicy.max_relaunches,
+        description=f"Most relaunches of one run within {SupervisionPolicy.window_s:g} s (a run that keeps failing "
+        "needs a person).")
+    stop_grace_s: float = Field(
+        default=STOP_GRACE_S,
+        description="Finishing a stop requested in the UI: how long learners get to save and exit before their flow "
+        "runs are cancelled (s).")
 
-    window_s: float = 86400.0
-    """A pass looks at every run with a training-run flow run created this recently."""
-
-    stop_grace_s: float = STOP_GRACE_S
-    """Finishing a stop requested in the UI: how long learners get to save and exit before their
-    flow runs are cancelled."""
+    def policy(self) -> SupervisionPolicy:
+        return SupervisionPolicy(heartbeat_timeout_s=self.heartbeat_timeout_s, startup_grace_s=self.startup_grace_s,
+                                 relaunch_backoff_s=self.relaunch_backoff_s, max_relaunches=self.max_relaunches)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ other N, other M, uptime, rounds per hour, the heterogeneous table -- is a predi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ def _root(fn: Callable[[float], float], lo: float, hi: float, tol: float, iters:
     return x
 
 
+_Trace = tuple[np.ndarray, np.ndarray, float]
+"""Failure times (s), unit-mean recovery delays, horizon (s): one calibration trace."""
+
+
 def calibrate(
     targets: PaperTargets = PaperTargets(),
     *,
@@ -96,62 +101,78 @@ def calibrate(
     if not (0 < t.goodput_dp < 1 and 0 < t.goodput_elastic < t.goodput_decoupled < 1 and t.decoupled_m > 1):
         raise ValueError("need 0 < DP < 1 and 0 < elastic < decoupled < 1, with M > 1")
     r = t.failures_per_chip_year / SECONDS_PER_YEAR  # per chip per second
-    lam = t.chips * r
-    outage = (1.0 / t.goodput_dp - 1.0) / lam  # R = E[recovery] + restart
+    outage = (1.0 / t.goodput_dp - 1.0) / (t.chips * r)  # R = E[recovery] + restart
     unit = RecoveryDelay(kind=recovery_kind, mean_s=1.0, shape=recovery_shape, exponent=recovery_exponent)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
+    big = _draw_trace(rng, unit, t.chips * r, days * 86400.0)
+    small = _draw_trace(rng, unit, t.chips / t.decoupled_m * r, days * 86400.0 * t.decoupled_m)
+    fit = _ElasticFit(targets=t, outage_s=outage, unit=unit, slice_chips=slice_chips, big=big, small=small)
+    return fit.solve()
 
-    def draw(chips: float, horizon: float) -> tuple[np.ndarray, np.ndarray, float]:
-        n = int(rng.poisson(chips * r * horizon))
-        return np.sort(rng.uniform(0.0, horizon, n)), unit.sample(rng, n), horizon
 
-    big = draw(t.chips, days * 86400.0)
-    small_chips = t.chips / t.decoupled_m
-    small = draw(small_chips, days * 86400.0 * t.decoupled_m)
+def _draw_trace(rng: np.random.Generator, unit: RecoveryDelay, rate_per_s: float, horizon: float) -> _Trace:
+    """Poisson failures at ``rate_per_s`` over ``horizon`` seconds, each with a unit-mean recovery."""
+    n = int(rng.poisson(rate_per_s * horizon))
+    return np.sort(rng.uniform(0.0, horizon, n)), unit.sample(rng, n), horizon
 
-    def costs(e: float, w: float) -> CostModel:
+
+@dataclass(frozen=True, kw_only=True)
+class _ElasticFit:
+    """Elastic DP's goodput on the two calibration traces (N chips and N / M) as a function of
+    (e, W), the mean outage R fixed by the DP target; :meth:`solve` places both on target."""
+
+    targets: PaperTargets
+    outage_s: float
+    unit: RecoveryDelay
+    """The recovery delay's shape, at mean 1 s (scaled by ``R - e``)."""
+    slice_chips: int
+    big: _Trace
+    small: _Trace
+
+    def costs(self, e: float, w: float) -> CostModel:
         return CostModel(
-            failures_per_chip_year=t.failures_per_chip_year,
-            recovery=RecoveryDelay(
-                kind=recovery_kind,  # type: ignore[arg-type]
-                mean_s=max(0.0, outage - e),
-                shape=recovery_shape,
-                exponent=recovery_exponent,
-            ),
+            failures_per_chip_year=self.targets.failures_per_chip_year,
+            recovery=dataclasses.replace(self.unit, mean_s=max(0.0, self.outage_s - e)),
             restart_s=e,
             dp_waits_for_repair=True,
             reconfig_s=e,
             readmit_window_s=w,
-            slice_chips=slice_chips,
+            slice_chips=self.slice_chips,
         )
 
-    def goodput(trace: tuple[np.ndarray, np.ndarray, float], chips: float, e: float, w: float) -> float:
+    def goodput(self, trace: _Trace, chips: float, e: float, w: float) -> float:
         times, unit_rec, horizon = trace
-        c = costs(e, w)
+        c = self.costs(e, w)
         sch = elastic_schedule(times, unit_rec * c.recovery.mean_s, horizon, chips, c)
         return sch.useful_chip_s / (chips * horizon)
 
-    def e_for(w: float) -> float:  # reconfiguration time that puts elastic DP at its target
-        return _root(lambda e: goodput(big, t.chips, e, w) - t.goodput_elastic, 0.0, outage, 2e-5)
+    def e_for(self, w: float) -> float:
+        """The reconfiguration time that puts elastic DP at its target."""
+        t = self.targets
+        return _root(lambda e: self.goodput(self.big, t.chips, e, w) - t.goodput_elastic, 0.0, self.outage_s, 2e-5)
 
-    def gap(w: float) -> float:  # decoupled (= elastic on N/M) minus its target, along that curve
-        return goodput(small, small_chips, e_for(w), w) - t.goodput_decoupled
+    def gap(self, w: float) -> float:
+        """Decoupled (= elastic on N/M) minus its target, along the curve ``e_for``."""
+        t = self.targets
+        return self.goodput(self.small, t.chips / t.decoupled_m, self.e_for(w), w) - t.goodput_decoupled
 
-    # Along the curve G_E(N) = target, the N/M point first falls with W (re-admissions ride on
-    # failure reconfigurations at N but not at N/M), then rises again (slices wait too long):
-    # take the first crossing, the shortest window that fits.
-    grid = [outage * x for x in (0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0, 4.0)]
-    prev_w, prev_gap = grid[0], gap(grid[0])
-    for w in grid[1:]:
-        g = gap(w)
-        if (g > 0) != (prev_gap > 0):
-            return costs(e_for(w_star := _root(gap, prev_w, w, 2e-5)), w_star)
-        prev_w, prev_gap = w, g
-    raise ValueError(
-        f"cannot place elastic DP at {t.goodput_elastic:.0%} and decoupled M={t.decoupled_m} at "
-        f"{t.goodput_decoupled:.0%} with any re-admission window in [0, {grid[-1]:.0f}] s: the "
-        "targets are outside what stall-per-reconfiguration mechanics can produce"
-    )
+    def solve(self) -> CostModel:
+        # Along the curve G_E(N) = target, the N/M point first falls with W (re-admissions ride on
+        # failure reconfigurations at N but not at N/M), then rises again (slices wait too long):
+        # take the first crossing, the shortest window that fits.
+        t = self.targets
+        grid = [self.outage_s * x for x in (0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0, 4.0)]
+        prev_w, prev_gap = grid[0], self.gap(grid[0])
+        for w in grid[1:]:
+            g = self.gap(w)
+            if (g > 0) != (prev_gap > 0):
+                return self.costs(self.e_for(w_star := _root(self.gap, prev_w, w, 2e-5)), w_star)
+            prev_w, prev_gap = w, g
+        raise ValueError(
+            f"cannot place elastic DP at {t.goodput_elastic:.0%} and decoupled M={t.decoupled_m} at "
+            f"{t.goodput_decoupled:.0%} with any re-admission window in [0, {grid[-1]:.0f}] s: the "
+            "targets are outside what stall-per-reconfiguration mechanics can produce"
+        )
 
 
 def first_order(costs: CostModel, chips: float) -> dict[str, float]:

@@ -171,6 +171,13 @@ class _Sim:
         self.mean_step = [setup.step_s * i.speed for i in setup.islands]
         self.rng = np.random.default_rng(seed)
         self.noise: list[list[float]] = [[] for _ in range(M)]
+        self._init_schedule(setup)
+        self._init_islands(trace, costs, setup)
+        self._init_learners(M)
+        self._init_synchronizer(M)
+
+    def _init_schedule(self, setup: DecoupledSetup) -> None:
+        """H, P, tau, K, which fragment each inner step publishes, and the grace window's EMA."""
         self.H, self.P = setup.inner_steps, setup.num_fragments
         self.tau = setup.policy.overlap_steps
         self.K = setup.policy.min_quorum
@@ -179,22 +186,24 @@ class _Sim:
         for p in range(self.P):
             frag_at[(p * self.H) // self.P] = p
         self.frag_at = frag_at
-        self.ids = [f"L{m}" for m in range(M)]
+        self.ids = [f"L{m}" for m in range(self.M)]
         self.index = {lid: m for m, lid in enumerate(self.ids)}
         self.ema = TimingEma(decay=setup.ema_decay)
         self.ema.update("step_s", setup.step_s)  # the nominal step time is known up front
         self.grace = grace_window_s(self.policy, self.ema.estimates())
 
-        # islands: their elastic schedules, computed up front from their share of the trace
+    def _init_islands(self, trace: FailureTrace, costs: CostModel, setup: DecoupledSetup) -> None:
+        """The islands' elastic schedules, computed up front from their share of the trace."""
         bounds = np.concatenate([[0.0], np.cumsum([i.share for i in setup.islands])])
         bounds[-1] = np.inf
         self.schedules: list[Schedule] = []
-        for m in range(M):
+        for m in range(self.M):
             tr = trace.in_range(bounds[m], bounds[m + 1])
             self.schedules.append(elastic_schedule(tr.times_s, tr.recovery_s, self.T, self.chips[m], costs))
-        self.seg = [-1] * M  # index of the island's current (or last) training interval
+        self.seg = [-1] * self.M  # index of the island's current (or last) training interval
 
-        # learners
+    def _init_learners(self, M: int) -> None:
+        """Each learner: up or not, computing or blocked, its steps, the step in flight, its gates."""
         self.up = [False] * M  # island training (not reconfiguring) on > 0 chips
         self.live: set[str] = set()  # ids of the learners that are up
         self.active = [False] * M  # computing (up, not blocked)
@@ -209,7 +218,9 @@ class _Sim:
         self.last_pub_k = [[0] * self.P for _ in range(M)]
         self.gates: list[list[tuple[int, int, int]]] = [[] for _ in range(M)]  # (step, p, serial)
         self.blocked = [False] * M
-        # synchronizer
+
+    def _init_synchronizer(self, M: int) -> None:
+        """One stream of rounds per fragment, the releases learners wait on, the accounting, the event heap."""
         self.rounds = [_Round(0) for _ in range(self.P)]
         self.release: dict[tuple[int, int], float] = {}
         self.waiters: dict[tuple[int, int], list[int]] = {}

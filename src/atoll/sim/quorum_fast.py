@@ -62,27 +62,12 @@ def decide_fast(
     ``atoll.core.quorum.grace_window_s(policy, timings)`` and ``step_s`` is ``timings.step_s``
     (round pacing's time bound) for the timings core would be given.
     """
-    if len(arrivals) > 1:
-        arrivals = sorted(arrivals, key=_ORDER)
-    valid: list[FastArrival] = []
-    invalid: list[FastArrival] = []
-    seen: set[str] = set()
-    for a in arrivals:
-        if a[3] <= 0 or a[4] <= 0 or a[1] in seen:
-            invalid.append(a)
-        else:
-            seen.add(a[1])
-            valid.append(a)
+    valid, invalid = _split(arrivals)
     k = policy.min_quorum
     if len(valid) < k:
-        max_wait = policy.max_wait_s
-        if max_wait is not None and valid and now_s - opened_at_s >= max_wait:
-            return FastDecision(True, tuple(valid), tuple(invalid), None, now_s, None)
-        recheck = now_s + policy.poll_interval_s
-        if max_wait is not None and valid:
-            recheck = min(recheck, max(now_s, opened_at_s + max_wait))
-        return FastDecision(False, (), tuple(invalid), None, None, recheck)
+        return _below_quorum(now_s, opened_at_s, valid, invalid, policy)
 
+    # Quorum met; with round pacing on, the round is also held until the work is in.
     quorum_at = valid[k - 1][0]
     ready_at = quorum_at
     paced_at = None
@@ -94,6 +79,7 @@ def decide_fast(
             return FastDecision(False, (), tuple(invalid), quorum_at, None,
                                 recheck if until is None else min(recheck, until))
         ready_at = max(quorum_at, paced_at)
+    # Then the grace window: close when every live learner is in, or at its end.
     close_at = ready_at + grace_s
     if valid[-1][0] <= close_at:  # nobody late (the common case)
         in_window, late = valid, []
@@ -115,6 +101,35 @@ def decide_fast(
     return FastDecision(
         False, (), tuple(invalid), quorum_at, close_at, min(close_at, now_s + policy.poll_interval_s), paced_at
     )
+
+
+def _split(arrivals: Sequence[FastArrival]) -> tuple[list[FastArrival], list[FastArrival]]:
+    """Core's order, then ``(valid, invalid)``: an arrival without steps or tokens, or a second
+    one of the same learner, is invalid."""
+    if len(arrivals) > 1:
+        arrivals = sorted(arrivals, key=_ORDER)
+    valid: list[FastArrival] = []
+    invalid: list[FastArrival] = []
+    seen: set[str] = set()
+    for a in arrivals:
+        if a[3] <= 0 or a[4] <= 0 or a[1] in seen:
+            invalid.append(a)
+        else:
+            seen.add(a[1])
+            valid.append(a)
+    return valid, invalid
+
+
+def _below_quorum(now_s: float, opened_at_s: float, valid: list[FastArrival], invalid: list[FastArrival],
+                  policy: QuorumPolicy) -> FastDecision:
+    """Fewer than K valid: wait, unless ``max_wait_s`` has passed with at least one in."""
+    max_wait = policy.max_wait_s
+    if max_wait is not None and valid and now_s - opened_at_s >= max_wait:
+        return FastDecision(True, tuple(valid), tuple(invalid), None, now_s, None)
+    recheck = now_s + policy.poll_interval_s
+    if max_wait is not None and valid:
+        recheck = min(recheck, max(now_s, opened_at_s + max_wait))
+    return FastDecision(False, (), tuple(invalid), None, None, recheck)
 
 
 def _paced_at(now_s: float, valid: Sequence[FastArrival], target: float, until: float | None) -> float | None:

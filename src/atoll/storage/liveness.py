@@ -402,7 +402,8 @@ def fault_hold_before_commit(round_: int, *, sleep: Callable[[float], None] = ti
     """Fault injection for chaos tests only (never set these in production).
 
     If ``$ATOLL_FAULT_HOLD_BEFORE_COMMIT_S`` (seconds, a float) and ``$ATOLL_FAULT_SIGNAL_DIR`` (a
-    directory) are both set, :meth:`RunStore.commit_round <atoll.storage.bucket.RunStore.commit_round>`
+    directory) are both set,
+    :meth:`SynchronizerStore.commit_round <atoll.storage.synchronizer_side.SynchronizerStore.commit_round>`
     calls this after the round's payload blobs are written and before its commit record is
     created: it creates ``<dir>/payloads-written-<round:08d>`` (holding the pid) and sleeps that
     long, so a test can SIGKILL the synchronizer between a round's payload writes and its commit.

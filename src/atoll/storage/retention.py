@@ -36,8 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atoll.storage import paths
-from atoll.storage.bucket import RunStore
 from atoll.storage.integrity import IntegrityError
+from atoll.storage.operator_side import OperatorStore
+from atoll.storage.reader import RunReader
 from atoll.storage.records import CommitRecord, FragmentState, PruneRecord
 from atoll.storage.store import NotPlainObjectError, ObjectInfo, io_map
 from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
@@ -184,7 +185,7 @@ def _size(n: int) -> str:
 
 
 class _Planner:
-    def __init__(self, run: RunStore, policy: RetentionPolicy, now: float, log: Callable[[str], None]) -> None:
+    def __init__(self, run: RunReader, policy: RetentionPolicy, now: float, log: Callable[[str], None]) -> None:
         self.run, self.policy, self.now, self.log = run, policy, now, log
         self.store = run.store
 
@@ -336,7 +337,7 @@ class _Planner:
         return part
 
 
-def plan_prune(run: RunStore, policy: RetentionPolicy | None = None, *, now: float | None = None,
+def plan_prune(run: RunReader, policy: RetentionPolicy | None = None, *, now: float | None = None,
                log: Callable[[str], None] = lambda s: None) -> PrunePlan:
     """Decide what retention deletes in ``run`` (reads only)."""
     return _Planner(run, policy or RetentionPolicy(), time.time() if now is None else now, log).plan()
@@ -352,7 +353,7 @@ def _prove(plan: PrunePlan) -> None:
                                    f"{'is no class retention deletes' if got is None else 'says ' + got[0]}")
 
 
-def apply_prune(run: RunStore, plan: PrunePlan, *, by: str = "atoll prune",
+def apply_prune(run: OperatorStore, plan: PrunePlan, *, by: str = "atoll prune",
                 log: Callable[[str], None] = lambda s: None, chunk: int = 1000) -> PruneRecord:
     """Carry out ``plan``: prove every key's class and owner from its name (:class:`RetentionRefused`
     otherwise), write the retention record, then delete (checkpoint configs before their model

@@ -26,191 +26,55 @@ operation and URL. Storage options are never logged: :func:`redact` masks anythi
 
 Every attempt of every operation is counted (:attr:`ObjectStore.wire`, :meth:`ObjectStore.wire_counts`):
 requests by kind and body bytes up and down, as :mod:`atoll.storage.wire` models the backend.
+
+Beside it: :mod:`~atoll.storage.transient` (which errors are retried), :mod:`~atoll.storage.local_folder`
+(the local trust boundary, atomic local writes), :mod:`~atoll.storage.listing` (what a LIST returns),
+:mod:`~atoll.storage.io_pool` (calls at once), :mod:`~atoll.storage.faults` (chaos injection).
 """
 
 from __future__ import annotations
 
 import copy
-import errno
 import os
 import random
 import stat
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
-import fsspec.asyn
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
 from atoll.core.retry import STORAGE_RETRY, RetryPolicy
+from atoll.storage.faults import StorageFaults
+from atoll.storage.io_pool import io_map
+from atoll.storage.listing import ObjectInfo, entry_info, entry_name, list_some
+from atoll.storage.local_folder import (
+    NotPlainObjectError,
+    NotRegularFileError,
+    file_kind,
+    first_not_plain,
+    inside_root,
+    link_on_path,
+    not_regular_file,
+    temp_path,
+    unlink_quietly,
+    write_new_file,
+)
 from atoll.storage.paths import join_url, probe_key
-from atoll.storage.validation import StorageError, TransientStorageError, UnsafeStoreError
+from atoll.storage.transient import is_transient
+from atoll.storage.validation import TransientStorageError, UnsafeStoreError
 from atoll.storage.wire import WireCounts, WireMeter, requests_sent
 
-__all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "NotPlainObjectError", "is_transient", "redact", "io_map", "IO_THREADS",
-           "IO_THREADS_DEFAULT", "WireCounts"]
-
-IO_THREADS_DEFAULT = 16
-IO_THREADS = max(1, int(os.environ.get("ATOLL_IO_THREADS") or IO_THREADS_DEFAULT))
-"""Object-store calls :func:`io_map` runs at once (``$ATOLL_IO_THREADS``, default 16; 1: one at a time). A call waits on the network (tens of ms on S3 or
-GCS), not the CPU: a round that reads M learners' listings and records one after another waits M
-times that, so the synchronizer falls behind as the fleet grows."""
-
-_io_pool: ThreadPoolExecutor | None = None
-_io_pool_lock = threading.Lock()
-
-
-def _reset_io_pool() -> None:
-    global _io_pool
-    _io_pool = None  # a forked child has no threads: it starts its own pool when it needs one
-
-
-os.register_at_fork(after_in_child=_reset_io_pool)
-
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
-
-
-def io_map(fn: Callable[[_In], _Out], items: Iterable[_In]) -> list[_Out]:
-    """``[fn(x) for x in items]``, with up to :data:`IO_THREADS` calls at once; results in order.
-
-    For object-store calls (each one retries on its own, see :meth:`ObjectStore._call`). The first
-    exception is raised once every call has finished. ``fn`` must not call ``io_map`` itself (the
-    pool is shared: nested waits could use up its threads)."""
-    todo = list(items)
-    if len(todo) <= 1 or IO_THREADS <= 1:
-        return [fn(x) for x in todo]
-    global _io_pool
-    with _io_pool_lock:
-        if _io_pool is None or _io_pool._max_workers != IO_THREADS:  # first use, or IO_THREADS changed
-            if _io_pool is not None:
-                _io_pool.shutdown(wait=False)  # what it was given still runs
-            _io_pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="atoll-io")
-        pool = _io_pool
-    futures = [pool.submit(fn, x) for x in todo]
-    errors = [f.exception() for f in futures]  # waits for all: nothing keeps running behind the caller
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return [f.result() for f in futures]
+__all__ = ["RetryPolicy", "ObjectStore", "ObjectInfo", "NotRegularFileError", "NotPlainObjectError", "StorageFaults",
+           "is_transient", "redact", "io_map", "WireCounts"]
 
 T = TypeVar("T")
 
 _SECRET_MARKERS = ("key", "secret", "token", "password", "passwd", "credential", "session", "auth", "sas")
-_TRANSIENT_CODES = frozenset({
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",  # botocore corrects its clock offset on the next attempt
-    "InternalError",
-    "ServiceUnavailable",
-    "TooManyRequests",
-})
-"""S3 error codes (botocore ``ClientError.response["Error"]["Code"]``) worth retrying."""
-
-_TRANSIENT_CLASSES = (
-    # botocore: no connection, connection dropped or timed out, body cut short.
-    ("botocore.exceptions", ("ConnectionError", "HTTPClientError", "IncompleteReadError")),
-    # aiohttp (under s3fs and gcsfs): connection refused/reset/closed, server timeout, short body.
-    ("aiohttp.client_exceptions", ("ClientConnectionError", "ClientPayloadError")),
-    # requests: gcsfs raises requests' ProxyError for an HTTP 502.
-    ("requests.exceptions", ("ConnectionError", "Timeout", "ChunkedEncodingError")),
-    ("fsspec.exceptions", ("FSTimeoutError",)),
-    # gcsfs: the body's md5 did not match (a corrupted transfer; gcsfs itself retries it).
-    ("gcsfs.retry", ("ChecksumError",)),
-)
-"""Exception classes of the storage clients that mean "try again", by module and class name.
-
-They are looked up in ``sys.modules`` only: an exception of a class whose module was never
-imported cannot exist, so the storage layer needs none of these clients installed."""
-
-_TRANSIENT_ERRNOS = frozenset({
-    errno.ECONNRESET,
-    errno.ECONNABORTED,
-    errno.ECONNREFUSED,
-    errno.ETIMEDOUT,
-    errno.EPIPE,
-    errno.EAGAIN,
-    errno.EBUSY,  # s3fs's translation of 503 / SlowDown / ServiceUnavailable / 409
-    getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs's translation of 500 / InternalError
-})
-
-_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
-                  StorageError, ValueError, KeyError, TypeError)
-
-
-def _transient_status(status: object) -> bool:
-    """HTTP status codes worth retrying: 408 request timeout, 429 too many requests, any 5xx."""
-    return isinstance(status, int) and not isinstance(status, bool) and (status >= 500 or status in (408, 429))
-
-
-def _loaded_classes(module: str, names: tuple[str, ...]) -> tuple[type, ...]:
-    mod = sys.modules.get(module)
-    if mod is None:
-        return ()
-    return tuple(c for n in names if isinstance(c := getattr(mod, n, None), type))
-
-
-def _client_class(module: str, name: str) -> type | None:
-    found = _loaded_classes(module, (name,))
-    return found[0] if found else None
-
-
-def _http_status_transient(e: BaseException) -> bool:
-    """The HTTP status (or S3 error code) that a storage client's exception carries."""
-    http_error = _client_class("gcsfs.retry", "HttpError")  # gcsfs: HttpError({"code": status, ...})
-    if http_error is not None and isinstance(e, http_error):
-        return _transient_status(getattr(e, "code", None))
-    client_error = _client_class("botocore.exceptions", "ClientError")  # botocore: parsed S3 response
-    if client_error is not None and isinstance(e, client_error):
-        response = getattr(e, "response", None) or {}
-        err = response.get("Error", {}) or {}
-        status = (response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
-        return err.get("Code") in _TRANSIENT_CODES or _transient_status(status)
-    response_error = _client_class("aiohttp.client_exceptions", "ClientResponseError")
-    if response_error is not None and isinstance(e, response_error):
-        return _transient_status(getattr(e, "status", None))
-    return False
-
-
-_MEMORY_LOCK = threading.Lock()
-_FAILED = object()
-"""What an attempt returned when it was cut short before its call (a fault, an interrupt)."""
-
-
-class NotRegularFileError(StorageError):
-    """A local object that is not a regular file inside the run root (a FIFO, a device, a socket,
-    a directory, or a symlink leading outside the root). Never opened, never retried."""
-
-    def __init__(self, url: str, what: str) -> None:
-        self.url, self.what = url, what
-        super().__init__(f"{url} is {what}, not a regular file inside the run folder; refusing to touch it")
-
-
-class NotPlainObjectError(NotRegularFileError):
-    """Retention found an entry that is not a plain object (a link anywhere on its path, a FIFO,
-    a device, a socket, or a folder where objects belong): it refuses to run rather than delete
-    through it."""
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -226,74 +90,18 @@ def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception in its cause/context chain) is worth retrying.
-
-    Keyed on exception types, HTTP status codes and S3 error codes, never on message text:
-    builtin ``ConnectionError`` / ``TimeoutError``; the connection and timeout classes of botocore,
-    aiohttp, requests and fsspec; gcsfs ``HttpError`` and botocore ``ClientError`` with status 408,
-    429 or 5xx (or a throttling S3 code); and the errnos s3fs translates those into (EBUSY for
-    503/SlowDown, EREMOTEIO for 500). Missing, existing, forbidden and malformed are never
-    transient. s3fs keeps the botocore error as ``__cause__`` of its OSError, so the chain is walked.
-    """
-    transient_classes = tuple(c for module, names in _TRANSIENT_CLASSES for c in _loaded_classes(module, names))
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, _NOT_TRANSIENT):
-            return False
-        if isinstance(e, ConnectionError | TimeoutError) or isinstance(e, transient_classes):
-            return True
-        if _http_status_transient(e):
-            return True
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 DELETE_CHUNK = 1000
 """Keys per bulk delete request (S3's DeleteObjects limit)."""
 
+_MEMORY_LOCK = threading.Lock()
+_FAILED = object()
+"""What an attempt returned when it was cut short before its call (a fault, an interrupt)."""
 
-@dataclass(frozen=True)
-class ObjectInfo:
-    """One entry of :meth:`ObjectStore.list_info`."""
-
-    name: str
-    """Last path component."""
-    is_dir: bool
-    """A prefix ("folder"), not an object."""
-    size: int
-    """Bytes (0 for a prefix)."""
-    modified_s: float | None
-    """Last modification, Unix seconds by the store's clock; None if the backend gives none."""
-
+_FAULTS = StorageFaults.from_env()
+"""Chaos only (``$ATOLL_FAULT_STORAGE``): faults injected before and after every attempt."""
 
 ObjectInfos = list[ObjectInfo]
 """(An alias: inside ObjectStore, ``list`` names its method.)"""
-
-
-def _modified_s(entry: Mapping[str, Any]) -> float | None:
-    """Modification time from an fsspec ``ls(detail=True)`` entry, whichever backend wrote it:
-    local ``mtime`` (float), S3 ``LastModified`` (datetime), GCS ``updated`` (ISO text), memory
-    ``created``."""
-    for name in ("mtime", "LastModified", "updated", "last_modified", "created", "timeCreated"):
-        value = entry.get(name)
-        if value is None or isinstance(value, bool):
-            continue
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, datetime):
-            return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
-        if isinstance(value, str):
-            try:
-                when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-            except ValueError:
-                continue
-            return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
-    return None
 
 
 class ObjectStore:
@@ -413,8 +221,8 @@ class ObjectStore:
             # A LIST may have filled fsspec's listing cache, and s3fs answers the size lookup of a
             # plain cat from it: an object created since would read as missing, forever.
             self._invalidate(path)
-            if self.is_local:
-                self._check_local_file(key, path)
+            if self.is_local and (what := not_regular_file(self.root, path)) is not None:
+                raise NotRegularFileError(self.key_url(key), what)
             if max_bytes is None:
                 return bytes(self.fs.cat_file(path))
             return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
@@ -432,12 +240,12 @@ class ObjectStore:
         path = self.path(key)
         if self.is_local:
             def local_put() -> None:
-                tmp = self._local_tmp(path)
+                tmp = temp_path(path, self._made_dirs)
                 try:
-                    self._write_local(tmp, data)
+                    write_new_file(self.fs, tmp, data)
                     os.replace(tmp, path)
                 finally:
-                    _unlink_quietly(tmp)
+                    unlink_quietly(tmp)
             self._call("put", key, local_put, up=len(data))
         else:
             self._call("put", key, lambda: self.fs.pipe_file(path, data), up=len(data))
@@ -455,12 +263,12 @@ class ObjectStore:
             nonlocal tries
             tries += 1
             if self.is_local:
-                tmp = self._local_tmp(path)
+                tmp = temp_path(path, self._made_dirs)
                 try:
-                    self._write_local(tmp, data)
+                    write_new_file(self.fs, tmp, data)
                     os.link(tmp, path)
                 finally:
-                    _unlink_quietly(tmp)
+                    unlink_quietly(tmp)
             elif self.is_memory:
                 with _MEMORY_LOCK:
                     self.fs.pipe_file(path, data, mode="create")
@@ -474,17 +282,6 @@ class ObjectStore:
             if tries > 1 and self.get_or_none(key) == data:
                 return True  # an earlier attempt of this call landed before its reply was lost
             return False
-
-    def _list_some(self, path: str, limit: int) -> list[str]:
-        """Up to ``limit`` entries of ``path`` (paths or names), one request where the backend allows."""
-        protocols = set(self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,))
-        if protocols & {"s3", "s3a"}:
-            entries = fsspec.asyn.sync(self.fs.loop, self.fs._lsdir, path.rstrip("/"), refresh=True, max_items=limit)
-        elif protocols & {"gs", "gcs"}:
-            entries = fsspec.asyn.sync(self.fs.loop, self.fs._list_objects, path.rstrip("/"), max_results=limit)
-        else:
-            return sorted(self.fs.ls(path, detail=False))[:limit]
-        return [str(e["name"]) for e in entries][:limit]
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         """Names (last path component) directly under ``prefix``; one LIST, cache invalidated first.
@@ -500,13 +297,13 @@ class ObjectStore:
         def ls() -> list[str]:
             self._invalidate(path)
             try:
-                entries = self.fs.ls(path, detail=False) if limit is None else self._list_some(path, limit)
+                entries = self.fs.ls(path, detail=False) if limit is None else list_some(self.fs, path, limit)
             except FileNotFoundError:
                 return []
             finally:
                 if limit is not None:
                     self._invalidate(path)  # a partial listing must never answer a later lookup
-            return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+            return [entry_name(e) for e in entries]
 
         names = self._call("list", prefix, ls, one_request=limit is not None)
         return sorted(n for n in names if n and not n.startswith(".tmp-"))
@@ -515,7 +312,7 @@ class ObjectStore:
         """Like :meth:`list` (one LIST, names sorted, no ``.tmp-*``), with each entry's size and
         modification time as the backend reports it (``None`` where it reports none)."""
         path = self.path(prefix)
-        if self.is_local and not self._inside_root(path):
+        if self.is_local and not inside_root(self.root, path):
             return []  # a folder that is (or sits under) a link out of the run: never listed, never pruned
 
         def ls() -> list[dict[str, Any]]:
@@ -525,16 +322,8 @@ class ObjectStore:
             except FileNotFoundError:
                 return []
 
-        out = []
-        for entry in self._call("list", prefix, ls):
-            name = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
-            if not name or name.startswith(".tmp-"):
-                continue
-            is_dir = entry.get("type") == "directory"
-            size = entry.get("size", entry.get("Size"))
-            out.append(ObjectInfo(name=name, is_dir=is_dir, size=int(size) if isinstance(size, int) and not is_dir else 0,
-                                  modified_s=None if is_dir else _modified_s(entry)))
-        return sorted(out, key=lambda o: o.name)
+        infos = (entry_info(entry) for entry in self._call("list", prefix, ls))
+        return sorted((i for i in infos if i is not None), key=lambda o: o.name)
 
     def list_plain(self, prefix: str) -> ObjectInfos:
         """:meth:`list_info` for a deleter (retention): on a local folder, no folder on the way
@@ -542,39 +331,14 @@ class ObjectStore:
         every entry must be a plain file or a plain folder (not a link, a FIFO, a device, a
         socket); otherwise :class:`NotPlainObjectError` names it. Object stores have no links."""
         if self.is_local:
-            link = self._link_on_path(self.path(prefix))
+            link = link_on_path(self.root, self.path(prefix))
             if link is not None:
                 raise NotPlainObjectError(self.key_url(prefix), f"reached through the link {link}")
-            folder = self.path(prefix)
-            try:
-                with os.scandir(folder) as it:
-                    entries = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in it]
-            except (FileNotFoundError, NotADirectoryError):
-                entries = []
-            for name, mode in entries:
-                if name.startswith(".tmp-"):
-                    continue
-                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                    what = "a symlink" if stat.S_ISLNK(mode) else _file_kind(mode)
-                    raise NotPlainObjectError(self.key_url(prefix + name), what)
+            found = first_not_plain(self.path(prefix))
+            if found is not None:
+                name, what = found
+                raise NotPlainObjectError(self.key_url(prefix + name), what)
         return self.list_info(prefix)
-
-    def _link_on_path(self, path: str) -> str | None:
-        """Local: the first folder or object below the run root on ``path`` that is a symlink, or
-        None. The root itself is the user's choice and may be one."""
-        root = self.root.rstrip("/")
-        if not path.startswith(root + "/"):
-            return path
-        cur = root
-        for part in path[len(root) + 1:].strip("/").split("/"):
-            cur = f"{cur}/{part}"
-            try:
-                st = os.lstat(cur)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            if stat.S_ISLNK(st.st_mode):
-                return cur
-        return None
 
     def _invalidate(self, path: str) -> None:
         """Drop fsspec's cached listing of ``path``. fsspec's DirCache pops with a check, then a
@@ -585,18 +349,13 @@ class ObjectStore:
         except KeyError:
             pass
 
-    def _inside_root(self, path: str) -> bool:
-        """Local: whether ``path``, with every link on the way resolved, stays inside the run folder."""
-        real, root = os.path.realpath(path), os.path.realpath(self.root)
-        return os.path.commonpath([real, root]) == root
-
     def delete(self, key: str) -> None:
         """Delete one object (absent is fine). Local: never through a link, wherever it leads
         (a folder on the way or the object itself), and never anything but a regular file
         (:class:`NotPlainObjectError`)."""
         path = self.path(key)
         if self.is_local:
-            link = self._link_on_path(path)
+            link = link_on_path(self.root, path)
             if link is not None:
                 raise NotPlainObjectError(self.key_url(key), f"reached through the link {link}: not deleted")
             try:
@@ -604,7 +363,7 @@ class ObjectStore:
             except (FileNotFoundError, NotADirectoryError):
                 return
             if not stat.S_ISREG(mode):
-                raise NotPlainObjectError(self.key_url(key), _file_kind(mode) + ": not deleted")
+                raise NotPlainObjectError(self.key_url(key), file_kind(mode) + ": not deleted")
 
         def rm() -> None:
             try:
@@ -671,119 +430,3 @@ class ObjectStore:
                 "could both 'win'. Use a store that does, or pass unsafe_allow_overwrite=True if exactly "
                 "one synchronizer will ever write to this run (e.g. tests on the GCS emulator)."
             )
-
-    # -- helpers -----------------------------------------------------------------------------
-    def _check_local_file(self, key: str, path: str) -> None:
-        """Refuse to open a local object that is not a regular file inside the root (checked
-        before opening: opening a FIFO blocks until a writer comes, i.e. forever). A missing
-        object is left to the read itself (FileNotFoundError)."""
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        real, root = os.path.realpath(path), os.path.realpath(self.root)
-        if os.path.commonpath([real, root]) != root:  # the object or a folder above it is a link out
-            raise NotRegularFileError(self.key_url(key), f"a symlink to {real}, outside the run folder {root}")
-        if stat.S_ISLNK(st.st_mode):
-            try:
-                st = os.stat(real)
-            except FileNotFoundError:
-                return  # a dangling link reads as a missing object
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFileError(self.key_url(key), _file_kind(st.st_mode))
-
-    def _local_tmp(self, path: str) -> str:
-        parent, _, name = path.rpartition("/")
-        parent = parent or "/"
-        if parent not in self._made_dirs:  # one makedirs per folder and process, not per write
-            os.makedirs(parent, exist_ok=True)
-            self._made_dirs.add(parent)
-        return f"{parent}/.tmp-{uuid.uuid4().hex[:12]}-{name}"
-
-    def _write_local(self, tmp: str, data: bytes) -> None:
-        """Write a new temporary file. With fsspec's own LocalFileSystem, straight through the OS
-        (a learner writes two files per publish, and fsspec's Python layers around them cost
-        more than the write itself while holding the GIL the training thread needs); any other
-        local filesystem object (a wrapper, e.g. the fault-injecting one of the tests) gets
-        ``pipe_file``."""
-        if type(self.fs) is not LocalFileSystem:
-            self.fs.pipe_file(tmp, data)
-            return
-        parent = tmp.rpartition("/")[0] or "/"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # the folder was removed since it was made: make it again
-            os.makedirs(parent, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-
-
-class StorageFaults:
-    """Chaos only (never set in production): every storage operation of the process first sleeps
-    a random latency and, with some probability, fails with a transient error, so the retry
-    policy and everything above it run as against an unwell bucket.
-
-    Read once from ``$ATOLL_FAULT_STORAGE``, e.g. ``error=0.01,latency_s=0.05,seed=3``: ``error``
-    is the probability of a ``ConnectionResetError`` before an operation (each retry draws again),
-    ``latency_s`` the upper end of a uniform extra latency per operation, ``lost`` the probability
-    that a write (put, create) lands and its reply is lost (the retry finds it there).
-    """
-
-    ENV = "ATOLL_FAULT_STORAGE"
-
-    def __init__(self, error: float, latency_s: float, seed: int | None, lost: float = 0.0) -> None:
-        self.error, self.latency_s, self.lost = error, latency_s, lost
-        self._rng = random.Random(seed)
-        self._lock = threading.Lock()
-        self.injected: Counter[str] = Counter()
-
-    @classmethod
-    def from_env(cls) -> StorageFaults | None:
-        spec = os.environ.get(cls.ENV, "").strip()
-        if not spec:
-            return None
-        fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-        try:
-            error = float(fields.get("error", 0.0))
-            latency_s = float(fields.get("latency_s", 0.0))
-            lost = float(fields.get("lost", 0.0))
-            seed = int(fields["seed"]) if "seed" in fields else None
-        except ValueError as e:
-            raise ValueError(f"${cls.ENV}={spec!r}: {e} (expected e.g. error=0.01,latency_s=0.05,seed=3)") from None
-        if not (0.0 <= error < 1.0 and 0.0 <= lost < 1.0 and 0.0 <= latency_s <= 60.0):
-            raise ValueError(f"${cls.ENV}={spec!r}: error and lost must be in [0, 1) and latency_s in [0, 60]")
-        return cls(error, latency_s, seed, lost)
-
-    def before(self, op: str) -> None:
-        with self._lock:
-            delay = self._rng.uniform(0.0, self.latency_s) if self.latency_s else 0.0
-            fail = self.error > 0 and self._rng.random() < self.error
-        if delay:
-            self.injected["latency"] += 1
-            time.sleep(delay)
-        if fail:
-            self.injected[f"error:{op}"] += 1
-            raise ConnectionResetError(errno.ECONNRESET, f"injected fault ({self.ENV}) before {op}")
-
-    def after(self, op: str) -> None:
-        if op in ("put", "create") and self.lost > 0:
-            with self._lock:
-                fail = self._rng.random() < self.lost
-            if fail:
-                self.injected[f"lost:{op}"] += 1
-                raise ConnectionResetError(errno.ECONNRESET, f"injected lost reply ({self.ENV}) after {op}")
-
-
-_FAULTS = StorageFaults.from_env()
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

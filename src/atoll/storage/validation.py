@@ -86,7 +86,7 @@ class RunExistsError(StorageError, FileExistsError):
 
 
 class ReadOnlyError(StorageError):
-    """A write through a run handle opened read-only (``RunStore.open(..., read_only=True)``)."""
+    """A write through a run handle opened read-only (``RunReader.open(..., read_only=True)``, or any role's ``open``)."""
 
 
 class LayoutError(StorageError):

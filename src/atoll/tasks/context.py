@@ -5,7 +5,7 @@ flow and task; nothing is cached at module level. It holds:
 
 * ``info``: the run as prepared (URL, id, learners and their pools, max rounds);
 * ``options``: the flow run's :class:`~atoll.runs.options.TrainingRunOptions`;
-* ``store``: the run's :class:`~atoll.storage.bucket.RunStore`;
+* ``store``: the run's :class:`~atoll.storage.synchronizer_side.SynchronizerStore`;
 * the **synchronizer** (current fragments, outer-optimizer state, timing EMAs, last-seen times),
   always reloadable from the bucket: :meth:`RunContext.synchronizer` rebuilds it from the latest
   commit when it is not at the state the caller needs (another synchronizer committed, the round
@@ -29,11 +29,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from atoll.runs.goodput import GoodputTracker
 from atoll.runs.manage import RunInfo
 from atoll.runs.options import TrainingRunOptions
-from atoll.runs.report import GoodputTracker
-from atoll.storage.bucket import RunStore
 from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease
+from atoll.storage.reader import RunReader
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.tasks.fleet import LearnerFleet
 from atoll.tasks.recorder import RoundRecorder
 from atoll.train.lease import LeaseKeeper
@@ -58,9 +59,9 @@ class RunContext:
         """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
         self.info = info
         self.options = options
-        self.store: RunStore = RunStore.open(info.run_url, options.storage_options)
+        self.store: SynchronizerStore = SynchronizerStore.open(info.run_url, options.storage_options)
         # The recorder's reads are for people: counted apart from the synchronizer's (commit stats.wire).
-        self.tracker = GoodputTracker(self.store.sibling(metered_apart=True))
+        self.tracker = GoodputTracker(RunReader.beside(self.store).sibling(metered_apart=True))
         self.fleet: LearnerFleet | None = None
         if options.fleet.manage:
             self.fleet = LearnerFleet(

@@ -29,7 +29,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from atoll.runs.report import ContributionRow, GoodputReport, steps_since_sync
+from atoll.runs.contributions import ContributionRow, steps_since_sync
+from atoll.runs.goodput import GoodputReport
 from atoll.storage.records import CommitRecord
 
 __all__ = ["ROUND_COMMITTED", "ROUND_STALLED", "LEARNER_RELAUNCHED", "RUN_HANDED_OVER", "RUN_FINISHED", "EVENT_NAMES",

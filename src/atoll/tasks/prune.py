@@ -9,7 +9,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.operator_side import OperatorStore
+from atoll.storage.reader import RunReader
 from atoll.storage.records import PruneRecord
 from atoll.storage.retention import CLASSES, PrunePlan, RetentionPolicy, apply_prune, plan_prune
 
@@ -17,13 +18,13 @@ __all__ = ["plan_retention", "apply_retention", "retention_markdown"]
 
 
 @task(name="plan-retention", cache_policy=NO_CACHE, persist_result=False)
-def plan_retention(store: RunStore, policy: RetentionPolicy) -> PrunePlan:
+def plan_retention(store: RunReader, policy: RetentionPolicy) -> PrunePlan:
     """What retention would delete in ``store``'s run under ``policy`` (reads only)."""
     return plan_prune(store, policy, log=get_run_logger().info)
 
 
 @task(name="apply-retention", cache_policy=NO_CACHE, persist_result=False)
-def apply_retention(store: RunStore, plan: PrunePlan, by: str) -> PruneRecord:
+def apply_retention(store: OperatorStore, plan: PrunePlan, by: str) -> PruneRecord:
     """Write the retention record, then delete what ``plan`` names."""
     return apply_prune(store, plan, by=by, log=get_run_logger().info)
 

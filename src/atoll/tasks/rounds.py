@@ -25,7 +25,7 @@ from atoll.core.retry import ROUND_RETRY
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.tasks.context import RunContext
 from atoll.tasks.logs import task_logger
-from atoll.tasks.recorder import artifact_keys
+from atoll.tasks.round_artifacts import artifact_keys
 from atoll.train.synchronizer import RoundPoll, RoundSummary
 
 __all__ = [

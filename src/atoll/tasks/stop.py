@@ -19,7 +19,7 @@ from typing import Any
 from prefect.states import Cancelling
 
 from atoll.runs.healing import ATOLL_CANCEL_PREFIX, STOP_GRACE_S, HealingPolicy
-from atoll.storage.bucket import RunStore
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.tasks.queries import (
     ACTIVE_STATE_TYPES,
     LEARNER_FLOW_NAME,
@@ -40,7 +40,7 @@ class StopReport:
     """Flow runs cancelled through Prefect (names)."""
 
 
-def mark_stopped_and_wait(store: RunStore, *, reason: str, by: str, grace_s: float = STOP_GRACE_S,
+def mark_stopped_and_wait(store: SynchronizerStore, *, reason: str, by: str, grace_s: float = STOP_GRACE_S,
                           heartbeat_timeout_s: float = HealingPolicy.heartbeat_timeout_s,
                           log: Callable[[str], None] = print,
                           sleep: Callable[[float], None] = time.sleep) -> StopReport:

@@ -16,7 +16,7 @@ global versions ahead of time, and the loop adopts what is ready between steps
   full. Nothing here raises for a bad object: the learner keeps its current version.
 
 The whole state is read only when a learner joins or rejoins
-(:meth:`atoll.storage.bucket.RunStore.read_global_state` with ``view=True``).
+(:meth:`atoll.storage.reader.RunReader.read_global_state` with ``view=True``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from atoll.core.downlink import apply_update
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
-from atoll.storage.bucket import RunStore
+from atoll.storage.reader import RunReader
 from atoll.storage.records import CommitRecord
 from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError
 
@@ -54,7 +54,7 @@ class Follower:
     """What a learner holds of each fragment, and how to bring it to a newer version with the
     fewest bytes (the module docstring says how). One thread advances it."""
 
-    def __init__(self, store: RunStore, versions: list[int] | tuple[int, ...],
+    def __init__(self, store: RunReader, versions: list[int] | tuple[int, ...],
                  views: Mapping[int, Mapping[str, torch.Tensor]] | None = None, *,
                  log: Callable[[str], None] = print) -> None:
         self.store, self.log = store, log
@@ -155,7 +155,7 @@ class Fetcher(threading.Thread):
     attempt the fetcher stops and sets ``failed``, which the training loop raises as FetchError.
     """
 
-    def __init__(self, store: RunStore, after_round: int, poll_interval_s: float, *,
+    def __init__(self, store: RunReader, after_round: int, poll_interval_s: float, *,
                  versions: list[int] | tuple[int, ...], views: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
                  retry: RetryPolicy = FETCH_RETRY, log: Callable[[str], None] = print) -> None:
         super().__init__(daemon=True, name="atoll-fetcher")

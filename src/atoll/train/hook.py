@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.handle import RunHandle
+from atoll.storage.learner_side import LearnerStore
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSummary, Replica
 from atoll.train.lease import die_with_parent
 from atoll.train.session import Build, LearnerSession
@@ -72,7 +73,7 @@ class LearnerHook:
     ``build``, which makes them (and says how they train) once the lease is held.
     """
 
-    def __init__(self, store: RunStore, learner_id: str, model: torch.nn.Module | None,
+    def __init__(self, store: LearnerStore, learner_id: str, model: torch.nn.Module | None,
                  optimizer: torch.optim.Optimizer | None, *, tokens_per_step: int | Callable[[], int] | None,
                  options: LearnerOptions, log: Callable[[str], None], on_exit: str, rank: int = 0, world: int = 1,
                  should_stop: Callable[[], bool] = lambda: False, build: Build | None = None) -> None:
@@ -236,11 +237,11 @@ class LearnerHook:
         return isinstance(exc, LearnerExit)
 
 
-def join(run: str | RunStore | None = None, learner_id: str | None = None, model: torch.nn.Module | None = None,
+def join(run: str | RunHandle | None = None, learner_id: str | None = None, model: torch.nn.Module | None = None,
          optimizer: torch.optim.Optimizer | None = None, *, tokens_per_step: int | Callable[[], int] | None = None,
          storage_options: Mapping[str, Any] | None = None, options: LearnerOptions | None = None,
          log: Callable[[str], None] = print, on_exit: str = "raise") -> LearnerHook:
-    """Join the run at ``run`` (a URL or an open RunStore) as learner ``learner_id``, training
+    """Join the run at ``run`` (a URL or an open run handle) as learner ``learner_id``, training
     ``model`` with ``optimizer`` in the caller's own loop. Use it as a context manager.
 
     ``run`` and ``learner_id`` default to ``$ATOLL_RUN_URL`` and ``$ATOLL_LEARNER_ID`` (set by the
@@ -257,7 +258,10 @@ def join(run: str | RunStore | None = None, learner_id: str | None = None, model
     if url is None or not lid:
         raise ValueError(f"join() needs the run URL and the learner id (arguments, or ${ENV_RUN_URL} and "
                          f"${ENV_LEARNER_ID} as the learner flow sets them)")
-    store = url if isinstance(url, RunStore) else RunStore.open(url, storage_options)
+    if isinstance(url, RunHandle):
+        store = url if isinstance(url, LearnerStore) else LearnerStore.beside(url)
+    else:
+        store = LearnerStore.open(url, storage_options)
     options = options or LearnerOptions()
     if options.flow_run_id is None and os.environ.get(ENV_FLOW_RUN_ID):
         import dataclasses
@@ -283,7 +287,7 @@ def _broadcast_ready(learner: Learner) -> None:
     dist.broadcast_object_list([(learner.step_count, list(learner.versions), learner.start_round)], src=0)
 
 
-def _follower(store: RunStore, learner_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def _follower(store: LearnerStore, learner_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               rank: int, world: int) -> Learner:
     """Ranks 1..N-1: the same learner (same weights, same saved optimizer state) without bucket
     writes, built once rank 0 holds the lease (so an older copy saves nothing more)."""

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import check_autocast, resolve_device
@@ -48,7 +48,7 @@ class InnerLoop:
     (``forward_model`` is then the DDP or FSDP2 model, :mod:`atoll.train.island`).
     """
 
-    def __init__(self, store: RunStore, learner_id: str, *, device: str | None = None, autocast: str | None = None,
+    def __init__(self, store: LearnerStore, learner_id: str, *, device: str | None = None, autocast: str | None = None,
                  rank: int = 0, world: int = 1) -> None:
         self.recipe = recipe = load_recipe(store)
         index, self.spec = recipe.learner(learner_id)
@@ -109,7 +109,7 @@ class RecipeLearner(Learner):
     """A :class:`~atoll.train.learner.Learner` on its own :class:`InnerLoop`, stepped by its
     caller, with no lease and no fetcher: :meth:`step` trains one inner step and records it."""
 
-    def __init__(self, store: RunStore, learner_id: str, *, log: Callable[[str], None] = print,
+    def __init__(self, store: LearnerStore, learner_id: str, *, log: Callable[[str], None] = print,
                  lockstep: bool | None = None, incarnation: int = 0, device: str | None = None,
                  autocast: str | None = None, publish_in_background: bool = False, rank: int = 0, world: int = 1,
                  start_round: int | None = None) -> None:
@@ -160,7 +160,7 @@ class IslandLink(Protocol):
 
 
 def run_learner(
-    store: RunStore,
+    store: LearnerStore,
     learner_id: str,
     *,
     options: LearnerOptions | None = None,

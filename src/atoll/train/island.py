@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from atoll.core.pseudograd import check_same_layout, learner_delta
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 from atoll.train.device import fragment_to_host, resolve_device
 from atoll.train.inner import InnerLoop, RecipeLearner, run_learner
 from atoll.train.inner_state import inner_state_tensors
@@ -239,7 +239,7 @@ def _send(learner: Learner, adopted: list[int], *, command: str) -> None:
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------------
-def _follow(store: RunStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
+def _follow(store: LearnerStore, learner_id: str, options: LearnerOptions, *, rank: int, world: int,
             device: str, shard: str) -> None:
     """Ranks 1..N-1: the same learner without bucket I/O; each step as rank 0 says."""
     ready: list[Any] = [None]
@@ -276,7 +276,7 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
     die_with_parent(parent_pid)
     if options.threads:
         torch.set_num_threads(options.threads)
-    store = RunStore.open(url, storage_options)
+    store = LearnerStore.open(url, storage_options)
     spec = load_recipe(store).learner(learner_id)[1]
     device = island_device(options.device if options.device is not None else spec.device, rank)
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -302,7 +302,7 @@ def _rank_main(rank: int, world: int, url: str, storage_options: dict[str, Any] 
         dist.destroy_process_group()
 
 
-def run_island(store: RunStore, learner_id: str, *, options: LearnerOptions | None = None,
+def run_island(store: LearnerStore, learner_id: str, *, options: LearnerOptions | None = None,
                ranks: int | None = None, storage_options: Mapping[str, Any] | None = None,
                log: Callable[[str], None] = print) -> LearnerSummary:
     """Train learner ``learner_id`` as an island of ``ranks`` processes (default: its recipe's ``ranks``).

@@ -12,7 +12,7 @@ to bottom, this is what a learner does around those steps:
    fragment p is due (t mod H == t_p), publish ``delta = Theta_p(base) - theta_p`` with the
    counters since the last alignment (:mod:`atoll.train.publisher` writes it, now or on a thread).
 3. :meth:`Learner.adopt`: overwrite a fragment in place with a newer global version (AdamW
-   moments are kept) and reset its counters. In lock-step mode (K = M) the driver waits, tau
+   moments are kept) and reset its counters. In lock-step mode (K = M, P = 1) the driver waits, tau
    steps after publishing, for the version that merges its contribution (:meth:`Learner.waiting_for`).
 4. :meth:`Learner.save`: the inner state, for rejoin.
 
@@ -37,7 +37,7 @@ import torch
 
 from atoll.core.align import LearnerCounters, PublishMarks, align_fragment, carry
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 from atoll.storage.validation import InvalidInput
 from atoll.storage.wire import wire_report
 from atoll.train.device import flat_fragment_to_device, fragment_delta_to_host
@@ -226,9 +226,9 @@ class Learner:
     ``loop``: how the driver trains, for the join line of the log (None: a user's loop).
     """
 
-    def __init__(self, store: RunStore, learner_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, store: LearnerStore, learner_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  *, log: Callable[[str], None] = print, lockstep: bool | None = None, incarnation: int = 0,
-                 start_round: int | None = None, outbox: Callable[[RunStore], Outbox] = Outbox,
+                 start_round: int | None = None, outbox: Callable[[LearnerStore], Outbox] = Outbox,
                  weights: Weights | None = None, loop: str | None = None) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.incarnation = incarnation

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.lease_holder import LeaseHolder
 from atoll.storage.liveness import Lease, StopMarker
 
 __all__ = [
@@ -78,7 +78,7 @@ class LeaseKeeper(threading.Thread):
 
     def __init__(
         self,
-        store: RunStore,
+        store: LeaseHolder,
         holder: str,
         lease: Lease | None,
         *,

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 from atoll.storage.paths import to_url
+from atoll.storage.reader import RunReader
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.train.inner import run_learner
 from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
@@ -109,7 +111,7 @@ def _terminate_gracefully() -> Callable[[], bool]:
 def _cmd_learner(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    store = RunStore.open(args.url)
+    store = LearnerStore.open(args.url)
     options = LearnerOptions(log_every_steps=args.log_every, max_steps=args.max_steps,
                              poll_interval_s=args.poll_interval_s, heartbeat_interval_s=args.heartbeat_interval_s,
                              orphan_timeout_s=args.orphan_timeout_s or None, device=args.device,
@@ -129,7 +131,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    store = RunStore.open(args.url)
+    store = SynchronizerStore.open(args.url)
     opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu")
     evaluate = make_evaluator(store)
     run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
@@ -170,7 +172,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.rounds:
         recipe = recipe.replace(max_rounds=args.rounds)
     url = to_url(args.bucket)
-    store = RunStore.open(url)
+    store = RunReader.open(url)
     if store.exists():
         print(f"resuming run at {url} from round {store.latest_round()}")
     else:
@@ -194,10 +196,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             restart.dead_learners()
             return False
 
-        store = RunStore.open(url)
-        last = run_synchronizer(store, evaluate=make_evaluator(store), should_stop=should_stop,
+        sync = SynchronizerStore.open(url)
+        last = run_synchronizer(sync, evaluate=make_evaluator(sync), should_stop=should_stop,
                                 log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
-    final = store.read_commit(last)
+    final = sync.read_commit(last)
     loss = final.stats.get("val_loss") if final else None
     print(f"done: {last} rounds in {time.monotonic() - t0:.0f}s; final validation loss {loss}; bucket {url}")
     return 0

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from atoll.core.weights import Counters
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 
 __all__ = ["BackgroundOutbox", "BackgroundWriter", "BufferPool", "Outbox", "Outgoing"]
 
@@ -60,7 +60,7 @@ class Outgoing:
     numel: int
     """The fragment's size in elements (the delta buffer's size)."""
 
-    def write(self, store: RunStore, delta: dict[str, torch.Tensor]) -> None:
+    def write(self, store: LearnerStore, delta: dict[str, torch.Tensor]) -> None:
         store.publish_contribution(self.learner_id, self.fragment, self.base_version, self.counters, delta,
                                    info=self.info, incarnation=self.incarnation)
 
@@ -71,7 +71,7 @@ class Outbox:
     background = False
     """Whether writes happen after the call returns (periodic saves are then snapshots)."""
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: LearnerStore) -> None:
         self.store = store
 
     def publish(self, outgoing: Outgoing, take_delta: TakeDelta, *, guard: Callable[[], bool] | None) -> bool:
@@ -85,7 +85,7 @@ class Outbox:
         outgoing.write(self.store, delta)
         return True
 
-    def save(self, write: Callable[[RunStore], Any], *, guard: Callable[[], bool] | None) -> None:
+    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> None:
         """Write a save now (the caller has asked the lease)."""
         write(self.store)
 
@@ -102,7 +102,7 @@ class BackgroundOutbox(Outbox):
 
     background = True
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: LearnerStore) -> None:
         super().__init__(store)
         self.writer = BackgroundWriter(store)
         self.buffers = BufferPool()
@@ -123,7 +123,7 @@ class BackgroundOutbox(Outbox):
                            done=functools.partial(self.buffers.give, buffer))
         return True
 
-    def save(self, write: Callable[[RunStore], Any], *, guard: Callable[[], bool] | None) -> None:
+    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> None:
         """Write a save after the contributions submitted before it, guarded by the lease like them."""
         self.writer.submit(write, guard=guard)
 
@@ -144,7 +144,7 @@ class BackgroundWriter(threading.Thread):
     thread by :meth:`check` (from the next submit or flush), and nothing after it is written.
     """
 
-    def __init__(self, store: RunStore, *, depth: int = 2) -> None:
+    def __init__(self, store: LearnerStore, *, depth: int = 2) -> None:
         super().__init__(daemon=True, name="atoll-publisher")
         self.store = store.sibling()  # own caches; the object store itself is shared
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=depth)
@@ -166,7 +166,7 @@ class BackgroundWriter(threading.Thread):
                     job.done()
                 self.jobs.task_done()
 
-    def submit(self, write: Callable[[RunStore], Any], *, guard: Callable[[], bool] | None = None,
+    def submit(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None = None,
                done: Callable[[], None] | None = None) -> None:
         """Queue ``write(store)``; ``done()`` runs after it, written or not (returns buffers)."""
         self.check()
@@ -184,7 +184,7 @@ class BackgroundWriter(threading.Thread):
 
 @dataclass(frozen=True)
 class _Job:
-    write: Callable[[RunStore], Any]
+    write: Callable[[LearnerStore], Any]
     guard: Callable[[], bool] | None
     done: Callable[[], None] | None
 

@@ -383,7 +383,7 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
 
 
 def smoke_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoConfig, Recipe]:
-    """For tests: micro GPT, 1 MB of corpus, P = 2 fragments, H = 2."""
+    """For tests: micro GPT, 2 MB of corpus, P = 2 fragments, H = 2."""
     config = DilocoConfig(num_learners=num_learners, num_fragments=2, inner_steps=2, overlap_steps=1,
                           min_quorum=1, initial_grace_s=0.5)
     recipe = Recipe(

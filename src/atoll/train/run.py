@@ -16,7 +16,10 @@ import torch
 
 from atoll.core.config import DilocoConfig
 from atoll.core.fragments import FragmentPlan, plan_fragments
-from atoll.storage.bucket import RunStore
+from atoll.storage.creation import RunCreator
+from atoll.storage.handle import RunHandle
+from atoll.storage.reader import RunReader
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.train import data as data_mod
 from atoll.train.recipe import Recipe
 
@@ -25,7 +28,7 @@ __all__ = ["RoundSchedule", "create_run", "load_recipe", "make_evaluator", "reci
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 
-def load_recipe(store: RunStore) -> Recipe:
+def load_recipe(store: RunReader) -> Recipe:
     """The recipe stored in the run's manifest (``run.json`` ``extra.recipe``)."""
     extra = store.checked_manifest().extra  # checked against the chain or keyring before it is acted on
     if "recipe" not in extra:
@@ -71,12 +74,14 @@ class TokenBounds:
         return cls(per_learner=per, largest=max(per.values()))
 
 
-def create_run(run: str | RunStore, config: DilocoConfig, recipe: Recipe, *,
-               model: torch.nn.Module | None = None, fork_from: RunStore | None = None, fork_round: int = 0,
-               storage_options: Mapping[str, Any] | None = None) -> RunStore:
+def create_run(run: str | RunHandle, config: DilocoConfig, recipe: Recipe, *,
+               model: torch.nn.Module | None = None, fork_from: RunReader | None = None, fork_round: int = 0,
+               storage_options: Mapping[str, Any] | None = None) -> SynchronizerStore:
     """The one way to create a run: its frozen config, fragment plan, version-0 weights and recipe
-    go to the bucket at ``run`` (a URL, or a :class:`RunStore` already opened), create-once
-    (:class:`~atoll.storage.validation.RunExistsError` if a run is there).
+    go to the bucket at ``run`` (a URL, or a run handle already opened), create-once
+    (:class:`~atoll.storage.validation.RunExistsError` if a run is there), through a
+    :class:`~atoll.storage.creation.RunCreator`. Returns the new run's synchronizer handle (the
+    creator holds the synchronizer's grant), beside ``run`` when that is a handle.
 
     Where the fragment plan and the version-0 weights come from:
 
@@ -102,11 +107,11 @@ def create_run(run: str | RunStore, config: DilocoConfig, recipe: Recipe, *,
         plan, params, extra["forked_from"] = _fork_point(fork_from, fork_round)
     else:
         plan, params = _initial_state(_unwrapped(model) if model is not None else recipe.model_factory()(), config)
-    store = run if isinstance(run, RunStore) else RunStore.open(run, storage_options)
-    store.init_run(config, plan, params, extra=extra)
+    creator = RunCreator.beside(run) if isinstance(run, RunHandle) else RunCreator.open(run, storage_options)
+    creator.init_run(config, plan, params, extra=extra)
     if model is None:  # atoll's learners read the recipe's corpus (a user's loop brings its own data):
         recipe.data.corpus()  # materialize the token cache once, before learners race to build it
-    return store
+    return SynchronizerStore.beside(creator)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -121,7 +126,7 @@ def _initial_state(model: torch.nn.Module, config: DilocoConfig) -> tuple[Fragme
     return plan, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-def _fork_point(source: RunStore, fork_round: int) -> tuple[FragmentPlan, Mapping[str, torch.Tensor], dict[str, Any]]:
+def _fork_point(source: RunReader, fork_round: int) -> tuple[FragmentPlan, Mapping[str, torch.Tensor], dict[str, Any]]:
     """The plan, the global weights of round ``fork_round`` (0: the latest) of ``source``, and the
     provenance that ``run.json`` records."""
     if not source.exists():
@@ -134,7 +139,7 @@ def _fork_point(source: RunStore, fork_round: int) -> tuple[FragmentPlan, Mappin
     return source.plan, state.params, {"url": source.url, "run_id": source.manifest.run_id, "round": at}
 
 
-def make_evaluator(store: RunStore) -> Evaluate:
+def make_evaluator(store: RunReader) -> Evaluate:
     """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
     recipe = load_recipe(store)
     model = recipe.model_factory()()
@@ -182,7 +187,7 @@ class RoundSchedule:
         return bool(every and round_ % every == 0) or self.is_last(round_)
 
     @classmethod
-    def of(cls, store: RunStore) -> RoundSchedule:
+    def of(cls, store: RunReader) -> RoundSchedule:
         """The schedule of the run in ``store``: from its recipe, or the defaults if it has none."""
         if "recipe" not in store.manifest.extra:
             return cls()

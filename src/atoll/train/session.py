@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
 from atoll.train.fetcher import Fetcher
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSummary
 from atoll.train.lease import LeaseKeeper, sigterm_flag
@@ -54,7 +54,7 @@ class LearnerSession:
     a user's loop).
     """
 
-    def __init__(self, store: RunStore, learner_id: str, build: Build, *, options: LearnerOptions | None = None,
+    def __init__(self, store: LearnerStore, learner_id: str, build: Build, *, options: LearnerOptions | None = None,
                  should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = print) -> None:
         self.store, self.learner_id, self.log = store, learner_id, log
         self.options = options or LearnerOptions()

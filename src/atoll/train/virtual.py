@@ -11,7 +11,7 @@ Event order per learner step (as in the real loop): compute the step, publish th
 then adopt the newest version of every fragment committed so far, read as a learner's fetcher
 reads it (:class:`~atoll.train.fetcher.Follower`: the newest version only; with a compressed
 downlink, the chain of updates or the view). The synchronizer polls after every event and at the
-recheck times its policy asks for. In lock-step mode (K = M) a learner that must wait for a
+recheck times its policy asks for. In lock-step mode (K = M, P = 1) a learner that must wait for a
 merged version simply does not get its next event until that version is committed.
 """
 
@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atoll.storage.bucket import RunStore
+from atoll.storage.learner_side import LearnerStore
+from atoll.storage.reader import RunReader
+from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.storage.wire import WireCounts
 from atoll.train.fetcher import Follower
 from atoll.train.inner import RecipeLearner
@@ -68,7 +70,7 @@ class VirtualResult:
 
 
 def run_virtual(
-    store: RunStore,
+    store: SynchronizerStore,
     *,
     token_budget: int,
     base_step_s: float = 1.0,
@@ -83,7 +85,8 @@ def run_virtual(
     """Train the run in ``store`` until the learners have consumed ``token_budget`` tokens.
 
     ``own_stores``: each learner on its own handle of the run, counted apart (as separate
-    processes are); the synchronizer on ``store``. Otherwise all share ``store`` and its counts.
+    processes are); the synchronizer on ``store``. Otherwise all share ``store``'s object store,
+    caches and counts (the learners through a :class:`LearnerStore` beside it).
     Either way each learner reads the new versions it adopts itself."""
     run = _VirtualRun(store, base_step_s=base_step_s, step_noise=step_noise, seed=seed,
                       sync_options=sync_options, log=log, own_stores=own_stores)
@@ -110,18 +113,19 @@ def run_virtual(
 class _VirtualRun:
     """The learners, the synchronizer and the event queue of one virtual run; ``now`` is the clock."""
 
-    def __init__(self, store: RunStore, *, base_step_s: float, step_noise: float, seed: int,
+    def __init__(self, store: SynchronizerStore, *, base_step_s: float, step_noise: float, seed: int,
                  sync_options: SynchronizerOptions | None, log: Callable[[str], None], own_stores: bool = False) -> None:
         self.now = 0.0
         self.store, self.own_stores = store, own_stores
         self.sync = Synchronizer(store, options=sync_options or SynchronizerOptions(poll_interval_s=base_step_s / 4),
                                  clock=lambda: self.now)
         specs = load_recipe(store).learners
-        handles = [store.sibling(metered_apart=True) if own_stores else store for _ in specs]
+        learner = LearnerStore.beside(store)  # the learners' role on the synchronizer's handle
+        handles = [learner.sibling(metered_apart=True) if own_stores else learner for _ in specs]
         self.learners = [RecipeLearner(h, spec.learner_id, log=log) for h, spec in zip(handles, specs, strict=True)]
         self.base_step_s, self.step_noise = base_step_s, step_noise
         self.rng = random.Random(seed)
-        self.reader = store.sibling()
+        self.reader = RunReader.beside(store).sibling()
         self.readers = [h.sibling() for h in handles] if own_stores else [self.reader] * len(specs)
         self.seen_round = [lr.start_round for lr in self.learners]
         self.followers = [Follower(reader, lr.versions, lr.held_views(), log=log)

@@ -1,0 +1,244 @@
+"""The synchronizer's side of a run: :class:`SynchronizerStore`, what the bucket policy's
+``atoll-synchronizer`` principal writes (docs/protocol.md section 8: ``SynchronizerWritesOnlySync``),
+and :class:`CommitResult`, the outcome of committing a round."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from atoll.core.downlink import DownlinkStep
+from atoll.core.rejection import Rejection
+from atoll.storage import liveness, paths
+from atoll.storage.codec import dump_record, encoded_to_bytes, finite_json, sha256_hex, tensors_to_bytes
+from atoll.storage.handle import Tensors
+from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, seal
+from atoll.storage.lease_holder import LeaseHolder
+from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease, StopMarker
+from atoll.storage.reader import CheckpointInfo
+from atoll.storage.records import (
+    KIND_CHECKPOINT,
+    KIND_COMMIT,
+    KIND_HEAD,
+    AcceptedContribution,
+    CommitRecord,
+    DownlinkState,
+    FragmentState,
+)
+from atoll.storage.validation import RoundOrderError, check_finite, check_tensor_layout
+
+__all__ = ["SynchronizerStore", "CommitResult"]
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """Outcome of :meth:`SynchronizerStore.commit_round`: did we win, and the record that is now committed."""
+
+    won: bool
+    record: CommitRecord
+
+
+@dataclass(frozen=True)
+class _RoundOutcome:
+    """Who was in and out of a round and what it measured, checked before anything is written."""
+
+    accepted: tuple[AcceptedContribution, ...]
+    rejected: dict[str, Rejection]
+    timings: dict[str, Any]
+    stats: dict[str, Any]
+
+    @classmethod
+    def of(cls, accepted: Iterable[AcceptedContribution | Mapping[str, Any]], rejected: Mapping[str, Rejection] | None,
+           timings: Mapping[str, Any] | None, stats: Mapping[str, Any] | None) -> _RoundOutcome:
+        accepted_t = tuple(a if isinstance(a, AcceptedContribution) else AcceptedContribution.from_body(dict(a))
+                           for a in accepted)
+        rejections = dict(rejected or {})
+        for key, why in rejections.items():
+            if not isinstance(why, Rejection):
+                raise TypeError(f"rejected[{key!r}] must be a Rejection, got {type(why).__name__}")
+        body_extra = {"timings": dict(timings or {}), "stats": dict(stats or {})}
+        for k, v in body_extra.items():
+            if not finite_json(v):
+                raise ValueError(f"{k} must be JSON-able without NaN/Inf")
+        return cls(accepted_t, rejections, body_extra["timings"], body_extra["stats"])
+
+
+class SynchronizerStore(LeaseHolder):
+    """The synchronizer's handle: everything a reader does, and the writes of the bucket policy's
+    ``atoll-synchronizer`` role, all under ``sync/``:
+
+    * ``paths.blob_key(sha)``: global fragments, outer momentum, downlink views and updates;
+    * ``paths.commit_key(r)`` or, for a void slot, ``paths.repair_key(r, n)`` (create-once);
+    * ``paths.HEAD`` (a hint, overwritten);
+    * ``paths.checkpoint_model_key(r)`` and ``paths.checkpoint_config_key(r)``;
+    * ``paths.sync_lease_key(n)`` (create-once) and ``paths.sync_heartbeat_key(n)``;
+    * ``paths.STOP``, the stop marker. It is here and not on
+      :class:`~atoll.storage.operator_side.OperatorStore`: the policy grants ``sync/stop.json`` to
+      the synchronizer's principal (whoever runs ``atoll stop`` acts with that grant), and the
+      marker is signed with the synchronizer's key.
+
+    ``run.json`` is the synchronizer principal's too; it is written once, by
+    :class:`~atoll.storage.creation.RunCreator`.
+    """
+
+    # -- commits -----------------------------------------------------------------------------
+    def commit_round(
+        self,
+        round_: int,
+        fragment: int,
+        *,
+        params: Tensors | None,
+        momentum: Tensors | None = None,
+        accepted: Iterable[AcceptedContribution | Mapping[str, Any]] = (),
+        rejected: Mapping[str, Rejection] | None = None,
+        timings: Mapping[str, Any] | None = None,
+        stats: Mapping[str, Any] | None = None,
+        committed_by: str = "synchronizer",
+        downlink: DownlinkStep | None = None,
+        downlink_chained: bool = True,
+    ) -> CommitResult:
+        """Commit round ``round_`` for ``fragment``: new fragment values (None: no update), the
+        outer optimizer's ``state_dict()`` for that fragment, who was in and out, timings and
+        stats. Payloads first, then the record create-once.
+
+        ``downlink`` (a compressed downlink only, with ``params``): the new version's update and
+        view (:func:`atoll.core.downlink.downlink_step`), published beside the fp32 master as the
+        entry's ``downlink``; ``downlink_chained=False`` publishes the view without the update
+        (the update was not computed against the previous version's published view).
+
+        Returns ``CommitResult(won=True, record=ours)``, or ``won=False`` with the record that a
+        racing synchronizer committed first (nothing of ours is trusted then). Raises
+        RoundOrderError if round ``round_ - 1`` is not committed.
+        """
+        if not isinstance(round_, int) or round_ < 1:
+            raise ValueError(f"rounds start at 1, got {round_!r}")
+        self._check_writable()
+        self._check_fragment(fragment)
+        existing, void = self._slot(round_)
+        if existing is not None:
+            return CommitResult(False, existing)
+        state = list(self._state_table(round_ - 1))
+        prev = self._expected_prev(round_)
+        if prev is None:
+            raise RoundOrderError(f"round {round_ - 1} is not verified in {self.url}; cannot chain round {round_}")
+        outcome = _RoundOutcome.of(accepted, rejected, timings, stats)
+        if params is not None:
+            state[fragment] = self._write_fragment_state(round_, fragment, state[fragment], params, momentum,
+                                                         downlink, downlink_chained)
+        elif downlink is not None:
+            raise ValueError("a downlink is published with a new version (params) only")
+        record = CommitRecord(
+            round=round_, fragment=fragment, updated=params is not None, state=tuple(state),
+            accepted=outcome.accepted, rejected=outcome.rejected, timings=outcome.timings,
+            stats=outcome.stats, committed_by=committed_by, nonce=uuid.uuid4().hex, created_at=time.time(),
+            prev_sha256=prev,
+        )
+        return self._create_commit(record, void)
+
+    def _slot(self, round_: int) -> tuple[CommitRecord | None, bool]:
+        """(the round's verified record, or None; whether its slot is void). Into a void slot
+        (something unverifiable sits there) the commit goes as a repair record."""
+        try:
+            return self.read_commit(round_), False
+        except IntegrityError:
+            return None, True
+
+    def _create_commit(self, record: CommitRecord, void: bool) -> CommitResult:
+        """Create the sealed record in the round's slot (or a free repair slot), then the head hint.
+        A refused create means another synchronizer won the round: its record is the result."""
+        round_ = record.round
+        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self._run_key(SYNCHRONIZER_KEY_ID)))
+        key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
+        liveness.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
+        if self.store.create(key, data):
+            self._remember(record, data)
+            try:  # a hint only: readers verify it against the commit record
+                self.store.put(paths.HEAD, dump_record(KIND_HEAD, {"round": round_}))
+            except Exception:  # noqa: BLE001
+                pass
+            return CommitResult(True, record)
+        winner = self.read_commit(round_)
+        if winner is None:  # pragma: no cover - the store refused the create but has no object
+            raise RoundOrderError(f"commit of round {round_} was refused but no record is readable at {self.url}")
+        return CommitResult(False, winner)
+
+    def _write_fragment_state(self, round_: int, fragment: int, prev: FragmentState, params: Tensors,
+                              momentum: Tensors | None, downlink: DownlinkStep | None,
+                              chained: bool) -> FragmentState:
+        """Write a new version's payloads (fp32 master, momentum, compressed downlink); its entry."""
+        expected = self.manifest.fragment_shapes(fragment)
+        check_tensor_layout(params, expected, what=f"round {round_} params for fragment {fragment}")
+        check_finite(params, what=f"round {round_} params")
+        params_ref = self._write_blob({n: params[n].float() for n in expected})
+        momentum_ref = prev.momentum
+        if momentum is not None:
+            check_tensor_layout(momentum, {f"momentum.{n}": s for n, s in expected.items()},
+                                what=f"round {round_} momentum", allow_missing=True)
+            check_finite(momentum, what=f"round {round_} momentum")
+            momentum_ref = self._write_blob({n: t.float() for n, t in momentum.items()})
+        dl = None if downlink is None else self._write_downlink(round_, fragment, prev.version, downlink, chained)
+        return FragmentState(version=round_, params=params_ref, momentum=momentum_ref, downlink=dl)
+
+    def _write_downlink(self, round_: int, fragment: int, base: int, step: DownlinkStep,
+                        chained: bool) -> DownlinkState:
+        """The view (fp32) and the update (the run's downlink codec) of a new version."""
+        codec = self.config.downlink_compression
+        if codec == "fp32":
+            raise ValueError("this run's downlink is fp32: learners read the master, there is no downlink to publish")
+        block_size = self.config.compression_block_size if codec == "int4" else 0
+        expected = self.manifest.fragment_shapes(fragment)
+        check_tensor_layout(step.view, expected, what=f"round {round_} downlink view of fragment {fragment}")
+        check_finite(step.view, what=f"round {round_} downlink view")
+        view_ref = self._write_blob({n: step.view[n].float() for n in expected})
+        update_ref = None
+        if chained:
+            update = {n: step.update[n] for n in expected}
+            odd = sorted(n for n, e in update.items() if e.codec != codec or e.block_size != block_size
+                         or e.shape != expected[n])
+            if odd or set(step.update) != set(expected):
+                raise ValueError(f"round {round_} downlink update: {odd[:5] or sorted(step.update)[:5]} is not "
+                                 f"{codec} (block {block_size}) in the fragment's shapes")
+            update_ref = self._write_blob_bytes(encoded_to_bytes(update)[0])
+        return DownlinkState(view=view_ref, update=update_ref, base=base, codec=codec, block_size=block_size)
+
+    # -- lease, stop marker, checkpoints -------------------------------------------------------
+    def take_synchronizer_lease(self, *, flow_run_id: str | None = None) -> Lease:
+        """Take the next incarnation of the synchronizer (``sync/leases/<n>.json``)."""
+        self._check_writable()
+        return liveness.take_lease(self.store, SYNCHRONIZER_HOLDER, flow_run_id=flow_run_id)
+
+    def mark_stopped(self, reason: str, by: str) -> StopMarker:
+        """Write ``sync/stop.json`` with ``stopped: true``: learners and the synchronizer exit."""
+        return self._write_stop_marker(stopped=True, reason=reason, by=by)
+
+    def clear_stopped(self, *, reason: str = "cleared", by: str = "") -> StopMarker:
+        """Overwrite the stop marker with ``stopped: false`` (nothing is ever deleted)."""
+        return self._write_stop_marker(stopped=False, reason=reason, by=by)
+
+    def _write_stop_marker(self, *, stopped: bool, reason: str, by: str) -> StopMarker:
+        self._check_writable()
+        return liveness.write_stop_marker(self.store, stopped=stopped, reason=reason, by=by,
+                                          seal_with=self._operator_seal("the stop marker"))
+
+    def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:
+        """Write ``checkpoints/<round>/model.safetensors`` (whole model, fp32, plain safetensors)
+        and then ``config.json`` (run config, plan, versions, the model's sha256)."""
+        self._check_writable()
+        state = self.read_global_state(round_)
+        m = self.manifest
+        data = tensors_to_bytes(state.params, metadata={"format": "atoll-checkpoint", "run_id": m.run_id,
+                                                        "round": str(state.round)})
+        model_key, config_key = paths.checkpoint_model_key(state.round), paths.checkpoint_config_key(state.round)
+        self.store.put(model_key, data)
+        sha = sha256_hex(data)
+        body = {"run_id": m.run_id, "round": state.round, "versions": list(state.versions),
+                "config": m.config.to_dict(), "plan": m.plan.to_dict(),
+                "shapes": {n: list(s) for n, s in m.shapes.items()},
+                "model": {"file": "model.safetensors", "sha256": sha, "nbytes": len(data)},
+                "created_at": time.time()}
+        self.store.put(config_key, dump_record(KIND_CHECKPOINT, seal(KIND_CHECKPOINT, body,
+                                                                     self._run_key(SYNCHRONIZER_KEY_ID))))
+        return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)

@@ -1,0 +1,145 @@
+"""The synchronizer's merges on its device, into buffers recycled from round to round.
+
+:func:`merge_on_device` runs :func:`~atoll.core.synchronize.synchronize_fragment` on the
+synchronizer's device (``SynchronizerOptions.device``) with its inputs and outputs on the host;
+:class:`FragmentMerger` holds what a synchronizer's merges keep between rounds: the run's
+:class:`~atoll.core.synchronize.MergePolicy`, the merge's scratch, the retired versions and
+momentum buffers a round writes into, and each fragment's recent update norms (the outlier
+guard's reference when a round is too small to compare within).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from atoll.core.outer import NesterovOuterOptimizer
+from atoll.core.rejection import Rejection
+from atoll.core.synchronize import (
+    FragmentContribution,
+    FragmentRoundResult,
+    MergePolicy,
+    MergeWorkspace,
+    synchronize_fragment,
+)
+from atoll.storage.reader import RunReader
+from atoll.storage.validation import InvalidInput
+from atoll.train.device import fragment_to_device, fragment_to_host
+
+__all__ = ["FragmentMerger", "NORM_HISTORY", "fragment_bases", "merge_on_device"]
+
+NORM_HISTORY = 8
+"""Merged update norms kept per fragment: the outlier guard compares each contribution with
+their median (:func:`~atoll.core.synchronize.synchronize_fragment`'s ``norm_history``)."""
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def merge_on_device(device: torch.device, *, current: Tensors, bases: Mapping[int, Tensors],
+                    contributions: list[FragmentContribution], optimizer: NesterovOuterOptimizer,
+                    policy: MergePolicy | None = None, workspace: MergeWorkspace | None = None,
+                    out: Tensors | None = None, norm_history: Sequence[float] = (),
+                    reasons: dict[str, Rejection] | None = None) -> FragmentRoundResult | None:
+    """:func:`~atoll.core.synchronize.synchronize_fragment` on ``device``, inputs and outputs on the host.
+
+    On the CPU this is exactly ``synchronize_fragment``. Elsewhere the inputs go to the device,
+    the merge and outer step run there (fp32), and the new fragment, the merged update and the
+    optimizer's momentum come back with one device-to-host copy each (``out``, host tensors for
+    the new fragment, is then not used; a ``workspace`` holds device buffers).
+    """
+    if device.type == "cpu":
+        return synchronize_fragment(current=current, bases=bases, contributions=contributions,
+                                    optimizer=optimizer, policy=policy, workspace=workspace, out=out,
+                                    norm_history=norm_history, reasons=reasons)
+    optimizer.buffers = fragment_to_device(optimizer.buffers, device)
+    current_on = fragment_to_device(current, device)
+    result = synchronize_fragment(
+        current=current_on,  # the current version as a base is the same mapping (no re-anchoring needed)
+        bases={v: current_on if b is current else fragment_to_device(b, device) for v, b in bases.items()},
+        contributions=[dataclasses.replace(c, delta=fragment_to_device(c.delta, device)) for c in contributions],
+        optimizer=optimizer, policy=policy, workspace=workspace, norm_history=norm_history, reasons=reasons,
+    )
+    optimizer.buffers = fragment_to_host(optimizer.buffers)
+    if result is not None:
+        result.new_params = fragment_to_host(result.new_params)
+        result.update = fragment_to_host(result.update)
+    return result
+
+
+def fragment_bases(store: RunReader, p: int, *, version: int, current: dict[str, torch.Tensor],
+                   contributions: list[FragmentContribution]) -> dict[int, dict[str, torch.Tensor]]:
+    """Fragment ``p`` at every base version the contributions name: ``current`` (in memory) for
+    its own ``version``, the others read from the bucket; a version whose object is gone is left
+    out (its contributions get UNKNOWN_BASE)."""
+    bases: dict[int, dict[str, torch.Tensor]] = {}
+    missing: set[int] = set()
+    for c in contributions:
+        if c.base_version in bases or c.base_version in missing:
+            continue
+        if c.base_version == version:
+            bases[c.base_version] = current
+            continue
+        try:
+            bases[c.base_version] = store.read_global_fragment(p, c.base_version)
+        except InvalidInput:  # that version's object is gone: its contributions get UNKNOWN_BASE
+            missing.add(c.base_version)
+    return bases
+
+
+class FragmentMerger:
+    """One synchronizer's merges: by its run's policy, on its device, reusing buffers.
+
+    Buffers reused from round to round (no fresh fragment-sized, page-faulting buffers): the
+    merge's scratch, and per fragment the version and momentum a won round retired. Only tensors
+    this process allocated are recycled (not ones decoded from the bucket).
+    """
+
+    def __init__(self, device: torch.device, policy: MergePolicy, *, num_fragments: int,
+                 outer_lr: float, outer_momentum: float) -> None:
+        self.device = device
+        self.policy = policy
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.workspace = MergeWorkspace()
+        self._spare_params: dict[int, dict[str, torch.Tensor]] = {}
+        self._spare_momentum: dict[int, dict[str, torch.Tensor]] = {}
+        self._merged_here: set[int] = set()
+        self._norms: dict[int, deque[float]] = {p: deque(maxlen=NORM_HISTORY) for p in range(num_fragments)}
+
+    def remember_norm(self, fragment: int, norm: Any) -> None:
+        """The fragment's recent merged update norms: the outlier guard's reference with K = 1."""
+        if isinstance(norm, int | float) and not isinstance(norm, bool) and math.isfinite(norm) and norm > 0:
+            self._norms[fragment].append(float(norm))
+
+    def optimizer_copy(self, p: int, optimizer: NesterovOuterOptimizer) -> NesterovOuterOptimizer:
+        """A copy of fragment ``p``'s outer optimizer for one round (if another synchronizer wins the
+        commit, the copy is discarded), its momentum in the buffers ``p``'s last won round retired."""
+        opt = NesterovOuterOptimizer(lr=self.outer_lr, momentum=self.outer_momentum)
+        opt.load_state_dict(optimizer.state_dict(), reuse=self._spare_momentum.pop(p, None))
+        return opt
+
+    def merge(self, p: int, *, current: dict[str, torch.Tensor], bases: Mapping[int, Tensors],
+              contributions: list[FragmentContribution], optimizer: NesterovOuterOptimizer,
+              reasons: dict[str, Rejection]) -> FragmentRoundResult | None:
+        """Merge ``contributions`` into fragment ``p`` (``current``) with one step of ``optimizer``,
+        the new version written into ``p``'s retired one where this process has one."""
+        return merge_on_device(
+            self.device, current=current, bases=bases, contributions=contributions, optimizer=optimizer,
+            policy=self.policy, workspace=self.workspace, out=self._spare_params.pop(p, None),
+            norm_history=tuple(self._norms[p]), reasons=reasons,
+        )
+
+    def retire(self, p: int, params: dict[str, torch.Tensor], optimizer: NesterovOuterOptimizer) -> None:
+        """Fragment ``p`` has a new version: its old one and its old optimizer's momentum are free.
+
+        The retired version is nobody's base in memory (older bases are read from the bucket): the
+        next round of this fragment writes into it, if this process allocated it."""
+        if p in self._merged_here:
+            self._spare_params[p] = params
+        self._merged_here.add(p)
+        self._spare_momentum[p] = optimizer.buffers
