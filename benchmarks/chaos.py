@@ -551,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="decoupled,lockstep", help="decoupled (K = 1 + grace), lockstep (K = M)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-rounds", action=argparse.BooleanOptionalAction, default=True,
-                   help="record_rounds (the product's default): rounds run inline, their flow runs created after "
-                        "each commit; --no-record-rounds: each round a flow run executed by Prefect's engine")
+                   help="record_rounds (the product's default): rounds run inline, each one's flow run opened "
+                        "Running as it opens and completed as it commits; --no-record-rounds: each round a flow run executed by Prefect's engine")
     p.add_argument("--quick", action="store_true", help="3 minutes, 12 learner kills, 2 training-run kills")
     p.add_argument("--out", default="out")
     p.add_argument("--replot", default=None, metavar="CHAOS_JSON",

@@ -8,8 +8,8 @@ Side by side on this machine (plain first, then each Prefect variant, same prese
 * **plain**: ``atoll.train`` only: M learner processes and the synchronizer loop in this process;
 * **prefect**: a local Prefect server (SQLite, or a private PostgreSQL cluster), a process worker
   per pool, atoll's deployments, the training-run flow (one round flow run per round with two
-  tasks; ``-nested``: as subflows; ``-recorded``: rounds run inline and their flow runs created,
-  Completed, by the recorder after each commit; artifacts from the recorder) and M learner flow
+  tasks; ``-nested``: as subflows; ``-recorded``: rounds run inline and their flow runs opened
+  Running by the recorder as each round opens and completed as it commits; artifacts from the recorder) and M learner flow
   runs on the two pools.
 
 Reported, from the bucket (learner side) and from timers / Prefect task runs (synchronizer side):
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefect", default="sqlite,sqlite-recorded",
                    help="comma-separated Prefect variants to run after the plain runner: sqlite, postgres "
                         "(the stack's database), each optionally with -nested (round flow runs as subflows) or "
-                        "-recorded (record_rounds: rounds inline, their flow runs created after the commit)")
+                        "-recorded (record_rounds: rounds inline, their flow runs recorded as they open and commit)")
     p.add_argument("--keep", default=None, help="work in this folder (buckets, Prefect home, logs) and keep it")
     p.add_argument("--pin", action="store_true",
                    help="learners on CPU 0 and the control plane (server, workers, training run / synchronizer) on "

@@ -19,6 +19,7 @@ import torch
 from atoll.core.rejection import RejectionKind
 from atoll.core.weights import Counters
 from atoll.storage import LearnerStore, RunHandle, RunReader, SynchronizerStore
+from atoll.storage.liveness import SYNCHRONIZER_HOLDER
 from atoll.storage.paths import to_url
 from atoll.storage.records import ContributionRecord
 from atoll.train.inner import run_learner
@@ -325,6 +326,18 @@ def test_keeper_heartbeats_only_while_the_loop_progresses_and_notices_orphaning(
     keeper.check_once()  # a fence overrides any earlier reason, and stops the heartbeats
     assert keeper.exit_reason == "fenced" and keeper.fenced_by == 2 and keeper.heartbeats == 4
     assert not keeper.still_current()
+
+
+def test_a_synchronizers_keeper_is_fenced_by_a_newer_synchronizer(tmp_path: Path) -> None:
+    store = new_run(tmp_path)
+    lease = store.take_synchronizer_lease()
+    errors: list[str] = []
+    keeper = LeaseKeeper(store.sibling(), SYNCHRONIZER_HOLDER, lease, log=errors.append)
+    assert keeper.still_current() and not errors
+    store.take_synchronizer_lease()  # a second synchronizer starts on the same run
+    assert not keeper.still_current()
+    assert keeper.fenced_by == lease.incarnation + 1
+    assert not [e for e in errors if "lease check failed" in e], errors
 
 
 def test_a_keeper_paused_after_its_lease_check_checks_again_before_it_heartbeats(tmp_path: Path) -> None:

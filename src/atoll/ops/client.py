@@ -99,7 +99,8 @@ def run_demo(directory: str | Path = DEMO_DIR, *, learners: int = 0, rounds: int
         print(f"Prefect UI: {stack.ui_url}  (up after {time.monotonic() - t0:.0f}s)", flush=True)
         with stack.settings():
             deploy_all(stack.pools)
-            print("deployed atoll-training-run/default and atoll-learner/{" + ",".join(stack.pools) + "}", flush=True)
+            print("deployed atoll-training-run/default, atoll-supervisor/default, atoll-prune/default and "
+                  "atoll-learner/{" + ",".join(stack.pools) + "}", flush=True)
             # Recorded rounds: at the demo's H = P = 8 a round per learner step is due, faster than a
             # Prefect flow run per round can be run on a laptop (docs/prefect.md, "What a round costs").
             options = TrainingRunOptions(run_url=run_url, preset="demo", learners=learners, rounds=rounds,

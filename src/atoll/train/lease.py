@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from atoll.storage.lease_holder import LeaseHolder
-from atoll.storage.liveness import Lease, StopMarker
+from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease, StopMarker
 
 __all__ = [
     "EXIT_REASONS",
@@ -146,7 +146,7 @@ class LeaseKeeper(threading.Thread):
         if self.fenced:
             return False
         try:
-            newest = self.store.current_incarnation(self.holder)
+            newest = self._newest_incarnation()
         except Exception as e:  # noqa: BLE001 - an unreadable bucket is not a fence
             self._error(f"lease check failed: {e!r}")
             return True
@@ -154,6 +154,12 @@ class LeaseKeeper(threading.Thread):
             self._fence(newest)
             return False
         return True
+
+    def _newest_incarnation(self) -> int:
+        # The synchronizer's id is reserved (no learner may take it), so it has a reader of its own.
+        if self.holder == SYNCHRONIZER_HOLDER:
+            return self.store.current_synchronizer_incarnation()
+        return self.store.current_incarnation(self.holder)
 
     def final_heartbeat(self, reason: str) -> None:
         """Write ``status="exited"`` with ``reason`` (best effort; after :meth:`close`)."""
@@ -214,7 +220,7 @@ class LeaseKeeper(threading.Thread):
         assert self.lease is not None
         if not self.fenced:
             self.log(f"{self.holder}: incarnation {self.lease.incarnation} fenced by incarnation {newest}; exiting "
-                     "without saving (the newer copy owns the learner now)")
+                     "without saving (the newer copy owns its work now)")
         self.fenced_by = max(self.fenced_by, newest)
         self.request_exit("fenced", f"fenced by incarnation {newest}")
 
