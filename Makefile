@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 
-.PHONY: test test-fast check demo venv clean postgres faketime chromium
+.PHONY: test test-fast check demo venv clean postgres faketime chromium gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,13 @@ test: check postgres faketime chromium
 # no server, no process (tests/conftest.py). Under 3 minutes on 2 cores. No lint: see `make check`.
 test-fast: venv
 	$(call run_pytest,-m fast -n $(FAST_WORKERS) --dist loadgroup)
+
+# What atoll does on this machine's GPU, in under 5 minutes (docs/gpus.md): the CUDA tests, a learner
+# against a bare loop with MFU, 4 learners and the synchronizer sharing the GPU, evaluation and saves.
+# Without CUDA it says so and exits 0. Runs with the runtime packages alone (pytest only for the tests).
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py
 
 # Local stack (Prefect server + a process worker per pool), deploy, train the demo preset with 4
 # learners on the two pools; prints the UI address, the final validation loss and the bucket path.

@@ -62,8 +62,9 @@ from atoll.storage.paths import to_url  # noqa: E402
 from atoll.storage.reader import RunReader  # noqa: E402
 from atoll.storage.synchronizer_side import SynchronizerStore  # noqa: E402
 from atoll.storage.wire import WireCounts  # noqa: E402
+from atoll.train.evaluator import Evaluator  # noqa: E402
 from atoll.train.local import LocalRun  # noqa: E402
-from atoll.train.run import load_recipe, make_evaluator  # noqa: E402
+from atoll.train.run import load_recipe  # noqa: E402
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions  # noqa: E402
 
 WARMUP_ROUNDS = 5
@@ -290,7 +291,8 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
         for spec in info.learners:
             run.start_learner(spec["learner_id"])
         store = SynchronizerStore.open(url)
-        sync = Synchronizer(store, options=SynchronizerOptions(), evaluate=make_evaluator(store))
+        sync = Synchronizer(store, options=SynchronizerOptions())
+        evaluator = Evaluator(store, log=lambda _: None).start()  # as the training run's: a thread
         while not sync.finished:
             polled = sync.poll()
             if isinstance(polled, RoundSummary):
@@ -302,6 +304,8 @@ def run_plain(bucket: Path, preset: str, learners: int, rounds: int) -> Result:
             t = time.perf_counter()
             sync.close(polled)
             closes[polled.round] = time.perf_counter() - t
+            evaluator.committed(polled.round)
+        evaluator.close(final_round=sync.round)
     wall = time.monotonic() - t0
     store = RunReader.open(url)
     round_s, wait_s, measured = round_intervals(store)

@@ -13,7 +13,7 @@ device and filled with random values, never run): 10.9 M (``mini``), 86 M (``sma
 12 x 768), 354 M (28 x 1024) and 1.01 B (20 x 2048). H = P, tau = 2, K = 1 + grace, RDA, Nesterov
 0.7 / 0.9 (the paper's), with int4 both ways (the demo's codecs) or fp32 both ways (core's default).
 
-Per configuration, two measurements on one run:
+Per configuration, three measurements on one run:
 
 * **Rounds with their inputs ready**: before each round the fleet publishes its M contributions
   to the round's fragment (not timed); the synchronizer then polls, merges, takes the outer step
@@ -23,6 +23,11 @@ Per configuration, two measurements on one run:
   merged and write what the round must write (one fp32 fragment, plus the compressed downlink
   update when the downlink is compressed). The first round warms up (allocations, page faults) and
   is left out of the medians; sustained rounds/s = measured rounds / their summed wall time.
+* **Rounds back to back**: the fleet publishes the inputs of P rounds (one per fragment) first,
+  then the synchronizer runs them one after another (``Synchronizer.tick``: each commit before the
+  next round opens) and then P more pipelined (``Synchronizer.step``, what ``run_synchronizer``
+  runs: a round's payloads and record are written while the next round polls and merges,
+  :mod:`atoll.train.commit_pipeline`); seconds per round of each (``seq s/r``, ``piped s/r``).
 * **An emulated run**: for ``--emulate-s`` seconds the replay learners step on a clock of
   ``--step-ms`` per inner step (GPU-like, 60 ms), publish each fragment when the schedule says
   (t mod H = t_p, backing off as atoll's learner does when the base does not move), adopt every
@@ -344,7 +349,7 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
         phases = summary.info["phases"]
         row = RoundRow(r, p, wall, cpu, wire, bound, polls, len(record.accepted),
                        merge_s=phases["merged_at_s"] - phases["closed_at_s"],
-                       commit_s=phases["committed_at_s"] - phases["evaluated_at_s"])
+                       commit_s=phases["committed_at_s"] - phases["merged_at_s"])
         rows.append(row)
         peak = max(peak, rss_gb())
         progress.doing("")
@@ -352,6 +357,47 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
                      f"{len(inputs)} merged): {wall:.3f} s (merge {row.merge_s:.3f}, commit {row.commit_s:.3f}), "
                      f"CPU {cpu:.2f} s, {wire.line()}; I/O bound {bound:.3f} s ({wall / bound:.1f}x)")
     return rows, peak
+
+
+def back_to_back_s(sync: Synchronizer, fleet: list[LearnerStore], bank: DeltaBank, setup: Setup, step_s: float,
+                   pipelined: bool) -> float:
+    """Seconds per round of P rounds in a row (one per fragment) whose inputs are all published
+    first (not timed): one round after another (``Synchronizer.tick``), or pipelined
+    (``Synchronizer.step``: a round's commit overlaps the next round's poll and merge)."""
+    first, n = sync.round + 1, sync.plan.num_fragments
+    for r in range(first, first + n):
+        p = sync.fragment_of_round(r)
+        publish_round(fleet, bank, p, sync.versions[p], setup, step_s)
+    gc.collect()
+    t0 = time.perf_counter()
+    while sync.round < first + n - 1:
+        if pipelined:
+            _, decision = sync.step()
+        else:
+            out = sync.tick()
+            decision = None if isinstance(out, RoundSummary) else out
+        if decision is not None:
+            time.sleep(min(max((decision.recheck_at_s or 0) - sync.clock(), 0.005), POLL_INTERVAL_S))
+    sync.drain()
+    return (time.perf_counter() - t0) / n
+
+
+def measure_back_to_back(url: str, options: Mapping[str, Any] | None, setup: Setup, step_s: float,
+                         progress: Progress) -> dict[str, float]:
+    """:func:`back_to_back_s` one round after another, then pipelined, on one synchronizer."""
+    store = SynchronizerStore.open(url, options)
+    sync = Synchronizer(store, options=SynchronizerOptions(poll_interval_s=POLL_INTERVAL_S))
+    bank, fleet = DeltaBank(store, keep=False), fleet_handles(store, setup.learners)
+    try:
+        with progress.phase(f"{setup.name}: {setup.fragments} rounds back to back, one after another"):
+            sequential = back_to_back_s(sync, fleet, bank, setup, step_s, pipelined=False)
+        with progress.phase(f"{setup.name}: {setup.fragments} rounds back to back, pipelined"):
+            pipelined = back_to_back_s(sync, fleet, bank, setup, step_s, pipelined=True)
+    finally:
+        sync.shutdown()
+    progress.say(f"{setup.name}: back to back: {sequential:.3f} s per round one after another, "
+                 f"{pipelined:.3f} s pipelined ({sequential / pipelined:.2f}x)")
+    return {"sequential_round_s": round(sequential, 4), "pipelined_round_s": round(pipelined, 4)}
 
 
 # -- an emulated run at a GPU-like step time ------------------------------------------------------
@@ -544,6 +590,8 @@ def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[
         row.update(summarize(rounds))
         row["rss_gb"] = round(peak, 2)
         gc.collect()
+        row["back_to_back"] = measure_back_to_back(url, options, setup, step_s, progress)
+        gc.collect()
         if args.emulate_s > 0:
             with progress.phase(f"{setup.name}: emulated fleet, {args.emulate_s:g} s at {args.step_ms:g} ms per step"):
                 row["emulated"] = emulate(url, options, setup, args.emulate_s, step_s, progress)
@@ -588,7 +636,8 @@ def remove(url: str, options: Mapping[str, Any] | None) -> None:
 # -- report -----------------------------------------------------------------------------------------
 
 COLUMNS = (("config", "<24"), ("params", ">8"), ("round s", ">8"), ("CPU s", ">7"), ("req r/w", ">9"),
-           ("MB r/w", ">13"), ("I/O s", ">7"), ("ratio", ">7"), ("rounds/s", ">9"), ("eff. H", ">7"),
+           ("MB r/w", ">13"), ("I/O s", ">7"), ("ratio", ">7"), ("rounds/s", ">9"), ("seq s/r", ">8"),
+           ("piped s/r", ">10"), ("eff. H", ">7"),
            ("emul. r/s", ">10"), ("needed", ">7"), ("sync cores", ">11"), ("fleet cores", ">12"), ("late", ">6"),
            ("RSS GB", ">7"))
 
@@ -601,10 +650,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['config']:<24}{r['params'] / 1e6:>7.1f}M  skipped: {r['skipped']}")
             continue
         e = r.get("emulated") or {}
+        b = r.get("back_to_back") or {}
         eff = e.get("effective_h")
         cells = [r["config"], f"{r['params'] / 1e6:.1f}M", f"{r['round_s']:.3f}", f"{r['cpu_s']:.2f}",
                  f"{r['requests_read']:.0f}/{r['requests_written']:.0f}", f"{r['mb_read']:.1f}/{r['mb_written']:.1f}",
                  f"{r['io_bound_s']:.3f}", f"{r['ratio']:.1f}x", f"{r['rounds_per_s']:.2f}",
+                 f"{b['sequential_round_s']:.3f}" if b else "-", f"{b['pipelined_round_s']:.3f}" if b else "-",
                  "-" if eff is None else f"{eff:.1f}" + ("" if e.get("effective_h_after_first_pass") else "*"),
                  f"{e['rounds_per_s']:.2f}" if e else "-", f"{e['needed_rounds_per_s']:.1f}" if e else "-",
                  f"{e['synchronizer_cores']:.2f}" if e else "-", f"{e['fleet_cores']:.2f}" if e else "-",

@@ -1,6 +1,14 @@
 """Throughput on one device: the learner against a bare PyTorch loop, and the merge against memcpy.
 
     python benchmarks/throughput.py [--quick] [--device auto] [--model tiny] [--batch 8] [--out out/]
+    python benchmarks/throughput.py --device cuda --island-ranks 0     # a GPU: the gpu preset's model, ~1.5 min
+
+Defaults by device. CPU: the tiny GPT, batch 8, H = P = 8 (a publish every step: the worst case),
+fp32 contributions, an inner-state save every 50 steps. CUDA: the gpu preset's model
+(``atoll.train.recipe.gpu_recipe``, 12 x 768, context 1024, bytes: ~86 M), batch 16, bf16, fused
+AdamW, and its H = 64, P = 8 with int4 contributions (a publish every 8 steps); no inner-state
+saves (a ~1 GB save every 50 steps of ~50 ms would measure the disk, not the learner; ``--save-every``
+puts them back). It prints a line after every round of blocks (a few seconds apart).
 
 Side by side in one process, on the same device (``auto``: CUDA, then MPS, then CPU):
 
@@ -60,19 +68,17 @@ from atoll.core.synchronize import FragmentContribution, MergePolicy, MergeWorks
 from atoll.core.weights import Counters
 from atoll.storage import LearnerStore
 from atoll.storage.paths import to_url
+from atoll.train import speed
 from atoll.train.data import BatchStream
 from atoll.train.device import autocast as autocast_context
 from atoll.train.device import resolve_device
 from atoll.train.inner import RecipeLearner
 from atoll.train.merge_device import merge_on_device
 from atoll.train.model import count_parameters, loss_fn
-from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, lr_at_step
+from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, gpu_recipe, lr_at_step
 from atoll.train.run import create_run
 
-PEAK_BF16_TFLOPS = {  # dense, no sparsity
-    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
-    "B200": 2250.0, "MI300X": 1307.0, "RTX 4090": 165.0, "V100": 125.0, "T4": 65.0,
-}
+PEAK_BF16_TFLOPS = speed.PEAK_BF16_TFLOPS  # dense, no sparsity
 
 
 def sync(device: torch.device) -> None:
@@ -83,15 +89,16 @@ def sync(device: torch.device) -> None:
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
-    if override:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    return None
+    return speed.peak_tflops(device, override)
+
+
+def model_spec(name: str) -> Any:
+    """A model preset's name, or 'gpu': the gpu recipe preset's model (a GPTConfig as a dict)."""
+    return gpu_recipe(1)[1].model if name == "gpu" else name
+
+
+def progress(t0: float, text: str) -> None:
+    print(f"[{time.perf_counter() - t0:6.1f}s] {text}", flush=True)
 
 
 # -- (a) learner vs bare loop --------------------------------------------------------------------
@@ -115,12 +122,13 @@ class LoopResult:
 
 def make_run(root: Path, args: argparse.Namespace) -> tuple[str, Recipe]:
     config = DilocoConfig(num_learners=1, num_fragments=args.fragments, inner_steps=args.inner_steps or args.fragments,
-                          overlap_steps=1, min_quorum=1)
+                          overlap_steps=1, min_quorum=1, compression=args.codec, downlink_compression=args.codec)
     recipe = Recipe(
-        model=args.model, data=DataSpec(max_corpus_mb=args.corpus_mb),
+        model=model_spec(args.model), data=DataSpec(max_corpus_mb=args.corpus_mb),
         learners=(LearnerSpec(learner_id="learner-0", batch_size=args.batch, device=str(args.device),
                               autocast=args.autocast),),
-        inner=InnerOptimConfig(lr=3e-3, warmup_steps=10, schedule="steps", total_steps=100_000),
+        inner=InnerOptimConfig(lr=3e-3, warmup_steps=10, schedule="steps", total_steps=100_000,
+                               fused=args.device.type == "cuda"),
         max_rounds=1_000_000, eval_every_rounds=0, save_every_steps=args.save_every,
     )
     url = to_url(str(root / "run"))
@@ -235,6 +243,8 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
         loops = [("bare PyTorch loop", bare.step), ("atoll learner", stepper(learners[True])),
                  ("atoll learner, writes in the step", stepper(learners[False])), *loops]
         flushes["atoll learner"] = learners[True].flush
+    t0 = time.perf_counter()
+    progress(t0, f"built {len(loops)} loops; warming up ({args.warmup} steps each)")
     try:
         for _ in range(args.warmup):  # compile kernels, fill caches, allocate
             for _, step in loops:
@@ -242,22 +252,28 @@ def bench_learner(root: Path, args: argparse.Namespace, device: torch.device) ->
         if learners:
             learners[True].flush()
         results = [LoopResult(name) for name, _ in loops]
-        for _ in range(args.blocks):
+        last = time.perf_counter()
+        for i in range(args.blocks):
             for res, (name, step) in zip(results, loops, strict=True):
                 wall, cpu = timed_block(step, args.block_steps, device, flush=flushes.get(name))
                 res.blocks.append(wall)
                 res.cpu_blocks.append(cpu)
+            if time.perf_counter() - last > 5 or i == args.blocks - 1:
+                last = time.perf_counter()
+                progress(t0, f"blocks {i + 1}/{args.blocks}: " + ", ".join(
+                    f"{r.name} {r.blocks[-1]:,.0f}" for r in results) + " tokens/s")
     finally:
         hook.__exit__(None, None, None)
     return results, count_parameters(user.model)
 
 
-def flops_per_token(model_spec: Any, params: int) -> float:
+def flops_per_token(spec: Any, params: int) -> float:
     from atoll.train.model import MODEL_PRESETS, GPTConfig
 
-    cfg = MODEL_PRESETS[model_spec] if isinstance(model_spec, str) and model_spec in MODEL_PRESETS else None
-    if isinstance(model_spec, dict):
-        cfg = GPTConfig.from_dict(model_spec)
+    spec = model_spec(spec) if isinstance(spec, str) else spec
+    cfg = MODEL_PRESETS[spec] if isinstance(spec, str) and spec in MODEL_PRESETS else None
+    if isinstance(spec, dict):
+        cfg = GPTConfig.from_dict(spec)
     if cfg is None:
         return 6.0 * params
     if callable(cfg):
@@ -482,13 +498,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="CI size: micro model, few short blocks, a small fragment")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
-    p.add_argument("--model", default=None, help="model preset (default: tiny on CPU, small on CUDA)")
+    p.add_argument("--model", default=None, help="model preset, or gpu: the gpu recipe's (default: tiny on CPU, "
+                   "gpu on CUDA)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on CPU, 16 on CUDA)")
     p.add_argument("--autocast", default=None, help="'' or bf16 (default: bf16 on CUDA, off elsewhere)")
     p.add_argument("--fragments", type=int, default=8, help="P (= H unless --inner-steps): with H = P one fragment is "
                    "published every step")
-    p.add_argument("--inner-steps", type=int, default=None, help="H >= P: a fragment is published every H / P steps")
-    p.add_argument("--save-every", type=int, default=50, help="learner inner-state save cadence (steps)")
+    p.add_argument("--inner-steps", type=int, default=None, help="H >= P: a fragment is published every H / P steps "
+                   "(default: H = P on a CPU, 64 on CUDA)")
+    p.add_argument("--codec", default=None, help="contributions and updates: fp32, bf16, int4 (default: fp32 on a "
+                   "CPU, int4 on CUDA)")
+    p.add_argument("--save-every", type=int, default=None, help="learner inner-state save cadence in steps, 0: none "
+                   "(default: 50 on a CPU, none on CUDA)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--blocks", type=int, default=7)
     p.add_argument("--block-steps", type=int, default=20)
@@ -515,14 +536,25 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.blocks, args.block_steps = 2, 3, 5
         args.corpus_mb, args.merge_repeats = 2.0, 2
         args.fragment_mb = args.fragment_mb or 4.0
-    args.model = args.model or ("small" if cuda else "tiny")
+    args.model = args.model or ("gpu" if cuda else "tiny")
     args.batch = args.batch or (16 if cuda else 8)
+    if cuda and args.inner_steps is None:
+        args.inner_steps = 64  # the gpu preset's (a publish every 8 steps with P = 8)
+    args.codec = args.codec or ("int4" if cuda else "fp32")
+    args.save_every = (0 if cuda else 50) if args.save_every is None else args.save_every
     args.autocast = ("bf16" if cuda else "") if args.autocast is None else args.autocast
     args.fragment_mb = args.fragment_mb or (256.0 if cuda else 64.0)
 
+    t0 = time.perf_counter()
+    progress(t0, f"throughput on {device}: model {args.model}, batch {args.batch}, P = {args.fragments}, "
+                 f"H = {args.inner_steps or args.fragments}, {args.codec}, saves every {args.save_every or 'never'}")
     with tempfile.TemporaryDirectory(prefix="atoll-throughput-") as tmp:
         loops, params = bench_learner(Path(tmp), args, device)
+        if args.island_ranks >= 2 and not args.hook_only:
+            progress(t0, f"(c) island of 1 and {args.island_ranks} ranks")
         island = bench_island(Path(tmp), args, device) if args.island_ranks >= 2 and not args.hook_only else []
+    if not args.hook_only:
+        progress(t0, f"(b) merge of {args.contributions} x {args.fragment_mb:g} MB")
     merges = bench_merge(args, device) if not args.hook_only else []
     peak = peak_tflops(device, args.peak_tflops)
     mfu = None

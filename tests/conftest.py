@@ -155,7 +155,13 @@ def _group(item: pytest.Item, rel: str) -> str | None:
     return None
 
 
+CUDA_SKIP = ("needs CUDA: torch.cuda.is_available() is False here (torch {}, built with CUDA {}); "
+             "`pytest -m cuda` or `make gpu-check` on a GPU machine runs it")
+"""Why a test marked ``cuda`` is skipped on a machine without a CUDA device."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: runs on a CUDA device; skipped with the reason where there is none")
     if _selects_fast_only(config):
         config.pluginmanager.register(_ProcessGuard(), "atoll-process-guard")
 
@@ -163,7 +169,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups: dict[str, str] = {}
+    cuda_skip = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason=CUDA_SKIP.format(torch.__version__, torch.version.cuda or "none"))
     for item in items:
+        if cuda_skip is not None and item.get_closest_marker("cuda"):
+            item.add_marker(cuda_skip)
         rel = rel_nodeid(item).split("::", 1)[0]
         tiers = _tiers(item, rel)
         for tier in sorted(tiers - {"slow"}):  # slow is marked in the test file already

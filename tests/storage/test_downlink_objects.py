@@ -24,8 +24,10 @@ from atoll.train.run import create_run
 
 
 def new_run(tmp_path: Path, codec: str = "int4") -> SynchronizerStore:
+    """A run that publishes the view with every version (snapshots: test_view_snapshots.py)."""
     config, recipe = smoke_recipe(2, max_rounds=1000)
-    return create_run(to_url(str(tmp_path / "run")), config.replace(downlink_compression=codec), recipe)
+    config = config.replace(downlink_compression=codec, downlink_snapshot_every=1)
+    return create_run(to_url(str(tmp_path / "run")), config, recipe)
 
 
 class Committer:

@@ -76,6 +76,7 @@ SYNC_WRITES = {
     paths.HEAD: False,
     paths.checkpoint_model_key(100): False,
     paths.checkpoint_config_key(100): False,
+    paths.eval_key(40): True,
     paths.sync_lease_key(2): True,
     paths.sync_heartbeat_key(2): False,
     paths.STOP: False,
@@ -108,7 +109,7 @@ def test_the_synchronizer_cannot_write_under_learner_prefixes() -> None:
 OPERATOR = "arn:aws:iam::ACCOUNT:role/atoll-operator"
 RETENTION_DELETES = [paths.blob_key(SHA), paths.checkpoint_model_key(100), paths.checkpoint_config_key(100),
                      paths.contribution_key(3, 12, "l0", 24, SHA), paths.blob_key(SHA, "l0"), paths.probe_key("abc123")]
-NEVER_DELETED = [paths.commit_key(42), paths.repair_key(42, 1), paths.RUN_MANIFEST, paths.HEAD, paths.STOP,
+NEVER_DELETED = [paths.commit_key(42), paths.repair_key(42, 1), paths.eval_key(40), paths.RUN_MANIFEST, paths.HEAD, paths.STOP,
                  paths.PRUNE, paths.learner_state_key("l0"), paths.learner_lease_key("l0", 3),
                  paths.learner_heartbeat_key("l0", 3), paths.sync_lease_key(2), paths.sync_heartbeat_key(2)]
 

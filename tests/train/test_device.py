@@ -1,9 +1,12 @@
 """Devices: the device setting, bf16 autocast of the inner steps, one device-to-host copy per publish,
-and the synchronizer's merge device. Runs on the CPU; the same code paths run unchanged on CUDA."""
+the synchronizer's merge device, and the inner step's options (fused AdamW, micro-batches, prefetch,
+compile, progress lines). Runs on the CPU; the same code paths run unchanged on CUDA, and the tests
+marked ``cuda`` run there (``pytest -m cuda``) and are skipped, with the reason, elsewhere."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from atoll.train.device import DeviceError, fragment_to_host, resolve_device
 from atoll.train.inner import RecipeLearner
 from atoll.train.merge_device import merge_on_device
 from atoll.train.publisher import BackgroundOutbox
-from atoll.train.recipe import LearnerSpec, Recipe, smoke_recipe
+from atoll.train.recipe import InnerOptimConfig, LearnerSpec, Recipe, smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
@@ -342,8 +345,179 @@ def test_a_background_save_writes_the_state_of_its_step(tmp_path: Path) -> None:
     saved = store.load_learner_state("learner-0")
     assert saved is not None and saved.meta["step"] == 3 and saved.meta["user"] == {"epoch": 1}
     name = next(iter(learner.params))
-    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg"], want["exp_avg"])
-    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg_sq"], want["exp_avg_sq"])
+    # The save is on the host; the live state on the learner's device (CUDA where there is one).
+    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg"], want["exp_avg"].cpu())
+    assert torch.equal(saved.tensors[f"adamw.{name}.exp_avg_sq"], want["exp_avg_sq"].cpu())
     # The contributions submitted before the save are in the bucket too.
     published = [r for p in (0, 1) for r in store.list_contributions(p, {0}).records]
     assert {r.info["step"] for r in published} >= {1, 2, 3}
+
+
+# -- the inner step's options --------------------------------------------------------------------
+
+def _learner(root: Path, name: str, *, inner: InnerOptimConfig | None = None, device: str = "cpu",
+             **spec_changes: object) -> RecipeLearner:
+    config, recipe = smoke_recipe(2, max_rounds=20)
+    recipe = recipe.replace(learners=tuple(LearnerSpec(**{**vars(s), **spec_changes})  # type: ignore[arg-type]
+                                           for s in recipe.learners), inner=inner or recipe.inner)
+    store = LearnerStore.beside(create_run(to_url(str(root / name)), config, recipe))
+    return RecipeLearner(store, "learner-0", log=lambda _: None, device=device)
+
+
+def test_fused_adamw_where_the_device_has_it_and_its_state_survives_a_rejoin(tmp_path: Path) -> None:
+    inner = InnerOptimConfig(lr=3e-3, warmup_steps=5, total_steps=200, fused=True)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert inner.make(params).defaults.get("fused") is True  # torch has a CPU kernel too
+    assert not InnerOptimConfig().make([torch.nn.Parameter(torch.zeros(3))]).defaults.get("fused")
+    fused = _learner(tmp_path, "fused", inner=inner)
+    plain = _learner(tmp_path, "plain")
+    assert "fused AdamW" in fused.inner.describe() and "fused" not in plain.inner.describe()
+    for _ in range(4):
+        fused.step()
+        plain.step()
+    assert fused.summary.losses == pytest.approx(plain.summary.losses, rel=1e-4)  # the same math
+    fused.save()
+    back = RecipeLearner(fused.store, "learner-0", log=lambda _: None, device="cpu")
+    assert back.summary.resumed_inner_state and back.step_count == 4
+    p = back.params[next(iter(back.params))]
+    want = fused.opt.state[fused.params[next(iter(fused.params))]]
+    assert torch.equal(back.opt.state[p]["exp_avg"], want["exp_avg"])
+    back.step()  # a fused step on the loaded state (its step counter where the kernel wants it)
+    assert back.step_count == 5
+
+
+def test_micro_batches_accumulate_to_the_same_step(tmp_path: Path) -> None:
+    whole = _learner(tmp_path, "whole")
+    micro = _learner(tmp_path, "micro", micro_batch=2)  # smoke batch 4: two passes of 2
+    assert "micro-batches of 2" in micro.inner.describe()
+    for _ in range(3):
+        whole.step()
+        micro.step()
+    assert micro.summary.losses == pytest.approx(whole.summary.losses, rel=1e-5)
+    assert micro.tokens_total == whole.tokens_total  # a step is still the whole batch
+    for name, p in whole.params.items():
+        torch.testing.assert_close(micro.params[name], p, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="micro_batch must be 0 or divide batch_size"):
+        LearnerSpec(learner_id="a", batch_size=6, micro_batch=4)
+
+
+def test_prefetch_trains_the_same_batches_and_saves_the_cursor_of_the_next_one(tmp_path: Path) -> None:
+    plain = _learner(tmp_path, "plain")
+    ahead = _learner(tmp_path, "ahead")
+    assert not ahead.inner.prefetch  # on by default on CUDA only; the same path on the CPU here
+    ahead.inner.prefetch = True
+    for _ in range(5):
+        plain.step()
+        ahead.step()
+    assert ahead.summary.losses == plain.summary.losses  # the same batches, in the same order
+    assert ahead.inner._next is not None  # the sixth batch is drawn already ...
+    assert ahead.inner.cursor() == plain.stream.state_dict() != ahead.stream.state_dict()  # ... not trained
+    ahead.save()
+    back = RecipeLearner(ahead.store, "learner-0", log=lambda _: None, device="cpu")
+    x, _ = back.stream.next_batch(4)
+    want, _ = plain.stream.next_batch(4)
+    assert torch.equal(x, want)  # the rejoined learner trains on exactly the batch that was prefetched
+
+
+def test_compile_is_off_on_the_cpu_unless_asked(tmp_path: Path) -> None:
+    from atoll.train.inner import compile_model
+
+    assert not _learner(tmp_path, "auto", compile="auto").inner.compiled
+    model = torch.nn.Linear(2, 2)
+    assert not compile_model(model, "off", torch.device("cuda"))
+    assert not compile_model(model, "auto", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="compile must be one of"):
+        LearnerSpec(learner_id="a", compile="yes")
+
+
+def test_progress_lines_say_tokens_per_second_and_mfu_where_the_peak_is_known(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from atoll.train.speed import PEAK_TFLOPS_ENV, RateMeter, flops_per_token, peak_tflops
+
+    monkeypatch.delenv(PEAK_TFLOPS_ENV, raising=False)
+    learner = _learner(tmp_path, "run")
+    for _ in range(3):
+        learner.step()
+    line = learner.progress_line()
+    assert "tok/s" in line and ("MFU" in line) == (peak_tflops(learner.device) is not None)
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu) is None and peak_tflops(cpu, 100.0) == 100.0
+    clock, tokens = [0.0], [0]
+    meter = RateMeter(cpu, flops_per_token=1e9, tokens=lambda: tokens[0], clock=lambda: clock[0])
+    clock[0], tokens[0] = 2.0, 20_000
+    assert meter.line() == ", 10,000 tok/s"  # no MFU on a CPU, no device memory
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "100")
+    meter = RateMeter(cpu, flops_per_token=1e9, tokens=lambda: tokens[0], clock=lambda: clock[0], chips=2)
+    clock[0], tokens[0] = 3.0, 30_000
+    assert meter.line() == ", 10,000 tok/s, MFU 5.0%"  # 1e13 FLOP/s of 2 x 100 TFLOP/s
+    gpt = learner.model
+    cfg = gpt.config  # type: ignore[union-attr]
+    n = sum(p.numel() for p in gpt.parameters())
+    assert flops_per_token(gpt, 64) == 6 * n + 12 * cfg.num_layers * cfg.embed_dim * 64
+    assert flops_per_token(torch.nn.Linear(3, 3), 64) == 6 * 12
+
+
+# -- on a CUDA device (skipped elsewhere, with the reason) ----------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_learner_trains_in_bf16_with_fused_adamw_prefetch_and_micro_batches(tmp_path: Path) -> None:
+    inner = InnerOptimConfig(lr=3e-3, warmup_steps=5, total_steps=200, fused=True)
+    learner = _learner(tmp_path, "cuda", inner=inner, device="cuda", autocast="bf16", micro_batch=2)
+    assert learner.device.type == "cuda" and learner.inner.prefetch and learner.opt.defaults.get("fused")
+    for _ in range(6):
+        learner.step()
+    assert all(math.isfinite(x) for x in learner.summary.losses) and learner.summary.published == 6
+    assert "peak mem" in learner.progress_line()
+    learner.save()
+    back = RecipeLearner(learner.store, "learner-0", log=lambda _: None, device="cuda")
+    assert back.step_count == 6 and back.summary.resumed_inner_state
+    back.step()
+
+
+@pytest.mark.cuda
+def test_cuda_merge_equals_the_cpu_merge() -> None:
+    current, bases, contributions = _round_inputs()
+    ref_opt = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+    ref = synchronize_fragment(current=current, bases=bases, contributions=contributions, optimizer=ref_opt)
+    opt = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+    out = merge_on_device(torch.device("cuda"), current=current, bases=bases, contributions=contributions,
+                          optimizer=opt)
+    assert ref is not None and out is not None
+    for n in current:
+        torch.testing.assert_close(out.new_params[n].cpu(), ref.new_params[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_contributions_are_decoded_on_the_device(tmp_path: Path) -> None:
+    """The encoded bytes go to the device and decode there, to the host decode's values bit for bit."""
+    store = _run(tmp_path)
+    learner = RecipeLearner(store, "learner-0", log=lambda _: None)
+    for _ in range(2):
+        learner.step()
+    records = store.list_contributions(0, {0}).records + store.list_contributions(1, {0}).records
+    assert records
+    on_host, bad = store.load_contributions(records)
+    on_cuda, bad_cuda = store.load_contributions(records, device=torch.device("cuda"))
+    assert not bad and not bad_cuda
+    for h, c in zip(on_host, on_cuda, strict=True):
+        for n, t in h.delta.items():
+            assert c.delta[n].device.type == "cuda" and torch.equal(c.delta[n].cpu().view(torch.int32),
+                                                                     t.view(torch.int32))
+
+
+@pytest.mark.cuda
+def test_cuda_synchronizer_merges_rounds_of_cuda_learners(tmp_path: Path) -> None:
+    store = _run(tmp_path, device="cuda")
+    learners = [RecipeLearner(store, f"learner-{i}", log=lambda _: None) for i in range(2)]
+    for _ in range(4):
+        for learner in learners:
+            learner.step()
+    sync = Synchronizer(SynchronizerStore.beside(store), options=SynchronizerOptions(device="cuda"))
+    assert sync.device.type == "cuda"
+    deadline = time.monotonic() + 30
+    while store.latest_round() < 2 and time.monotonic() < deadline:  # the grace window runs on the clock
+        sync.tick()
+        time.sleep(0.05)
+    assert store.latest_round() >= 2
+    record = store.read_commit(2)
+    assert record is not None and record.accepted

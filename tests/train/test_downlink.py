@@ -8,6 +8,7 @@ import math
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from atoll.core.downlink import downlink_step, drift_bound
@@ -16,6 +17,7 @@ from atoll.storage import paths as P
 from atoll.storage.paths import to_url
 from atoll.storage.records import CommitRecord
 from atoll.storage.wire import WireCounts
+from atoll.train.evaluator import Evaluator
 from atoll.train.fetcher import Fetcher, Follower
 from atoll.train.inner import InnerLoop, RecipeLearner
 from atoll.train.learner import Learner, LearnerOptions
@@ -28,9 +30,11 @@ Tensors = dict[str, torch.Tensor]
 
 
 def new_run(tmp_path: Path, codec: str = "int4", *, learners: int = 2, rounds: int = 1000,
-            outer_momentum: float = 0.9) -> SynchronizerStore:
+            outer_momentum: float = 0.9, snapshot_every: int = 1) -> SynchronizerStore:
+    """A run; ``snapshot_every=1`` (a view with every version) unless a test is about snapshots."""
     config, recipe = smoke_recipe(learners, max_rounds=rounds)
-    config = config.replace(initial_grace_s=0.0, downlink_compression=codec, outer_momentum=outer_momentum)
+    config = config.replace(initial_grace_s=0.0, downlink_compression=codec, outer_momentum=outer_momentum,
+                            downlink_snapshot_every=snapshot_every)
     return create_run(to_url(str(tmp_path / "run")), config, recipe)
 
 
@@ -135,6 +139,40 @@ def test_a_learner_applies_the_chain_of_updates_or_reads_the_view_whichever_is_f
     assert same(follow()[1][1], c.view[1]) and follower.reads["update"] == 3
 
 
+def test_a_far_behind_learner_rebuilds_the_view_from_its_snapshot(tmp_path: Path) -> None:
+    """With a view every 4 versions, a learner that missed 10 versions reads the newest snapshot
+    and the 2 updates after it (fewer bytes than 10 updates); one that missed 2 applies them."""
+    store = new_run(tmp_path, snapshot_every=4)
+    c = Committer(store)
+    initial = [store.read_global_fragment(p, 0) for p in range(2)]
+    near = Follower(RunReader.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
+    far = Follower(RunReader.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
+
+    def follow(f: Follower) -> dict[int, tuple[int, Tensors]]:
+        return {p: (v, values) for v, p, values in f.advance(f.store.poll_commits(max(f.versions)))}
+
+    records = [c.commit(0) for _ in range(2)]
+    got = follow(near)
+    assert dict(near.reads) == {"update": 2} and got[0][0] == 2 and same(got[0][1], c.view[0])
+    records += [c.commit(0) for _ in range(8)]
+    entries = [rec.state[0].downlink for rec in records]
+    assert [dl.depth for dl in entries if dl is not None] == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert [v for v, dl in enumerate(entries, 1) if dl is not None and dl.view is not None] == [4, 8]
+    got = follow(far)
+    assert dict(far.reads) == {"view": 1, "update": 2} and got[0][0] == 10 and same(got[0][1], c.view[0])
+    got = follow(near)  # 8 updates (5 bytes a parameter) against a snapshot and 2 (5.25): the updates
+    assert dict(near.reads) == {"update": 10} and same(got[0][1], c.view[0])
+    assert not near.skipped and not far.skipped
+    # The snapshot gone: the view cannot be rebuilt, the learner takes the master and says so.
+    snapshot = entries[7]
+    assert snapshot is not None and snapshot.view is not None
+    blob_file(store, snapshot.view.sha256).unlink()
+    c.commit(0)
+    late = Follower(RunReader.open(store.url), [0, 0], dict(enumerate(initial)), log=lambda _: None)
+    got = follow(late)
+    assert late.reads["master"] == 1 and same(got[0][1], c.master[0]) and "v11: view unreadable" in late.skipped[-1]
+
+
 def drive(sync: Synchronizer, learners: list[RecipeLearner], followers: list[Follower], rounds: int) -> None:
     """Every learner steps, the synchronizer commits what can close, every learner adopts through
     its follower (what its fetcher thread does), until ``rounds`` more rounds are committed."""
@@ -156,8 +194,23 @@ def assert_holds_the_views(learner: Learner, views: list[Tensors]) -> None:
         assert same({n: t.cpu() for n, t in learner.bases[p].items()}, view), (learner.learner_id, p)
 
 
-def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path: Path) -> None:
-    store = new_run(tmp_path)
+def assert_resumes_exactly(sync: Synchronizer, again: Synchronizer) -> None:
+    """A synchronizer rebuilt from the bucket holds what the one that wrote it holds, and its outer
+    optimizer takes the same next step bit for bit (at mu = 0 from empty buffers: never read)."""
+    g = torch.Generator().manual_seed(7)
+    for p in range(len(sync.fragments)):
+        assert same(again.fragments[p], sync.fragments[p])
+        delta = {n: torch.randn(t.shape, generator=g) for n, t in sync.fragments[p].items()}
+        steps = [s.merger.optimizer_copy(p, s.optimizers[p]).step(
+            s.fragments[p], {n: d.clone() for n, d in delta.items()},
+            out={n: torch.empty_like(t) for n, t in s.fragments[p].items()}) for s in (sync, again)]
+        assert same(*steps)
+
+
+@pytest.mark.parametrize(("snapshot_every", "outer_momentum"), [(1, 0.9), (4, 0.0), (4, 0.9)])
+def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path: Path, snapshot_every: int,
+                                                                      outer_momentum: float) -> None:
+    store = new_run(tmp_path, snapshot_every=snapshot_every, outer_momentum=outer_momentum)
     learners = [RecipeLearner(LearnerStore.open(store.url), s, log=lambda _: None) for s in ("learner-0", "learner-1")]
     followers = [Follower(lr.store.sibling(), lr.versions, lr.held_views(), log=lambda _: None) for lr in learners]
     sync = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
@@ -168,6 +221,7 @@ def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path:
     again = Synchronizer(SynchronizerStore.open(store.url), options=SynchronizerOptions(live_timeout_s=1e9))
     assert again.views is not None and again._unchained == set()
     assert all(same(a, b) for a, b in zip(again.views, sync.views, strict=True))
+    assert_resumes_exactly(sync, again)
     drive(again, learners, followers, 6)
     assert all(f.reads["view"] == 0 and f.reads["master"] == 0 and f.reads["update"] > 0 for f in followers)
     for lr in learners:
@@ -186,10 +240,15 @@ def test_a_restarted_synchronizer_keeps_the_view_and_a_joiner_reads_it(tmp_path:
     joiner = RecipeLearner(joiner_store, "learner-1", log=lambda _: None)
     assert_holds_the_views(joiner, again.views)
     state = store.read_commit(again.round).state
-    views = sum(st.downlink.view.nbytes for st in state if st.downlink is not None)
+    # Each fragment's snapshot and, between snapshots, the updates after it.
+    views = sum(store.view_chain(p, st.version).nbytes for p, st in enumerate(state))
     momentum = sum(st.momentum.nbytes for st in state if st.momentum is not None)
+    if snapshot_every > 1:
+        assert any(st.downlink is not None and st.downlink.view is None for st in state)
+    assert (momentum > 0) == (outer_momentum > 0)  # mu = 0: no round wrote any
     joined: WireCounts = joiner_store.store.wire_counts()
-    assert views <= joined.bytes_down < views + momentum, (views, momentum, joined)
+    fragment = min(st.params.nbytes for st in state)
+    assert views <= joined.bytes_down < views + fragment, (views, momentum, joined)
     assert set(joiner.held_views() or {}) == {0, 1}
 
 
@@ -247,13 +306,15 @@ def test_an_int4_downlink_run_of_learner_threads_trains_and_learners_hold_the_vi
     threads = [threading.Thread(target=learner_thread, args=(store.url, lid, sessions)) for lid in ("learner-0", "learner-1")]
     for t in threads:
         t.start()
-    last = run_synchronizer(SynchronizerStore.open(store.url), evaluate=evaluate, log=lambda _: None,
-                            options=SynchronizerOptions(poll_interval_s=0.02))
+    sync_store = SynchronizerStore.open(store.url)
+    last = run_synchronizer(sync_store, evaluator=Evaluator(sync_store, log=lambda _: None, evaluate=evaluate),
+                            log=lambda _: None, options=SynchronizerOptions(poll_interval_s=0.02))
     for t in threads:
         t.join(timeout=120)
     assert last == rounds and set(sessions) == {"learner-0", "learner-1"}
-    losses = [r.stats["val_loss"] for r in store.history() if "val_loss" in r.stats]
-    assert losses[-1] < initial - 0.5, (initial, losses)  # it trains (ln 256 = 5.55 untrained)
+    evals = store.read_evals(store.eval_rounds())  # measured off the rounds' path; the last one always
+    losses = [rec.val_loss for rec in evals.values()]
+    assert rounds in evals and losses[-1] < initial - 0.5, (initial, losses)  # it trains (ln 256 = 5.55 untrained)
     for lid, session in sessions.items():
         learner, fetcher = session.learner, session.fetcher
         assert learner is not None and fetcher is not None

@@ -61,12 +61,14 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
     store = RunReader.open(url)
     history = store.history()
     assert [r.round for r in history] == list(range(1, 41))
-    losses = [r.stats["val_loss"] for r in history if "val_loss" in r.stats]
+    evals = store.read_evals(store.eval_rounds())  # the evaluator thread's records, rounds 10, 20, 30, 40
+    losses = [rec.val_loss for rec in evals.values()]
     # It trains: every evaluation is below the untrained model's ln(256) = 5.55 nats, the best is far
     # below it, and a later one beats the first. How far the first evaluation has come depends on how
     # many inner steps the free-running learners fit into 10 rounds, which a loaded 2-core machine
     # shrinks (4.22 at round 10 has been seen), and the curve can end on an uptick (3.11, then 3.39).
-    assert len(losses) == 4, losses
+    # An evaluator that fell behind skips to the newest round, but the run's end waits for the last.
+    assert 40 in evals and set(evals) <= {10, 20, 30, 40} and len(losses) >= 2, evals
     assert max(losses) < 5.0 and min(losses) < 3.6 and min(losses[1:]) < losses[0], losses
     # Every accepted contribution is a record a learner published, with the same counters.
     seen_learners = set()

@@ -39,20 +39,21 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def failing_ticks(monkeypatch: pytest.MonkeyPatch, failures: int, exc: Exception) -> dict[str, int]:
-    """Synchronizer.tick raises ``exc`` on its first ``failures`` calls; counts ticks and synchronizers."""
+    """Synchronizer.poll (what every step of the loop does first) raises ``exc`` on its first
+    ``failures`` calls; counts polls (as "tick") and synchronizers."""
     calls = {"tick": 0, "new": 0}
-    real_tick = Synchronizer.tick
+    real_poll = Synchronizer.poll
 
     class Counted(Synchronizer):
         def __init__(self, *args, **kwargs) -> None:  # every one loads its state from the bucket
             calls["new"] += 1
             super().__init__(*args, **kwargs)
 
-        def tick(self):
+        def poll(self):
             calls["tick"] += 1
             if calls["tick"] <= failures:
                 raise exc
-            return real_tick(self)
+            return real_poll(self)
 
     monkeypatch.setattr(sync_module, "Synchronizer", Counted)
     return calls

@@ -103,3 +103,226 @@ def test_all_finite_finds_nan_and_inf_anywhere() -> None:
             y = x.clone()
             y[at] = bad
             assert not all_finite(y), (bad, at)
+
+
+# -- the int4 codec against a reference written out by hand -----------------------------------------
+# The straightforward implementation (unpack each nibble, stack, convert, scale, trim): the fused
+# codec must give the same bytes and the same fp32 values, bit for bit, on every input.
+
+def reference_int4_encode(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = x.detach().float().reshape(-1)
+    pad = (-flat.numel()) % block_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(-1, block_size)
+    scales = blocks.abs().amax(dim=1) / 7
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(blocks / safe[:, None]).clamp_(-7, 7).to(torch.int16) + 8
+    q = q.reshape(-1).to(torch.uint8)
+    return q[0::2] | (q[1::2] << 4), scales
+
+
+def reference_int4_decode(codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...],
+                          block_size: int) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    lo = (codes & 0x0F).to(torch.int16) - 8
+    hi = (codes >> 4).to(torch.int16) - 8
+    q = torch.stack([lo, hi], dim=1).reshape(-1, block_size).float()
+    return (q * scales.float()[:, None]).reshape(-1)[:n].reshape(shape).contiguous()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (tells -0.0 from +0.0, and NaN payloads apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float32:
+        return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    return torch.equal(a, b)
+
+
+def int4_inputs() -> list[tuple[torch.Tensor, int]]:
+    """Tensors of many shapes and block sizes: partial last blocks, zeros (signed), whole zero
+    blocks, ties at x.5 codes, subnormal and near-overflow scales."""
+    g = torch.Generator().manual_seed(7)
+    tiny = torch.finfo(torch.float32).tiny
+    big = torch.finfo(torch.float32).max
+    cases: list[tuple[torch.Tensor, int]] = []
+    for shape in [(1,), (2,), (3,), (31,), (32,), (33,), (7, 5), (4, 64), (3, 5, 7), (1000,), (257, 3)]:
+        for block in (2, 4, 6, 32, 64, 128):
+            cases.append((torch.randn(shape, generator=g), block))
+    x = torch.randn(300, generator=g)
+    x[:64] = 0.0
+    x[64:96] = -0.0
+    x[100:110] = torch.tensor([-0.0, 0.0, 3.5, -3.5, 0.5, -0.5, 7.0, -7.0, 1e-30, -1e-30])
+    cases += [(x, 32), (x, 8), (torch.zeros(45), 32), (-torch.zeros(45), 16)]
+    cases += [(torch.randn(100, generator=g) * s, b) for s in (1e-44, 1e-40, tiny, 1e-20, 1e20, 1e37) for b in (2, 32)]
+    edge = torch.tensor([big, -big, big / 2, 1.0, tiny, -tiny, 1e-45, 0.0, 3e-45, 1.4e-44, -7e-45, 5.0])
+    cases += [(edge, 2), (edge, 4), (edge, 12), (edge[4:], 8)]
+    cases += [(torch.randn(64, 64, generator=g).t(), 32), (torch.randn(50, generator=g).bfloat16(), 32)]
+    return cases
+
+
+@pytest.fixture(params=["whole", "chunked"])
+def int4_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's chunked passes as they run (one chunk per test tensor) and with tiny chunks
+    (many per tensor, down to one block at a time), so every chunk boundary is crossed."""
+    if request.param == "chunked":
+        monkeypatch.setattr("atoll.core.compress.CPU_PASS_ELEMENTS", 64)
+
+
+def test_int4_encode_and_decode_are_bit_identical_to_the_reference(int4_passes: None) -> None:
+    from atoll.core.compress import decode_fragment
+
+    for x, block in int4_inputs():
+        enc = encode(x, "int4", block_size=block)
+        codes, scales = reference_int4_encode(x, block)
+        assert same_bits(enc.parts["codes"], codes) and same_bits(enc.parts["scales"], scales), (x.shape, block)
+        want = reference_int4_decode(codes, scales, tuple(x.shape), block)
+        assert same_bits(decode(enc), want), (x.shape, block)
+        out = torch.full(tuple(x.shape), float("nan"))
+        assert decode(enc, out=out) is out and same_bits(out, want)
+        assert same_bits(decode_fragment({"t": enc})["t"], want)
+
+
+def test_int4_decode_of_any_bytes_and_scales_matches_the_reference(int4_passes: None) -> None:
+    """Whatever a payload holds: every byte value (nibble 0 decodes to -8, which no encoder
+    writes), negative, zero, signed-zero, subnormal and huge scales."""
+    g = torch.Generator().manual_seed(11)
+    big = torch.finfo(torch.float32).max
+    for n, block in [(1, 2), (5, 4), (256, 32), (513, 32), (100, 6), (4096, 128), (77, 64)]:
+        nblocks = -(-n // block)
+        codes = torch.randint(0, 256, (nblocks * block // 2,), dtype=torch.uint8, generator=g)
+        scales = torch.randn(nblocks, generator=g) * 10.0 ** torch.randint(-40, 38, (nblocks,), generator=g).float()
+        scales[::5] = 0.0
+        scales[1::7] = -0.0
+        scales[2::11] = big / 9
+        enc = EncodedTensor("int4", (n,), {"codes": codes, "scales": scales}, block)
+        assert same_bits(decode(enc), reference_int4_decode(codes, scales, (n,), block)), (n, block)
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    enc = EncodedTensor("int4", (16, 32), {"codes": every_byte, "scales": torch.linspace(-3, 3, 16)}, 32)
+    assert same_bits(decode(enc), reference_int4_decode(every_byte, torch.linspace(-3, 3, 16), (16, 32), 32))
+
+
+def test_encode_residual_is_encode_then_decode_then_add(int4_passes: None) -> None:
+    from atoll.core.compress import encode_residual
+
+    g = torch.Generator().manual_seed(3)
+    for x, block in int4_inputs():
+        if not bool(torch.isfinite(x.float() * 2).all()):
+            continue  # target - base would overflow
+        base = torch.randn(x.shape, generator=g) * x.float().abs().amax().clamp(min=1e-30)
+        base.view(-1)[:3] = torch.tensor([-0.0, 0.0, -0.0])[: base.numel()][: min(3, base.numel())]
+        target = base + x.float()
+        for codec in ("int4", "bf16", "fp32"):
+            enc, applied = encode_residual(target, base, codec, block_size=block)
+            ref = encode(target - base, codec, block_size=block)
+            assert enc.parts.keys() == ref.parts.keys() and enc.shape == ref.shape
+            assert all(same_bits(enc.parts[k], ref.parts[k]) for k in ref.parts), (codec, x.shape, block)
+            assert same_bits(applied, torch.add(base, decode(ref))), (codec, x.shape, block)
+    # A code that rounds to -0 over a base of -0: decode reads the code back as +0, so the view is +0.
+    base = torch.tensor([-0.0, 1.0, -0.0, -0.0])
+    enc, applied = encode_residual(torch.tensor([-1e-30, 2.0, -0.0, 1e-30]), base, "int4", block_size=4)
+    assert same_bits(applied, torch.add(base, decode(enc)))
+    assert same_bits(applied, torch.tensor([0.0, 2.0, 0.0, 0.0]))
+    with pytest.raises(CompressionError, match="NaN or Inf"):
+        encode_residual(torch.tensor([1.0, float("inf")]), torch.zeros(2), "int4")
+    with pytest.raises(CompressionError, match="differ"):
+        encode_residual(torch.ones(4), torch.zeros(5), "int4")
+
+
+def test_int4_encode_refuses_nan_and_inf_wherever_they_are() -> None:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 31, 32, 99):
+            x = torch.randn(100)
+            x[at] = bad
+            with pytest.raises(CompressionError, match="NaN or Inf") as info:
+                encode(x, "int4", block_size=32)
+            assert info.value.kind.value == "non_finite"
+
+
+def test_parts_travel_in_one_staging_copy_with_their_dtypes_and_shapes() -> None:
+    from atoll.core.compress import _staged, decode_fragment, parts_to_device
+
+    encoded = {"a": encode(torch.randn(33, 3), "int4", block_size=32), "b": encode(torch.randn(5), "bf16"),
+               "c": encode(torch.randn(2, 2), "fp32"), "d": encode(torch.randn(1), "int4", block_size=2)}
+    staged = _staged(encoded, torch.device("cpu"))
+    bases = {t.untyped_storage().data_ptr() for e in staged.values() for t in e.parts.values()}
+    assert len(bases) == 1  # every part is a view of the one buffer that was copied
+    for name, enc in encoded.items():
+        for part, t in enc.parts.items():
+            got = staged[name].parts[part]
+            assert got.dtype == t.dtype and got.shape == t.shape and same_bits(got, t)
+    assert parts_to_device(encoded, torch.device("cpu"))["a"] is encoded["a"]  # already there: no copy
+    decoded = decode_fragment(encoded, device=torch.device("cpu"))
+    assert all(same_bits(decoded[n], decode(e)) for n, e in encoded.items())
+
+
+def test_int4_scales_bounded() -> None:
+    from atoll.core.compress import INT4_SAFE_SCALE, int4_scales_bounded
+
+    assert int4_scales_bounded(torch.tensor([0.0, -1.0, INT4_SAFE_SCALE, -INT4_SAFE_SCALE]))
+    assert int4_scales_bounded(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), INT4_SAFE_SCALE * 1.0001, -INT4_SAFE_SCALE * 1.0001):
+        assert not int4_scales_bounded(torch.tensor([1.0, bad]))
+    # The bound is tight: -8 times it is still finite.
+    codes = torch.zeros(1, dtype=torch.uint8)  # both nibbles 0: code -8
+    out = decode(EncodedTensor("int4", (2,), {"codes": codes, "scales": torch.tensor([INT4_SAFE_SCALE])}, 2))
+    assert bool(torch.isfinite(out).all())
+
+
+def test_payload_finiteness_is_checked_once_on_what_was_read() -> None:
+    """int4: scales are checked when read (NaN/Inf refused); decoded values only where a scale is
+    large enough for a code times it to overflow. fp32/bf16 learner data is always checked."""
+    from atoll.core.compress import INT4_SAFE_SCALE
+    from atoll.storage.codec import bytes_to_encoded, encoded_to_bytes
+    from atoll.storage.validation import InvalidInput
+
+    x = {"w": torch.randn(6, 10), "b": torch.randn(3)}
+    for codec in ("int4", "bf16", "fp32"):
+        data, meta = encoded_to_bytes({n: encode(t, codec, block_size=8) for n, t in x.items()})
+        got = bytes_to_encoded(data, meta)
+        assert all(same_bits(got[n], decode(encode(t, codec, block_size=8))) for n, t in x.items())
+        on_cpu = bytes_to_encoded(data, meta, device=torch.device("cpu"))
+        assert all(same_bits(on_cpu[n], got[n]) for n in x)
+
+    def payload(codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+        enc = EncodedTensor("int4", (4,), {"codes": codes, "scales": scales}, 4)
+        data, meta = encoded_to_bytes({"w": enc})
+        return bytes_to_encoded(data, meta)
+
+    small_codes = torch.tensor([0x99, 0x79], dtype=torch.uint8)  # codes +1, +1, +1, -1
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InvalidInput, match="part 'scales' has NaN or Inf") as info:
+            payload(small_codes, torch.tensor([bad]))
+        assert info.value.kind == "non_finite"
+    big = torch.tensor([INT4_SAFE_SCALE * 4])  # above the bound: the decoded values are checked
+    assert same_bits(payload(small_codes, big)["w"], reference_int4_decode(small_codes, big, (4,), 4))
+    with pytest.raises(InvalidInput, match="decodes to NaN or Inf") as info:
+        payload(torch.tensor([0x09, 0x99], dtype=torch.uint8), big)  # a code -8 times it overflows
+    assert info.value.kind == "non_finite"
+    data, meta = encoded_to_bytes({"w": EncodedTensor("fp32", (2,), {"data": torch.tensor([1.0, float("nan")])})})
+    with pytest.raises(InvalidInput, match="NaN or Inf"):
+        bytes_to_encoded(data, meta)
+
+
+@pytest.mark.cuda
+def test_codecs_on_cuda_are_bit_identical_to_the_cpu() -> None:
+    from atoll.core.compress import decode_fragment, encode_residual
+
+    cuda = torch.device("cuda")
+    for x, block in int4_inputs():
+        enc = encode(x, "int4", block_size=block)
+        on = decode_fragment({"t": enc}, device=cuda)["t"]
+        assert on.device.type == "cuda" and same_bits(on.cpu(), decode(enc))
+        enc_cuda = encode(x.to(cuda), "int4", block_size=block)
+        assert all(same_bits(enc_cuda.parts[k].cpu(), enc.parts[k]) for k in enc.parts)
+        base = torch.randn(x.shape)
+        if bool(torch.isfinite(x.float() * 2).all()):
+            cpu_enc, cpu_view = encode_residual(base + x.float(), base, "int4", block_size=block)
+            gpu_enc, gpu_view = encode_residual((base + x.float()).to(cuda), base.to(cuda), "int4", block_size=block)
+            assert same_bits(gpu_view.cpu(), cpu_view)
+            assert all(same_bits(gpu_enc.parts[k].cpu(), cpu_enc.parts[k]) for k in cpu_enc.parts)
+    with pytest.raises(CompressionError, match="NaN or Inf"):
+        encode(torch.tensor([1.0, float("nan")], device=cuda), "int4")

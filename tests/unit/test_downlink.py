@@ -78,6 +78,27 @@ def test_the_view_is_what_a_learner_computes_from_the_updates() -> None:
             assert torch.equal(learner[n], view[n])
 
 
+@pytest.mark.parametrize("codec", ["int4", "bf16", "fp32"])
+@pytest.mark.parametrize("block_size", [2, 4, 32])
+def test_downlink_step_is_bit_identical_to_encode_decode_apply(codec: str, block_size: int) -> None:
+    """One pass per tensor gives what the three separate steps give, version after version
+    (whole-block and partial-block tensors, zero updates, signed zeros in the view)."""
+    masters = random_walk(5, (9, 7), 0.3)
+    view = dict(masters[0])
+    view["b"] = view["b"].clone()
+    view["b"][:2] = torch.tensor([-0.0, 0.0])
+    for v in range(1, 40):
+        step = downlink_step(masters[v], view, codec, block_size=block_size)
+        update = {n: encode(masters[v][n].float() - view[n].float(), codec, block_size=block_size) for n in view}
+        want = apply_update(view, {n: decode(e) for n, e in update.items()})
+        for n in view:
+            assert step.update[n].parts.keys() == update[n].parts.keys()
+            for part, t in update[n].parts.items():
+                assert torch.equal(step.update[n].parts[part].view(torch.uint8), t.view(torch.uint8)), (v, n, part)
+            assert torch.equal(step.view[n].view(torch.int32), want[n].view(torch.int32)), (v, n)
+        view = step.view
+
+
 def test_fp32_downlink_is_the_master_and_bounds_are_exact() -> None:
     master = {"w": torch.tensor([1.0, -2.0, 3.0])}
     step = downlink_step(master, {"w": torch.zeros(3)}, "fp32")

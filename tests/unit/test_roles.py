@@ -28,7 +28,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "atoll"
 
 LEARNER_WRITERS = {"publish_contribution", "save_learner_state", "take_learner_lease"}
 LEASE_WRITERS = {"write_heartbeat"}
-SYNCHRONIZER_WRITERS = {"commit_round", "write_checkpoint", "take_synchronizer_lease", "mark_stopped",
+SYNCHRONIZER_WRITERS = {"commit_round", "write_round_payloads", "write_checkpoint", "write_eval", "take_synchronizer_lease", "mark_stopped",
                         "clear_stopped"}
 OPERATOR_WRITERS = {"write_prune_record"}
 CREATOR_WRITERS = {"init_run"}

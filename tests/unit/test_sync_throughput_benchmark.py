@@ -38,9 +38,11 @@ def test_the_smallest_configuration_fills_every_field(bench, tmp_path: Path,
     assert (first["round"], first["fragment"], second["round"], second["fragment"]) == (1, 0, 2, 1)
     for r in (first, second):
         assert r["merged"] == 2 and r["polls"] >= 1
-        # fp32 master, momentum and the learners' view, the int4 update, the commit record, the head hint
-        assert r["wire"]["puts"] == r["requests_written"] == 6
+        # fp32 master, momentum, the int4 update, the commit record, the head hint (the learners' view is
+        # a snapshot only every downlink_snapshot_every versions: none in the first two)
+        assert r["wire"]["puts"] == r["requests_written"] == 5
         assert r["ratio"] == pytest.approx(r["wall_s"] / r["io_bound_s"], rel=0.02)
+    assert row["back_to_back"]["sequential_round_s"] > 0 and row["back_to_back"]["pipelined_round_s"] > 0
     e = row["emulated"]
     assert e["seconds"] == 1.5 and e["needed_rounds_per_s"] == pytest.approx(1 / 0.06)
     assert e["rounds"] >= 1 and e["publishes"] >= e["rounds"] and not e["publish_errors"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.core.compress import EncodedTensor, decode, encode
+from atoll.core.compress import EncodedTensor, encode_residual
 
 __all__ = ["DownlinkStep", "apply_update", "downlink_step", "drift_bound", "INT4_DRIFT_DIVISOR", "BF16_DRIFT_RATIO"]
 
@@ -67,8 +67,11 @@ def downlink_step(master: Mapping[str, torch.Tensor], view: Mapping[str, torch.T
     ('fp32' works too, and then the view equals the master)."""
     if set(master) != set(view):
         raise ValueError(f"master names {sorted(master)[:5]} differ from the view's {sorted(view)[:5]}")
-    update = {n: encode(master[n].float() - view[n].float(), codec, block_size=block_size) for n in master}
-    return DownlinkStep(update=update, view=apply_update(view, {n: decode(e) for n, e in update.items()}))
+    # One pass per tensor (core.compress.encode_residual): the new view is built from the
+    # quantizer's own codes, bit for bit what apply_update(view, decode(update)) gives.
+    steps = {n: encode_residual(master[n], view[n], codec, block_size=block_size) for n in master}
+    return DownlinkStep(update={n: enc for n, (enc, _) in steps.items()},
+                        view={n: moved for n, (_, moved) in steps.items()})
 
 
 def drift_bound(residual: torch.Tensor, codec: str, *, block_size: int = 32) -> torch.Tensor:

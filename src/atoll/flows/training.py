@@ -247,12 +247,13 @@ def _close_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], seg: _S
                    log: Any) -> dict[str, Any]:
     """Write the run's summary artifact, then hand the run over to the next segment, or emit
     ``atoll.run.finished`` (its last round is committed, or it was stopped)."""
+    ctx.finish_evaluation()  # a finished run waits (bounded) for its last round's validation loss
     report = seg.recorder.flush()
     store = ctx.store
     latest = store.latest_round()
     finished = latest >= info.max_rounds
     records = store.history(max(1, latest - 64), latest) if latest else []
-    loss = last_val_loss(records)
+    loss = last_val_loss(store, records)
     goodput = report.goodput if report is not None and seg.recorder.recorded else (
         seg.summaries[-1].get("goodput") if seg.summaries else None)
     merged = report.merged_share if report is not None and seg.recorder.recorded else None

@@ -42,7 +42,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
                     latest = store.latest_round()
                     if latest > shown:
                         rec = store.read_commit(latest)
-                        loss = last_val_loss(store.history(max(1, latest - 20), latest))
+                        loss = last_val_loss(store, store.history(max(1, latest - 20), latest))
                         print(f"  [{state}] round {latest}: {plural(len(rec.accepted) if rec else 0, 'learner')} merged"
                               + (f", validation loss {loss:.4f}" if loss is not None else ""), flush=True)
                         shown = latest
@@ -55,7 +55,7 @@ def follow(flow_run_id: Any, run_url: str | None, storage_options: Mapping[str, 
         store = RunReader.open(run_url, storage_options, read_only=True)
         if store.exists() and store.latest_round():
             latest = store.latest_round()
-            loss = last_val_loss(store.history(max(1, latest - 64), latest))
+            loss = last_val_loss(store, store.history(max(1, latest - 64), latest))
     return state, loss
 
 

@@ -30,12 +30,15 @@ the same whether or not the Prefect database that ran the run still exists.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from atoll.runs.contributions import prefetch_contributions, read_contribution
+from atoll.runs.losses import ValLosses
 from atoll.runs.numbers import finite
 from atoll.runs.traffic import RoundWire, WireTracker
 from atoll.storage.reader import RunReader
@@ -172,6 +175,7 @@ class RoundPoint:
     tokens: float
     """Tokens of training merged into the model so far."""
     val_loss: float | None
+    """Validation loss of the model as of this round, where it was measured (:mod:`atoll.runs.losses`)."""
     bytes_: int
     """Bytes the synchronizer and the round's learners moved for it."""
     pools: dict[str, int]
@@ -199,6 +203,8 @@ class GoodputTracker:
         self.sample_every = sample_every
         self.keep = keep
         self.series: list[RoundPoint] = []
+        self.losses = ValLosses()
+        """Validation loss by round: :meth:`refresh_losses` reads the evaluations written since."""
         self._tokens = 0.0
 
     def _note(self, rec: ContributionRecord) -> _LearnerWork:
@@ -243,6 +249,7 @@ class GoodputTracker:
                 if rec is not None:
                     self._note(rec)
             merged = new_tokens / self.store.plan.num_fragments
+            self.losses.note_commits([record])
             wire = self.wire.add(record, tokens_merged=merged)
             self.after = record.round
             self._point(record, merged, wire, sample=i == len(records) - 1 or record.round % self.sample_every == 0)
@@ -256,11 +263,21 @@ class GoodputTracker:
             pools[str(pool) if isinstance(pool, str) else "?"] = pools.get(str(pool) if isinstance(pool, str) else "?", 0) + 1
         report = self.report() if sample else None
         self.series.append(RoundPoint(
-            round=record.round, at=record.created_at, tokens=self._tokens, val_loss=finite(record.stats.get("val_loss")),
+            round=record.round, at=record.created_at, tokens=self._tokens, val_loss=self.losses.get(record.round),
             bytes_=wire.synchronizer.bytes_total + wire.learners.bytes_total, pools=pools,
             goodput=report.goodput if report else None, merged_share=report.merged_share if report else None))
         if len(self.series) > self.keep:
             del self.series[: len(self.series) - self.keep]
+
+    def refresh_losses(self) -> None:
+        """Read the evaluation records written since the last call (evaluation runs after a round
+        commits, so its loss may arrive after the round was added) into ``losses`` and ``series``."""
+        added = self.losses.refresh(self.store)
+        rounds = [p.round for p in self.series]
+        for r, loss in added.items():
+            i = bisect.bisect_left(rounds, r)
+            if i < len(rounds) and rounds[i] == r:
+                self.series[i] = dataclasses.replace(self.series[i], val_loss=loss)
 
     def update(self) -> GoodputReport:
         """Read the rounds committed since the last call, then report."""

@@ -117,7 +117,7 @@ class TrainingRunOptions(BaseModel):
         default=None,
         description="The run: a folder or an fsspec URL (s3://, gs://, file://). A new run is created there "
         "unless it exists, which is then continued.")
-    preset: str = Field(default="demo", description="Recipe preset of a new run (`demo`, `smoke`).")
+    preset: str = Field(default="demo", description="Recipe preset of a new run (`demo`, `smoke`, `gpu`).")
     learners: int = Field(default=0, ge=0, description="Learners of a new run (0: the preset's).")
     rounds: int = Field(
         default=0, ge=0, description="Outer rounds of a new or forked run (0: the preset's or the source's).")
@@ -140,6 +140,10 @@ class TrainingRunOptions(BaseModel):
     merge_device: str = Field(
         default="cpu", description="Where the synchronizer merges and takes the outer step: cpu, auto, cuda, "
         "cuda:N or mps (the training run's worker must have that device).")
+    eval_device: str = Field(
+        default="auto", description="Where the training run's evaluator measures validation loss, on its own thread "
+        "and off the rounds' path: auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps, or off (no evaluator "
+        "here: run python -m atoll.train.evaluator elsewhere, or none).")
     fleet: FleetOptions = Field(default_factory=lambda: FleetOptions(), description="The run's learner flow runs.")
     nest_rounds: bool = Field(
         default=False,

@@ -4,7 +4,8 @@ training run's ``<run>-plots`` artifact shows in the Prefect UI (PNGs embedded a
 Input is a :class:`~atoll.runs.goodput.GoodputTracker` that has been fed the run's commit records
 (its ``series``, one :class:`~atoll.runs.goodput.RoundPoint` per round, and its report):
 
-* ``loss``: validation loss against tokens merged and against wall time;
+* ``loss``: validation loss against tokens merged and against wall time (the evaluator's records,
+  as of the tracker's last :meth:`~atoll.runs.goodput.GoodputTracker.refresh_losses`);
 * ``figures``: goodput and merged-work share so far, over wall time;
 * ``contributors``: contributors merged per round, by pool;
 * ``bytes``: bytes the synchronizer and the round's learners moved per round;

@@ -3,7 +3,7 @@ back, and the plain-text tables ``atoll status`` prints."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from atoll.runs.contributions import ContributionRow, effective_h, steps_since_sync
 from atoll.runs.goodput import GoodputReport
@@ -31,12 +31,12 @@ CONTRIBUTION_COLUMNS = ("learner", "pool", "tokens", "steps", "weight", "status"
 
 def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id: str, run_url: str,
                    max_rounds: int | None, goodput: GoodputReport | None = None, inner_steps: int | None = None,
-                   wire: WireTracker | None = None) -> str:
+                   wire: WireTracker | None = None, val_loss: tuple[int, float] | None = None) -> str:
     """The round's summary as markdown (the round flow run's one artifact): the round, its
     contributions table (``rows``: learner, pool, tokens, steps, weight, accepted or why not); with
     ``goodput``, the goodput so far overall and per learner; with ``inner_steps`` (H), the effective
     H next to it; the synchronizer's traffic for the round and, with ``wire`` (fed this round), the
-    learners'."""
+    learners'; with ``val_loss`` (round, loss), the newest validation loss known by then."""
     s = record.stats
     accepted = [r for r in rows if r.status == "accepted"]
     eff_h = steps_since_sync(rows)
@@ -58,7 +58,7 @@ def round_markdown(record: CommitRecord, rows: list[ContributionRow], *, run_id:
         f"| bytes in (deltas) | {fmt_int(s.get('bytes_in', 0), ',')} |",
         f"| bytes out per learner (new fragment) | {fmt_int(s.get('bytes_out_per_learner', 0), ',')} |",
         *_wire_rows(record, wire),
-        f"| validation loss | {fmt_num(s.get('val_loss'), '.4f', 'not measured this round')} |",
+        f"| validation loss | {_loss_cell(record, val_loss)} |",
         f"| updated | {'yes' if record.updated else 'no (nothing mergeable)'} |",
         f"| effective H: steps since last sync (mean of merged) | {fmt_num(eff_h, '.1f')}"
         + (f" (H = {inner_steps})" if inner_steps else "") + " |",
@@ -127,8 +127,21 @@ def contributions_from_markdown(md: str) -> list[dict[str, str]]:
             for line in block if line.startswith("|")]
 
 
-def history_table(records: Iterable[CommitRecord]) -> list[str]:
-    """Plain-text round history (what ``atoll status`` prints)."""
+def _loss_cell(record: CommitRecord, val_loss: tuple[int, float] | None) -> str:
+    """A round artifact's loss: its commit's own (older runs), else the newest evaluation known when
+    the artifact was written, with the round it measured (evaluation runs after the commit)."""
+    own = record.stats.get("val_loss")
+    if own is not None:
+        return fmt_num(own, ".4f", "not measured this round")
+    if val_loss is None:
+        return "not measured yet"
+    r, loss = val_loss
+    return f"{loss:.4f} (round {r}{', this round' if r == record.round else ''})"
+
+
+def history_table(records: Iterable[CommitRecord], losses: Mapping[int, float] | None = None) -> list[str]:
+    """Plain-text round history (what ``atoll status`` prints); ``losses``: validation loss by
+    round (:class:`~atoll.runs.losses.ValLosses`), else the commits' own stats (older runs)."""
     out = [f"{'round':>6} {'frag':>4} {'in':>3} {'out':>3} {'quorum_s':>8} {'grace_s':>7} {'tokens':>8} "
            f"{'val_loss':>8}  learners"]
     for r in records:
@@ -136,7 +149,8 @@ def history_table(records: Iterable[CommitRecord]) -> list[str]:
         who = ",".join(a.learner_id for a in r.accepted) or "-"
         out.append(f"{r.round:>6} {r.fragment:>4} {len(r.accepted):>3} {len(r.rejected):>3} "
                    f"{fmt_num(s.get('quorum_s', 0), '.2f'):>8} {fmt_num(s.get('grace_s', 0), '.2f'):>7} "
-                   f"{fmt_int(s.get('tokens', 0)):>8} {fmt_num(s.get('val_loss'), '.4f'):>8}  {who}")
+                   f"{fmt_int(s.get('tokens', 0)):>8} "
+                   f"{fmt_num(losses.get(r.round) if losses is not None else s.get('val_loss'), '.4f'):>8}  {who}")
     return out
 
 

@@ -6,14 +6,14 @@ work with no Prefect at all."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from atoll.runs.goodput import GoodputTracker
-from atoll.runs.numbers import finite, fmt_int, short
+from atoll.runs.losses import last_val_loss
+from atoll.runs.numbers import fmt_int, short
 from atoll.runs.render import effective_h_line, figure_lines, history_table, learner_time_lines
 from atoll.storage import paths
 from atoll.storage.reader import RunReader
-from atoll.storage.records import CommitRecord
 
 __all__ = ["check_run", "checkpoint_rounds", "last_val_loss", "run_status"]
 
@@ -35,16 +35,6 @@ def check_run(store: RunReader) -> None:
     latest = store.latest_round()
     if latest:
         store.read_global_state(latest)
-
-
-def last_val_loss(records: Iterable[CommitRecord]) -> float | None:
-    """The latest validation loss measured over ``records``, or None if none was."""
-    loss = None
-    for r in records:
-        v = finite(r.stats.get("val_loss"))
-        if v is not None:
-            loss = v
-    return loss
 
 
 def run_status(store: RunReader, *, last: int | None = None, tracker: GoodputTracker | None = None) -> list[str]:
@@ -70,13 +60,15 @@ def run_status(store: RunReader, *, last: int | None = None, tracker: GoodputTra
         lines.append(f"  forked from {short(fork.get('url'))} at round {fmt_int(fork.get('round'), '', '?')}")
     shown = records[-last:] if last else records
     if records:
-        lines += ["", *history_table(shown)]
         tracker = tracker if tracker is not None else GoodputTracker(store)
         tracker.sample_every = max(1, len(records) // 200)
         tracker.add(records)
-        loss = last_val_loss(records)
+        tracker.refresh_losses()
+        lines += ["", *history_table(shown, tracker.losses.by_round)]
+        measured = tracker.losses.latest()
         report = tracker.report()
-        lines += ["", f"latest validation loss: {loss:.4f}" if loss is not None else "latest validation loss: -",
+        lines += ["", f"latest validation loss: {measured[1]:.4f} (round {measured[0]})" if measured is not None
+                  else "latest validation loss: -",
                   *figure_lines(report), effective_h_line(records, c.inner_steps, c.round_pacing)]
         if report.learners:
             lines += ["", *learner_time_lines(report)]

@@ -167,8 +167,9 @@ class WirePlan:
     commit_record_bytes: int
     """One commit record (every learner reads each one)."""
     momentum_bytes: int
-    """The fragment's outer momentum, written by the synchronizer each round (fp32); the fp32
-    master and, with a compressed downlink, the learners' view are the same size."""
+    """The fragment's outer momentum (fp32), written by the synchronizer each round when the outer
+    momentum is not 0; the fp32 master and, with a compressed downlink, the learners' view are
+    the same size."""
     learners: int
     """M: learners contributing to each round."""
     steps_per_round: float
@@ -182,7 +183,14 @@ class WirePlan:
     save_every_steps: int = 0
     """Steps between two saves (0: not counted)."""
     downlink_compressed: bool = False
-    """The synchronizer also writes the learners' view and the update each round."""
+    """The synchronizer also writes the update each round, and the learners' view every
+    ``view_every`` versions of a fragment."""
+    momentum_written: bool = True
+    """The synchronizer writes the outer momentum each round (False at outer momentum 0: the
+    outer step never reads it)."""
+    view_every: int = 1
+    """``DilocoConfig.downlink_snapshot_every``: a fragment's view is written every this many
+    versions (amortized here)."""
 
     @property
     def up_bytes_per_round(self) -> int:
@@ -207,10 +215,12 @@ class WirePlan:
 
     @property
     def sync_up_bytes_per_round(self) -> int:
-        """The synchronizer's uplink per round: the new fp32 fragment, its momentum (and with a
-        compressed downlink the view and the update), commit record, head."""
-        downlink = self.momentum_bytes + self.fragment_bytes if self.downlink_compressed else 0
-        return 2 * self.momentum_bytes + downlink + self.commit_record_bytes + HEAD_BYTES
+        """The synchronizer's uplink per round: the new fp32 fragment, its momentum (mu > 0), with
+        a compressed downlink the update and the view (amortized over ``view_every`` versions),
+        commit record, head (docs/protocol.md, what a round writes)."""
+        downlink = self.momentum_bytes / self.view_every + self.fragment_bytes if self.downlink_compressed else 0
+        momentum = self.momentum_bytes if self.momentum_written else 0
+        return round(self.momentum_bytes + momentum + downlink + self.commit_record_bytes + HEAD_BYTES)
 
     @property
     def sync_down_bytes_per_round(self) -> int:
@@ -286,4 +296,6 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         + CONTRIBUTION_RECORD_BYTES,  # two moments per parameter, and the state record
         save_every_steps=max(0, save_every_steps),
         downlink_compressed=compressed,
+        momentum_written=config.outer_momentum > 0,
+        view_every=config.downlink_snapshot_every,
     )

@@ -19,7 +19,14 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from atoll.core.compress import CompressionError, EncodedTensor, all_finite, decode
+from atoll.core.compress import (
+    CompressionError,
+    EncodedTensor,
+    all_finite,
+    check_parts,
+    decode_fragment,
+    int4_scales_bounded,
+)
 from atoll.storage.reading import NumberBoundError, loads_bounded
 from atoll.storage.validation import InvalidInput
 
@@ -123,10 +130,31 @@ def encoded_to_bytes(encoded: Mapping[str, EncodedTensor]) -> tuple[bytes, dict[
 
 
 def bytes_to_encoded(
-    data: bytes, meta: Mapping[str, Mapping[str, Any]], *, url: str | None = None
+    data: bytes, meta: Mapping[str, Mapping[str, Any]], *, url: str | None = None, device: torch.device | None = None
 ) -> dict[str, torch.Tensor]:
-    """Decode a delta payload to fp32 tensors, checking parts, dtypes, shapes and finiteness."""
-    flat = bytes_to_tensors(data, url=url)
+    """Decode a delta payload to fp32 tensors (on ``device``; None: the host), checking parts,
+    dtypes, shapes and finiteness.
+
+    Finiteness is checked once, on what was read: fp32/bf16 values, and int4 scales (finite and
+    at most :data:`~atoll.core.compress.INT4_SAFE_SCALE`). Decoded int4 values are not checked
+    again: each is a code in [-8, 7] times such a scale, finite by construction. Only a tensor
+    with a larger scale (no encoder writes one for values under 7/8 of fp32's largest) has its
+    decoded values checked. Off the host, the encoded bytes travel to ``device`` in one copy
+    and are decoded there (:func:`~atoll.core.compress.decode_fragment`)."""
+    encoded = _encoded_parts(bytes_to_tensors(data, url=url), meta, url=url)
+    unbounded = [name for name, enc in encoded.items()
+                 if enc.codec == "int4" and not int4_scales_bounded(enc.parts["scales"])]
+    out = decode_fragment(encoded, device=device)
+    for name in unbounded:
+        if not all_finite(out[name]):
+            raise InvalidInput("non_finite", f"{name!r} decodes to NaN or Inf values", url=url)
+    return out
+
+
+def _encoded_parts(flat: Mapping[str, torch.Tensor], meta: Mapping[str, Mapping[str, Any]], *,
+                   url: str | None) -> dict[str, EncodedTensor]:
+    """The payload's tensors grouped into encodings by ``meta``, each checked (names, parts,
+    dtypes, sizes, finite floating parts) before anything is decoded."""
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():
         name, sep, part = key.rpartition(PART_SEPARATOR)
@@ -139,7 +167,7 @@ def bytes_to_encoded(
             f"payload tensors {sorted(grouped)[:5]} differ from the record's {sorted(meta)[:5]}",
             url=url,
         )
-    out: dict[str, torch.Tensor] = {}
+    encoded: dict[str, EncodedTensor] = {}
     for name, m in meta.items():
         codec = m.get("codec")
         if codec not in _CODEC_PARTS:
@@ -157,16 +185,13 @@ def bytes_to_encoded(
                 raise InvalidInput("non_finite", f"{name!r}: part {part!r} has NaN or Inf values", url=url)
         try:
             shape = tuple(int(d) for d in m["shape"])
-            enc = EncodedTensor(codec, shape, parts, int(m.get("block_size", 0)))
-            value = decode(enc)
+            encoded[name] = EncodedTensor(codec, shape, parts, int(m.get("block_size", 0)))
+            check_parts(encoded[name])
         except CompressionError as e:
             raise InvalidInput("layout", f"{name!r}: {e}", url=url) from None
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidInput("schema", f"{name!r}: bad tensor metadata {dict(m)!r}: {e}", url=url) from None
-        if not all_finite(value):
-            raise InvalidInput("non_finite", f"{name!r} decodes to NaN or Inf values", url=url)
-        out[name] = value
-    return out
+    return encoded
 
 
 def dump_record(kind: str, body: Mapping[str, Any]) -> bytes:

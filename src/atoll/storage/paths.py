@@ -34,6 +34,9 @@ __all__ = [
     "commits_prefix",
     "commit_key",
     "parse_commit_key",
+    "evals_prefix",
+    "eval_key",
+    "parse_eval_key",
     "contributions_prefix",
     "contribution_key",
     "learner_state_key",
@@ -151,6 +154,24 @@ def parse_commit_key(name: str) -> int | None:
     """Round number from a commit key or file name; None for anything else (temp files, HEAD)."""
     m = _COMMIT_RE.match(name.rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
+
+
+def evals_prefix() -> str:
+    return f"{SYNC_PREFIX}evals/"
+
+
+def eval_key(round_: int) -> str:
+    """The create-once evaluation record of committed round ``round_`` (>= 1), written by the
+    synchronizer's evaluator after the round: ``sync/evals/00000042.json``."""
+    if _nonneg(round_, "round") < 1:
+        raise InvalidInput("schema", f"rounds start at 1, got {round_}")
+    return f"{evals_prefix()}{round_:0{_ROUND_DIGITS}d}.json"
+
+
+def parse_eval_key(name: str) -> int | None:
+    """Round number from an evaluation record's key or file name; None for anything else."""
+    m = _COMMIT_RE.match(name.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
 
 
 def contributions_prefix(fragment: int, base_version: int, learner_id: str) -> str:

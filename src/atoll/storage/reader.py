@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from atoll.core.downlink import apply_update
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
@@ -35,10 +36,12 @@ from atoll.storage.reading import Skipped, read_parsed
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_CONTRIBUTION,
+    KIND_EVAL,
     KIND_LEARNER_STATE,
     KIND_PRUNE,
     CommitRecord,
     ContributionRecord,
+    EvalRecord,
     FragmentState,
     LearnerStateRecord,
     PruneRecord,
@@ -48,12 +51,14 @@ from atoll.storage.validation import (
     InvalidInput,
     PrunedError,
     RoundOrderError,
+    StorageError,
     TransientStorageError,
     check_shapes,
     check_tensor_layout,
     validate_learner_id,
 )
 from atoll.storage.verify import VerifyReport, verify_slots, verify_state
+from atoll.storage.views import ViewChain, view_chain
 
 __all__ = ["RunReader", "ContributionListing", "GlobalState", "LearnerState", "CheckpointInfo",
            "MAX_LISTED_PER_PREFIX", "LIST_LIMIT"]
@@ -220,8 +225,9 @@ class RunReader(CommitChain):
         listing.records.sort(key=lambda r: (r.base_version, r.c_steps, r.key))
         return listing
 
-    def load_contribution(self, record: ContributionRecord) -> FragmentContribution:
-        """Read, verify (size cap, sha256, names/shapes/dtypes, finiteness) and decode to fp32.
+    def load_contribution(self, record: ContributionRecord, *, device: torch.device | None = None) -> FragmentContribution:
+        """Read, verify (size cap, sha256, names/shapes/dtypes, finiteness) and decode to fp32, on
+        ``device`` (None: the host; elsewhere the encoded bytes are copied there and decoded there).
 
         Raises InvalidInput with a specific ``kind`` for every bad-input class.
         """
@@ -236,7 +242,7 @@ class RunReader(CommitChain):
         check_shapes(declared, expected, what=f"contribution {record.key}")
         data = self._read_blob_bytes(record.payload, learner_id=record.learner_id,
                                      max_bytes=self.payload_cap(record.fragment))
-        delta = bytes_to_encoded(data, record.tensors, url=url)
+        delta = bytes_to_encoded(data, record.tensors, url=url, device=device)
         check_tensor_layout(delta, expected, what=f"contribution {record.key}", dtype=torch.float32)
         return FragmentContribution(
             key=record.key,
@@ -247,14 +253,14 @@ class RunReader(CommitChain):
         )
 
     def load_contributions(
-        self, records: Iterable[ContributionRecord]
+        self, records: Iterable[ContributionRecord], *, device: torch.device | None = None
     ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
-        """Load many (concurrently, results in the order given); bad ones land in the second value as
-        ``key -> Rejection`` instead of raising. A transient storage error is raised (the store is
-        unwell, not a payload)."""
+        """Load many (concurrently, results in the order given; decoded on ``device``, see
+        :meth:`load_contribution`); bad ones land in the second value as ``key -> Rejection``
+        instead of raising. A transient storage error is raised (the store is unwell, not a payload)."""
         def one(r: ContributionRecord) -> FragmentContribution | Rejection:
             try:
-                return self.load_contribution(r)
+                return self.load_contribution(r, device=device)
             except InvalidInput as e:
                 return e.rejection
             except TransientStorageError:
@@ -294,12 +300,29 @@ class RunReader(CommitChain):
         ref = self.fragment_state(fragment, version).params
         return self._read_fp32_blob(ref, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{version}")
 
-    def read_fragment_view(self, fragment: int, version: int) -> dict[str, torch.Tensor]:
+    def view_chain(self, fragment: int, version: int) -> ViewChain:
+        """The objects that rebuild what learners hold of ``fragment`` at ``version``
+        (:func:`atoll.storage.views.view_chain`): its own view, or the newest snapshot below it
+        and the updates after it. InvalidInput if a record on the way is void or inconsistent."""
+        try:
+            return view_chain(fragment, version, lambda v: self.fragment_state(fragment, v))
+        except (InvalidInput, TransientStorageError):
+            raise
+        except (StorageError, ValueError) as e:  # a void or missing slot on the way, or a wrong entry
+            raise InvalidInput("corrupt", f"fragment {fragment} v{version}: the chain to its snapshot does not "
+                                          f"read: {type(e).__name__}: {str(e)[:300]}") from None
+
+    def read_fragment_view(self, fragment: int, version: int, *,
+                           chain: ViewChain | None = None) -> dict[str, torch.Tensor]:
         """What learners hold of ``fragment`` at ``version``: its downlink view (a compressed
-        downlink), else the fp32 master itself. InvalidInput if the object is unreadable."""
-        st = self.fragment_state(fragment, version)
-        ref = st.downlink.view if st.downlink is not None else st.params
-        return self._read_fp32_blob(ref, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{version} view")
+        downlink; rebuilt from ``chain``, by default :meth:`view_chain`, when the version publishes
+        only its update), else the fp32 master itself. InvalidInput if an object is unreadable."""
+        chain = self.view_chain(fragment, version) if chain is None else chain
+        shapes = self.manifest.fragment_shapes(fragment)
+        view = self._read_fp32_blob(chain.start, shapes, f"fragment {fragment} v{chain.snapshot} view")
+        for v, _ in chain.updates:  # the synchronizer moved its view by exactly these, in this order
+            view = apply_update(view, self.read_fragment_update(fragment, v)[1])
+        return view
 
     def read_fragment_update(self, fragment: int, version: int) -> tuple[int, dict[str, torch.Tensor]]:
         """(base, decoded update) of ``version``'s compressed downlink: ``view_version =
@@ -321,9 +344,11 @@ class RunReader(CommitChain):
         """All parameters, outer-optimizer state and timings as of ``round_`` (None = latest).
 
         ``view=True``: each fragment as learners hold it (its downlink view where the run's
-        downlink is compressed; the master where it publishes none, or where the view does not
-        read, noted in ``restored``): a joining learner's full state. ``momentum=False``: skip the
-        outer momentum (learners never need it)."""
+        downlink is compressed, rebuilt from its snapshot where need be, :meth:`read_fragment_view`;
+        the master where it publishes none, or where the view does not read, noted in
+        ``restored``): a joining learner's full state. ``momentum=False``: skip the outer momentum
+        (learners never need it; a run with outer momentum 0 publishes none: empty buffers, and
+        the outer step never reads them)."""
         round_ = self.latest_round() if round_ is None else round_
         table = self._state_table(round_)
         params: dict[str, torch.Tensor] = {}
@@ -334,7 +359,7 @@ class RunReader(CommitChain):
             moments[p] = {}
             if view and st.downlink is not None:
                 try:
-                    params.update(self._read_fp32_blob(st.downlink.view, shapes, f"fragment {p} v{st.version} view"))
+                    params.update(self.read_fragment_view(p, st.version))
                     continue
                 except InvalidInput as e:  # the master is within one quantization error of it
                     restored[p] = f"view of v{st.version} unreadable ({e.kind.value}); using the master"
@@ -460,6 +485,32 @@ class RunReader(CommitChain):
             return None, f"retention record ignored: {self.store.key_url(paths.PRUNE)}: {got.kind.value}: {got.why}"
         return got, None
 
+    # -- evaluations -------------------------------------------------------------------------
+    def eval_rounds(self) -> list[int]:
+        """Rounds with an evaluation record in ``sync/evals/`` (one LIST; other names are ignored)."""
+        return sorted({r for n in self.store.list(paths.evals_prefix()) if (r := paths.parse_eval_key(n))})
+
+    def read_eval(self, round_: int) -> EvalRecord | None:
+        """Round ``round_``'s evaluation record; None if there is none, or if it is unusable
+        (malformed, oversized, for another round, or failing the synchronizer's seal)."""
+        key = paths.eval_key(round_)
+        check, url = self._operator_check(KIND_EVAL), self.store.key_url(key)
+
+        def parse(data: bytes) -> EvalRecord:
+            body = load_record(data, KIND_EVAL)
+            check(body, url)
+            rec = EvalRecord.from_body(body)
+            if rec.round != round_:
+                raise InvalidInput("schema", f"evaluation record of round {rec.round} under round {round_}'s key")
+            return rec
+        got = read_parsed(self.store, key, MAX_HEAD_BYTES * 4, parse)
+        return None if isinstance(got, Skipped) else got
+
+    def read_evals(self, rounds: Iterable[int]) -> dict[int, EvalRecord]:
+        """The usable evaluation records of ``rounds`` (their GETs at once)."""
+        wanted = sorted(set(rounds))
+        return {r: rec for r, rec in zip(wanted, io_map(self.read_eval, wanted), strict=True) if rec is not None}
+
     # -- consolidated checkpoints ------------------------------------------------------------
     def list_checkpoints(self) -> list[int]:
         """Rounds that have a checkpoint folder (one LIST)."""
@@ -504,6 +555,7 @@ class RunReader(CommitChain):
         for ref in initial:
             report.check_blob(fresh, ref, "run.json initial")
         seen: set[str] = set()
+        entries: dict[tuple[int, int], FragmentState] = {}  # (fragment, version) -> its entry: view chains
         r = 1
         while True:
             try:
@@ -516,7 +568,7 @@ class RunReader(CommitChain):
             if rec is None:
                 break
             report.verified += 1
-            verify_state(fresh, report, r, rec, seen)
+            verify_state(fresh, report, r, rec, seen, entries)
             if on_round is not None:
                 on_round(r)
             r += 1

@@ -24,6 +24,7 @@ __all__ = [
     "KIND_LEARNER_STATE",
     "KIND_CHECKPOINT",
     "KIND_PRUNE",
+    "KIND_EVAL",
     "BlobRef",
     "RunManifest",
     "ContributionRecord",
@@ -34,6 +35,7 @@ __all__ = [
     "CommitRecord",
     "LearnerStateRecord",
     "PruneRecord",
+    "EvalRecord",
 ]
 
 KIND_RUN = "atoll/run"
@@ -43,6 +45,7 @@ KIND_HEAD = "atoll/head"
 KIND_LEARNER_STATE = "atoll/learner-state"
 KIND_CHECKPOINT = "atoll/checkpoint"
 KIND_PRUNE = "atoll/prune"
+KIND_EVAL = "atoll/eval"
 
 
 def _need(ok: bool, what: str) -> None:
@@ -234,8 +237,11 @@ class DownlinkState:
     """What learners download of one fragment version when the run's downlink is compressed
     (``DilocoConfig.downlink_compression``; :mod:`atoll.core.downlink`)."""
 
-    view: BlobRef
-    """fp32 values learners hold at this version (``view_v``): a joiner's full state."""
+    view: BlobRef | None
+    """fp32 values learners hold at this version (``view_v``), published every
+    ``DilocoConfig.downlink_snapshot_every`` versions of the fragment (a *snapshot*) and whenever
+    there is no update. None: rebuild ``view_v`` from the newest snapshot at or below this version
+    and the updates after it (:func:`atoll.storage.views.view_chain`), bit for bit."""
     update: BlobRef | None
     """``encode(master_v - view_base)``: parts ``<name>::<part>`` of ``codec``; ``view_v =
     view_base + decode(update)``. None: no chain from ``base`` (read ``view``)."""
@@ -244,22 +250,33 @@ class DownlinkState:
     codec: str
     block_size: int
     """int4's elements per scale block (0 for bf16)."""
+    depth: int = 0
+    """Updates from the newest snapshot at or below this version up to it: 0 when this version
+    publishes its ``view`` (records written before snapshots have a view on every version and
+    no ``depth`` key), else ``base``'s depth + 1."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"view": self.view.to_dict(), "update": self.update.to_dict() if self.update else None,
-                "base": self.base, "codec": self.codec, "block_size": self.block_size}
+        out = {"view": self.view.to_dict() if self.view else None,
+               "update": self.update.to_dict() if self.update else None,
+               "base": self.base, "codec": self.codec, "block_size": self.block_size}
+        if self.depth:  # a snapshot's entry is byte for byte what it was before snapshots
+            out["depth"] = self.depth
+        return out
 
     @classmethod
     def from_body(cls, body: Any) -> DownlinkState:
         _need(isinstance(body, dict), "state[].downlink must be an object")
-        codec, update = body.get("codec"), body.get("update")
+        codec, update, view = body.get("codec"), body.get("update"), body.get("view")
         _need(codec in DOWNLINK_CODECS, f"state[].downlink.codec must be one of {DOWNLINK_CODECS}, got {codec!r}")
         block_size = _int(body, "block_size")
         _need(codec != "int4" or (block_size >= 2 and block_size % 2 == 0),
               f"state[].downlink.block_size must be even and >= 2 for int4, got {block_size}")
-        return cls(view=BlobRef.from_body(body.get("view"), "state[].downlink.view"),
+        depth = _int(body, "depth") if "depth" in body else 0
+        _need((view is None) == (depth > 0), "state[].downlink: a view is published exactly when depth is 0")
+        _need(depth == 0 or update is not None, "state[].downlink: a version without a view needs an update")
+        return cls(view=None if view is None else BlobRef.from_body(view, "state[].downlink.view"),
                    update=None if update is None else BlobRef.from_body(update, "state[].downlink.update"),
-                   base=_int(body, "base"), codec=str(codec), block_size=block_size)
+                   base=_int(body, "base"), codec=str(codec), block_size=block_size, depth=depth)
 
 
 @dataclass(frozen=True)
@@ -271,7 +288,8 @@ class FragmentState:
     params: BlobRef
     """fp32 values of the fragment's parameters at that version."""
     momentum: BlobRef | None = None
-    """Nesterov buffers (``momentum.<name>``) after that round; None before the first update."""
+    """Nesterov buffers (``momentum.<name>``) after that round; None before the first update, and
+    in a run with outer momentum 0 (its buffers are never read: resume restores zeros)."""
     downlink: DownlinkState | None = None
     """The compressed downlink of that version; None: learners hold ``params`` itself (an fp32
     downlink, version 0, and records written before compressed downlinks: the key is omitted)."""
@@ -290,9 +308,7 @@ class FragmentState:
         """Every payload this entry names (what retention keeps and ``atoll verify`` checks)."""
         refs = [self.params] + ([self.momentum] if self.momentum is not None else [])
         if self.downlink is not None:
-            refs.append(self.downlink.view)
-            if self.downlink.update is not None:
-                refs.append(self.downlink.update)
+            refs += [ref for ref in (self.downlink.view, self.downlink.update) if ref is not None]
         return refs
 
     @classmethod
@@ -476,3 +492,38 @@ class PruneRecord:
     def may_be_pruned(self, fragment: int, version: int) -> bool:
         """Whether ``version`` of ``fragment`` is below this record's floor (its object may be gone)."""
         return 0 < version < self.floors[fragment]
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """``sync/evals/<round>.json``, written create-once by the synchronizer's evaluator: the
+    validation loss of the global model as committed by ``round`` (the commit record itself is
+    immutable, and evaluation runs after it, off the round's path)."""
+
+    round: int
+    """The committed round whose global state was evaluated."""
+    val_loss: float
+    """Mean next-token cross-entropy (nats/token) on the recipe's validation windows."""
+    tokens: int
+    """Tokens predicted in this evaluation (windows x context): its cost."""
+    eval_s: float
+    """Seconds the evaluation took (reading the state, the forward passes)."""
+    device: str
+    """Where it ran ('cpu', 'cuda:0', ...)."""
+    evaluated_at: float
+    """When it finished (the evaluator's clock, seconds since the epoch)."""
+    by: str = ""
+    """Who evaluated (the synchronizer id, or a standalone evaluator's)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "val_loss": self.val_loss, "tokens": self.tokens, "eval_s": self.eval_s,
+                "device": self.device, "evaluated_at": self.evaluated_at, "by": self.by}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> EvalRecord:
+        device, by = body.get("device", ""), body.get("by", "")
+        _need(isinstance(device, str) and len(device) <= 64, "device must be text of at most 64 characters")
+        _need(isinstance(by, str) and len(by) <= 256, "by must be text of at most 256 characters")
+        return cls(round=_int(body, "round", minimum=1), val_loss=_float(body, "val_loss"),
+                   tokens=_int(body, "tokens"), eval_s=_float(body, "eval_s"), device=device,
+                   evaluated_at=_float(body, "evaluated_at"), by=by)

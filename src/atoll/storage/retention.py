@@ -6,8 +6,10 @@ every round a new global fragment and its momentum, every N rounds a whole-model
 bucket is the truth, so this module decides from the bucket alone what is dead:
 
 * **Global state** (``sync/blobs``: each version's master, momentum and, with a compressed
-  downlink, its view and update): only the versions of each fragment written in the last
-  ``keep_rounds`` rounds, and the one current when that window began, stay readable. The
+  downlink, its update and, every few versions, its view): only the versions of each fragment
+  written in the last ``keep_rounds`` rounds, and the one current when that window began, stay
+  readable; for a kept version that publishes no view of its own, so do its snapshot's view and
+  the updates after it (its view is rebuilt from them, docs/protocol.md). The
   synchronizer merges against the current and the previous version of a fragment (never older:
   ``Synchronizer.poll`` lists only those two base versions), so ``keep_rounds >= 2 P`` keeps
   every version a merge can need. Version 0 lives in ``run.json`` and is never deleted.
@@ -39,7 +41,7 @@ from atoll.storage import paths
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.operator_side import OperatorStore
 from atoll.storage.reader import RunReader
-from atoll.storage.records import CommitRecord, FragmentState, PruneRecord
+from atoll.storage.records import BlobRef, CommitRecord, FragmentState, PruneRecord
 from atoll.storage.store import NotPlainObjectError, ObjectInfo, io_map
 from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
 
@@ -216,14 +218,17 @@ class _Planner:
         before = self.state_table(through)
         floors = tuple(st.version for st in before)
         kept_shas = {b.sha256 for b in run.manifest.initial}
-        kept_shas.update(ref.sha256 for st in before for ref in st.refs())
+        kept = {(p, st.version): st for p, st in enumerate(before)}
         for i, r in enumerate(range(start, latest + 1)):
             rec = self.commit(r)
             if rec is None:  # pragma: no cover - latest_round() said it is committed
                 continue
-            kept_shas.update(ref.sha256 for st in rec.state for ref in st.refs())
+            kept.update(((p, st.version), st) for p, st in enumerate(rec.state))
             if i and i % 500 == 0:
                 self.log(f"  read {i} of {latest - start + 1} commit records in the window")
+        for (p, version), st in kept.items():
+            kept_shas.update(ref.sha256 for ref in st.refs())
+            kept_shas.update(ref.sha256 for ref in self.view_chain_refs(p, version, st))
         plan = PrunePlan(latest=latest, through_round=through, floors=floors)
         self.global_state(plan, kept_shas)
         self.checkpoints(plan)
@@ -253,6 +258,17 @@ class _Planner:
         except IntegrityError as e:
             raise RetentionRefused(f"round {round_}'s commit slot is void ({e.what}); retention cannot prove what "
                                    f"it referenced: run atoll verify, and prune once the slot is repaired") from None
+
+    def view_chain_refs(self, p: int, version: int, st: FragmentState) -> list[BlobRef]:
+        """The objects that rebuild the view of a kept version that publishes none of its own:
+        its snapshot's view and the updates after it (below the floor too: they stay)."""
+        if st.downlink is None or st.downlink.view is not None:
+            return []
+        try:
+            return self.run.view_chain(p, version).refs
+        except InvalidInput as e:
+            raise RetentionRefused(f"fragment {p} v{version}'s view does not chain to a snapshot ({e}); retention "
+                                   f"cannot prove what it needs: run atoll verify") from None
 
     def state_table(self, round_: int) -> tuple[FragmentState, ...]:
         if round_ == 0:

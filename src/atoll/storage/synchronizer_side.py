@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from atoll.core.downlink import DownlinkStep
 from atoll.core.rejection import Rejection
@@ -16,21 +16,25 @@ from atoll.storage import liveness, paths
 from atoll.storage.codec import dump_record, encoded_to_bytes, finite_json, sha256_hex, tensors_to_bytes
 from atoll.storage.handle import Tensors
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, seal
+from atoll.storage.io_pool import io_map
 from atoll.storage.lease_holder import LeaseHolder
 from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease, StopMarker
 from atoll.storage.reader import CheckpointInfo
 from atoll.storage.records import (
     KIND_CHECKPOINT,
     KIND_COMMIT,
+    KIND_EVAL,
     KIND_HEAD,
     AcceptedContribution,
+    BlobRef,
     CommitRecord,
     DownlinkState,
+    EvalRecord,
     FragmentState,
 )
 from atoll.storage.validation import RoundOrderError, check_finite, check_tensor_layout
 
-__all__ = ["SynchronizerStore", "CommitResult"]
+__all__ = ["SynchronizerStore", "CommitResult", "RoundPayloads"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,28 @@ class CommitResult:
 
     won: bool
     record: CommitRecord
+
+
+@dataclass(frozen=True)
+class RoundPayloads:
+    """A new version's payloads, durable in the bucket and not yet committed
+    (:meth:`SynchronizerStore.write_round_payloads`): what round ``round``'s record will name for
+    ``fragment``. Committed only while the fragment's entry is still ``base``."""
+
+    round: int
+    fragment: int
+    base: FragmentState
+    """The fragment's entry the payloads were written against (the downlink update's base)."""
+    state: FragmentState
+    """The entry the round's commit record holds for the fragment."""
+
+    def entry_for(self, round_: int, fragment: int, current: FragmentState) -> FragmentState:
+        """The entry to commit for ``fragment`` in round ``round_`` whose entry is ``current``;
+        RoundOrderError if these payloads were written for another round or entry."""
+        if (self.round, self.fragment, self.base) != (round_, fragment, current):
+            raise RoundOrderError(f"round {round_}'s payloads were written for round {self.round}, fragment "
+                                  f"{self.fragment} against another entry; write them again")
+        return self.state
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,7 @@ class SynchronizerStore(LeaseHolder):
     * ``paths.commit_key(r)`` or, for a void slot, ``paths.repair_key(r, n)`` (create-once);
     * ``paths.HEAD`` (a hint, overwritten);
     * ``paths.checkpoint_model_key(r)`` and ``paths.checkpoint_config_key(r)``;
+    * ``paths.eval_key(r)``, the evaluator's record of round r (create-once);
     * ``paths.sync_lease_key(n)`` (create-once) and ``paths.sync_heartbeat_key(n)``;
     * ``paths.STOP``, the stop marker. It is here and not on
       :class:`~atoll.storage.operator_side.OperatorStore`: the policy grants ``sync/stop.json`` to
@@ -99,10 +126,14 @@ class SynchronizerStore(LeaseHolder):
         committed_by: str = "synchronizer",
         downlink: DownlinkStep | None = None,
         downlink_chained: bool = True,
+        payloads: RoundPayloads | None = None,
     ) -> CommitResult:
         """Commit round ``round_`` for ``fragment``: new fragment values (None: no update), the
         outer optimizer's ``state_dict()`` for that fragment, who was in and out, timings and
         stats. Payloads first, then the record create-once.
+
+        ``payloads``: the new version's payloads, already written by
+        :meth:`write_round_payloads` (instead of ``params``, ``momentum`` and ``downlink``).
 
         ``downlink`` (a compressed downlink only, with ``params``): the new version's update and
         view (:func:`atoll.core.downlink.downlink_step`), published beside the fp32 master as the
@@ -125,18 +156,34 @@ class SynchronizerStore(LeaseHolder):
         if prev is None:
             raise RoundOrderError(f"round {round_ - 1} is not verified in {self.url}; cannot chain round {round_}")
         outcome = _RoundOutcome.of(accepted, rejected, timings, stats)
-        if params is not None:
-            state[fragment] = self._write_fragment_state(round_, fragment, state[fragment], params, momentum,
-                                                         downlink, downlink_chained)
+        if payloads is None and params is not None:
+            payloads = RoundPayloads(round_, fragment, state[fragment], self._write_fragment_state(
+                round_, fragment, state[fragment], params, momentum, downlink, downlink_chained))
         elif downlink is not None:
             raise ValueError("a downlink is published with a new version (params) only")
+        if payloads is not None:
+            state[fragment] = payloads.entry_for(round_, fragment, state[fragment])
         record = CommitRecord(
-            round=round_, fragment=fragment, updated=params is not None, state=tuple(state),
+            round=round_, fragment=fragment, updated=payloads is not None, state=tuple(state),
             accepted=outcome.accepted, rejected=outcome.rejected, timings=outcome.timings,
             stats=outcome.stats, committed_by=committed_by, nonce=uuid.uuid4().hex, created_at=time.time(),
             prev_sha256=prev,
         )
         return self._create_commit(record, void)
+
+    def write_round_payloads(self, round_: int, fragment: int, *, params: Tensors, momentum: Tensors | None = None,
+                             downlink: DownlinkStep | None = None, downlink_chained: bool = True,
+                             after: int | None = None) -> RoundPayloads:
+        """The first half of :meth:`commit_round`: check and write a new version's payloads
+        (nothing names them yet), so that a later ``commit_round(..., payloads=...)`` only creates
+        the record. ``after``: a committed round whose state table holds the fragment's current
+        entry (default ``round_ - 1``; the fragment's last version is enough, so the payloads of
+        round r may be written before round r - 1 is committed)."""
+        self._check_writable()
+        self._check_fragment(fragment)
+        base = self._state_table(round_ - 1 if after is None else after)[fragment]
+        return RoundPayloads(round_, fragment, base, self._write_fragment_state(
+            round_, fragment, base, params, momentum, downlink, downlink_chained))
 
     def _slot(self, round_: int) -> tuple[CommitRecord | None, bool]:
         """(the round's verified record, or None; whether its slot is void). Into a void slot
@@ -168,31 +215,50 @@ class SynchronizerStore(LeaseHolder):
     def _write_fragment_state(self, round_: int, fragment: int, prev: FragmentState, params: Tensors,
                               momentum: Tensors | None, downlink: DownlinkStep | None,
                               chained: bool) -> FragmentState:
-        """Write a new version's payloads (fp32 master, momentum, compressed downlink); its entry."""
+        """Write a new version's payloads (fp32 master, momentum, compressed downlink); its entry.
+
+        No momentum with outer momentum 0: the outer step never reads its buffer, so an exact
+        resume needs none (the entry names none; a reader restores empty buffers).
+        The payloads are written at once (:func:`~atoll.storage.io_pool.io_map`: each one's
+        serialization, sha256 and PUT on its own thread); the caller names them in a record only
+        after all of them are written."""
         expected = self.manifest.fragment_shapes(fragment)
         check_tensor_layout(params, expected, what=f"round {round_} params for fragment {fragment}")
         check_finite(params, what=f"round {round_} params")
-        params_ref = self._write_blob({n: params[n].float() for n in expected})
-        momentum_ref = prev.momentum
-        if momentum is not None:
+        if not self.config.outer_momentum:
+            momentum = None
+        elif momentum is not None:
             check_tensor_layout(momentum, {f"momentum.{n}": s for n, s in expected.items()},
                                 what=f"round {round_} momentum", allow_missing=True)
             check_finite(momentum, what=f"round {round_} momentum")
-            momentum_ref = self._write_blob({n: t.float() for n, t in momentum.items()})
-        dl = None if downlink is None else self._write_downlink(round_, fragment, prev.version, downlink, chained)
-        return FragmentState(version=round_, params=params_ref, momentum=momentum_ref, downlink=dl)
+        writes: list[Callable[[], BlobRef | DownlinkState | None]] = [
+            lambda: self._write_blob({n: params[n].float() for n in expected}),
+            lambda: (None if not self.config.outer_momentum else prev.momentum if momentum is None
+                     else self._write_blob({n: t.float() for n, t in momentum.items()})),
+            lambda: None if downlink is None else self._write_downlink(round_, fragment, prev, downlink, chained),
+        ]
+        params_ref, momentum_ref, dl = io_map(lambda write: write(), writes)
+        return FragmentState(version=round_, params=cast(BlobRef, params_ref), momentum=cast(BlobRef | None, momentum_ref),
+                             downlink=cast(DownlinkState | None, dl))
 
-    def _write_downlink(self, round_: int, fragment: int, base: int, step: DownlinkStep,
+    def _write_downlink(self, round_: int, fragment: int, prev: FragmentState, step: DownlinkStep,
                         chained: bool) -> DownlinkState:
-        """The view (fp32) and the update (the run's downlink codec) of a new version."""
+        """The update (the run's downlink codec) of a new version against ``prev``, and its view
+        (fp32) when it is a snapshot: every ``downlink_snapshot_every`` versions of the fragment,
+        and whenever there is no update (not ``chained``)."""
         codec = self.config.downlink_compression
         if codec == "fp32":
             raise ValueError("this run's downlink is fp32: learners read the master, there is no downlink to publish")
         block_size = self.config.compression_block_size if codec == "int4" else 0
         expected = self.manifest.fragment_shapes(fragment)
         check_tensor_layout(step.view, expected, what=f"round {round_} downlink view of fragment {fragment}")
-        check_finite(step.view, what=f"round {round_} downlink view")
-        view_ref = self._write_blob({n: step.view[n].float() for n in expected})
+        depth = (0 if prev.downlink is None else prev.downlink.depth) + 1
+        if not chained or depth >= self.config.downlink_snapshot_every:
+            depth = 0
+        view_ref = None
+        if depth == 0:  # a snapshot; between two, readers rebuild the view from the updates
+            check_finite(step.view, what=f"round {round_} downlink view")
+            view_ref = self._write_blob({n: step.view[n].float() for n in expected})
         update_ref = None
         if chained:
             update = {n: step.update[n] for n in expected}
@@ -202,7 +268,8 @@ class SynchronizerStore(LeaseHolder):
                 raise ValueError(f"round {round_} downlink update: {odd[:5] or sorted(step.update)[:5]} is not "
                                  f"{codec} (block {block_size}) in the fragment's shapes")
             update_ref = self._write_blob_bytes(encoded_to_bytes(update)[0])
-        return DownlinkState(view=view_ref, update=update_ref, base=base, codec=codec, block_size=block_size)
+        return DownlinkState(view=view_ref, update=update_ref, base=prev.version, codec=codec, block_size=block_size,
+                             depth=depth)
 
     # -- lease, stop marker, checkpoints -------------------------------------------------------
     def take_synchronizer_lease(self, *, flow_run_id: str | None = None) -> Lease:
@@ -222,6 +289,15 @@ class SynchronizerStore(LeaseHolder):
         self._check_writable()
         return liveness.write_stop_marker(self.store, stopped=stopped, reason=reason, by=by,
                                           seal_with=self._operator_seal("the stop marker"))
+
+    def write_eval(self, record: EvalRecord) -> bool:
+        """Create ``sync/evals/<round>.json`` (sealed like the stop marker). False if the round
+        already has one (another evaluator, or this one before a restart, measured it first)."""
+        self._check_writable()
+        if self.read_commit(record.round) is None:
+            raise RoundOrderError(f"round {record.round} is not committed in {self.url}: nothing to evaluate")
+        data = dump_record(KIND_EVAL, self._operator_seal("the evaluation record")(KIND_EVAL, record.to_dict()))
+        return self.store.create(paths.eval_key(record.round), data)
 
     def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:
         """Write ``checkpoints/<round>/model.safetensors`` (whole model, fp32, plain safetensors)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from atoll.storage import paths
 from atoll.storage.handle import RunHandle
-from atoll.storage.records import BlobRef, CommitRecord, PruneRecord
+from atoll.storage.records import BlobRef, CommitRecord, FragmentState, PruneRecord
 from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError
+from atoll.storage.views import view_chain
 
 __all__ = ["VerifyReport", "verify_state", "verify_slots"]
 
@@ -61,19 +62,53 @@ def _ranges(rounds: list[int]) -> str:
     return text + (", ..." if len(runs) > 20 else "")
 
 
-def verify_state(run: RunHandle, report: VerifyReport, r: int, rec: CommitRecord, seen: set[str]) -> None:
-    """Check every state object round ``r`` publishes (once per sha256), except those
-    retention may have deleted."""
+def verify_state(run: RunHandle, report: VerifyReport, r: int, rec: CommitRecord, seen: set[str],
+                 entries: dict[tuple[int, int], FragmentState] | None = None) -> None:
+    """Check every state object round ``r`` publishes (once per sha256; ``seen`` holds the
+    checked ones, and ``pruned:<sha256>`` for those counted as pruned), except those retention
+    may have deleted. ``entries``: the entry of every version walked so far, by
+    (fragment, version); with it, a version that publishes no view of its own is checked to
+    chain down to a snapshot (:func:`~atoll.storage.views.view_chain`), and the objects of that
+    chain are checked too."""
+    if entries is not None and rec.updated:
+        entries[(rec.fragment, r)] = rec.state[rec.fragment]
     for p, st in enumerate(rec.state):
         refs = st.refs()
         if report.prune is not None and report.prune.may_be_pruned(p, st.version):
-            report.pruned += len([b for b in refs if b.sha256 not in seen])
-            seen.update(b.sha256 for b in refs)
+            # Counted once, and still checked where a kept version's view chain needs it.
+            uncounted = [b for b in refs if b.sha256 not in seen and f"pruned:{b.sha256}" not in seen]
+            report.pruned += len(uncounted)
+            seen.update(f"pruned:{b.sha256}" for b in uncounted)
             continue  # deleted on purpose by retention, not lost
         for blob in refs:
             if blob.sha256 not in seen:
                 seen.add(blob.sha256)
                 report.check_blob(run, blob, f"round {r} state")
+        if entries is not None and st.version == r and st.downlink is not None and st.downlink.view is None:
+            _check_view_chain(run, report, p, st, entries, seen)
+
+
+def _check_view_chain(run: RunHandle, report: VerifyReport, p: int, st: FragmentState,
+                      entries: dict[tuple[int, int], FragmentState], seen: set[str]) -> None:
+    """Version ``st.version`` of fragment ``p`` publishes only its update: its chain must reach a
+    snapshot through versions the walk has seen, and every object on it must read."""
+    def state_of(v: int) -> FragmentState:
+        if v == 0:
+            return FragmentState(version=0, params=run.manifest.initial[p])
+        found = entries.get((p, v))
+        if found is None:
+            raise InvalidInput("missing_payload", f"v{v} was not published by a verified round")
+        return found
+    what = f"fragment {p} v{st.version}'s view"
+    try:
+        chain = view_chain(p, st.version, state_of)
+    except InvalidInput as e:
+        report.problems.append(f"round {st.version} state: {what} cannot be rebuilt: {e}")
+        return
+    for blob in chain.refs:
+        if blob.sha256 not in seen:
+            seen.add(blob.sha256)
+            report.check_blob(run, blob, f"round {st.version} state: {what} (from v{chain.snapshot})")
 
 
 def verify_slots(run: RunHandle, report: VerifyReport) -> None:

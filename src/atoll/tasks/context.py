@@ -15,7 +15,10 @@ flow and task; nothing is cached at module level. It holds:
   (None when the options say learners are managed by hand);
 * ``recorder``: the run's :class:`~atoll.tasks.recorder.RoundRecorder`, which writes each
   committed round's artifacts and events from a background thread (off the critical path);
-  :meth:`RunContext.round_recorder` makes one on first use.
+  :meth:`RunContext.round_recorder` makes one on first use;
+* ``evaluator``: the run's :class:`~atoll.train.evaluator.Evaluator`, a thread that measures the
+  validation loss of committed rounds on its own device (``eval_device``) and time; started by the
+  first commit it is told of (:meth:`RunContext.committed`), stopped by :meth:`RunContext.release`.
 
 It holds tensors, so it must never be JSON-encoded or hashed: it has ``__slots__`` and is not a
 dataclass, so Prefect stores a flow parameter of this type as the placeholder ``<RunContext>``
@@ -25,10 +28,6 @@ it use ``cache_policy=NO_CACHE``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-import torch
-
 from atoll.runs.goodput import GoodputTracker
 from atoll.runs.manage import RunInfo
 from atoll.runs.options import TrainingRunOptions
@@ -36,14 +35,13 @@ from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease
 from atoll.storage.reader import RunReader
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.tasks.fleet import LearnerFleet
+from atoll.tasks.logs import task_logger
 from atoll.tasks.recorder import RoundRecorder
+from atoll.train.evaluator import Evaluator, EvaluatorOptions
 from atoll.train.lease import LeaseKeeper
-from atoll.train.run import make_evaluator
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
 __all__ = ["RunContext"]
-
-Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 STALL_TIMEOUT_S = 300.0
 """The training-run process heartbeats only if some task asked for the synchronizer this recently."""
@@ -52,11 +50,11 @@ STALL_TIMEOUT_S = 300.0
 class RunContext:
     """One run's live state in the training-run process (see the module docstring)."""
 
-    __slots__ = ("info", "options", "store", "tracker", "fleet", "recorder", "_evaluate", "_sync", "_lease",
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "recorder", "evaluator", "_sync", "_lease",
                  "_keeper")
 
     def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
-        """``evaluate=False``: no validation loss on the recipe's eval rounds (tests, benchmarks)."""
+        """``evaluate=False``: no evaluator in this process (tests, benchmarks)."""
         self.info = info
         self.options = options
         self.store: SynchronizerStore = SynchronizerStore.open(info.run_url, options.storage_options)
@@ -70,7 +68,11 @@ class RunContext:
                 learner_parameters=options.fleet.learner_parameters(), policy=options.fleet.policy(),
             )
         self.recorder: RoundRecorder | None = None
-        self._evaluate: Evaluate | None = make_evaluator(self.store) if evaluate else None
+        eval_options = EvaluatorOptions(device=options.eval_device)
+        self.evaluator: Evaluator | None = None
+        if evaluate and eval_options.enabled:
+            log = task_logger("atoll.evaluator")  # the training run's logger: a line per evaluation in its logs
+            self.evaluator = Evaluator(self.store, options=eval_options, log=log.info)
         self._sync: Synchronizer | None = None
         self._lease: Lease | None = None
         self._keeper: LeaseKeeper | None = None
@@ -100,8 +102,7 @@ class RunContext:
         """Rebuild the synchronizer from the bucket's latest commit (after a failed round); it keeps
         holding this process's synchronizer lease, if one was taken."""
         sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
-                                                                    device=self.options.merge_device),
-                            evaluate=self._evaluate)
+                                                                    device=self.options.merge_device))
         if self._lease is not None:
             sync.hold_lease(lease=self._lease)
         self._sync = sync
@@ -134,9 +135,25 @@ class RunContext:
                                           run_flow_run_id=run_flow_run_id, round_run_tags=round_run_tags).start()
         return self.recorder
 
+    def committed(self, round_: int) -> None:
+        """Round ``round_`` is committed: the evaluator (started now if it was not) measures it if
+        the schedule says so, on its own thread; this returns at once."""
+        if self.evaluator is not None:
+            self.evaluator.start().committed(round_)
+
+    def finish_evaluation(self) -> None:
+        """If the run's last round is committed: wait (bounded by the evaluator's ``final_wait_s``)
+        for its validation loss, so the run's summary reports it."""
+        sync = self.synchronizer()
+        if self.evaluator is not None and sync.finished:
+            self.evaluator.start().close(final_round=sync.round)
+
     def release(self, *, drain: bool = True) -> None:
-        """Stop the background heartbeat and drain the round recorder (the training run is ending).
-        ``drain=False``: do not wait for the recorder (a fenced run: its successor records)."""
+        """Stop the background heartbeat and the evaluator, and drain the round recorder (the
+        training run is ending). ``drain=False``: do not wait for the recorder (a fenced run: its
+        successor records)."""
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.recorder is not None:
             if drain:
                 self.recorder.close()

@@ -6,6 +6,10 @@
 * the run's progress artifact and the ``<run>-goodput`` markdown (the whole run's goodput, per
   learner), at most every ``progress_every_s`` and after the last round;
 * the ``<run>-plots`` artifact (:mod:`atoll.runs.plots`), every ``plots_every`` rounds and at the end.
+
+Validation loss is measured after a round commits, by the run's evaluator, and read from its
+evaluation records (:mod:`atoll.runs.losses`) whenever the run-level artifacts are due: a round's
+artifact shows the newest loss known when it is written, with the round that loss measured.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class RunArtifacts:
         from prefect.client.schemas.actions import ArtifactCreate
 
         md = round_markdown(record, rows, run_id=self.run_id, run_url=self.store.url, max_rounds=self.max_rounds,
-                            goodput=goodput, inner_steps=self.inner_steps, wire=self.tracker.wire)
+                            goodput=goodput, inner_steps=self.inner_steps, wire=self.tracker.wire,
+                            val_loss=self.tracker.losses.latest())
         # One artifact per round, with no key: a keyed artifact costs the server ~65% more per
         # write (it moves the key's latest version) and a key would gather one version per
         # round, 10^5 on a long run. The round's flow run is where a person looks for it.
@@ -88,11 +93,15 @@ class RunArtifacts:
         now = time.monotonic()
         due = final or now - self._last_progress >= self.progress_every_s
         r = self._progress_round
-        if r and r != self._progress_written and due:
+        progress_due = bool(r and r != self._progress_written and due)
+        plots_due = bool(r and r != self._plotted and (final or r - self._plotted >= self.plots_every))
+        if progress_due or plots_due:  # one LIST of sync/evals/ at most this often, however many rounds
+            self.tracker.refresh_losses()
+        if progress_due:
             self._progress_written = r
             self._last_progress = now
             self._write_progress(client, r, goodput)
-        if r and r != self._plotted and (final or r - self._plotted >= self.plots_every):
+        if plots_due:
             self._plotted = r
             self.write_plots(client, goodput)
 
@@ -100,13 +109,12 @@ class RunArtifacts:
         """The run's progress artifact (if it has one) and ``<run>-goodput``, after round ``r``."""
         from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
-        record = self.store.readable_commit(r)
-        loss = record.stats.get("val_loss") if record is not None else None
+        latest = self.tracker.losses.latest()
         if self.progress_artifact_id:
             client.update_artifact(UUID(str(self.progress_artifact_id)), ArtifactUpdate(
                 data=min(100.0, 100.0 * r / self.max_rounds),
                 description=f"round {r} of {self.max_rounds}"
-                + (f"; validation loss {loss:.4f}" if isinstance(loss, int | float) else "")
+                + (f"; validation loss {latest[1]:.4f} (round {latest[0]})" if latest is not None else "")
                 + (f"; goodput {100 * goodput.goodput:.1f}%" if goodput.goodput is not None else "")
                 + (f"; merged-work share {100 * goodput.merged_share:.1f}%"
                    if goodput.merged_share is not None else "")))

@@ -41,8 +41,8 @@ __all__ = [
 def round_phases(summary: RoundSummary, clock: Any = time.monotonic) -> list[tuple[str, float, float]]:
     """The round's phases as (task name, start, end) in seconds since the epoch, from the times the
     synchronizer noted on ``clock`` (``summary.info["phases"]``): await-quorum (the round opened
-    until quorum), grace (quorum until it closed), merge, evaluate (when it measured the loss) and
-    commit. Empty for an adopted round."""
+    until quorum), grace (quorum until it closed), merge and commit (validation loss is measured
+    after the commit, off the round's path: :mod:`atoll.train.evaluator`). Empty for an adopted round."""
     marks = summary.info.get("phases")
     if not isinstance(marks, dict):
         return []
@@ -53,9 +53,7 @@ def round_phases(summary: RoundSummary, clock: Any = time.monotonic) -> list[tup
     if quorum is not None:
         out.append(("grace", quorum, closed))
     out.append(("merge", closed, marks["merged_at_s"]))
-    if summary.val_loss is not None:
-        out.append(("evaluate", marks["merged_at_s"], marks["evaluated_at_s"]))
-    out.append(("commit", marks["evaluated_at_s"], marks["committed_at_s"]))
+    out.append(("commit", marks["merged_at_s"], marks["committed_at_s"]))
     return [(name, t0 + offset, t1 + offset) for name, t0, t1 in out]
 
 
@@ -109,6 +107,7 @@ def merge_and_commit(ctx: RunContext, poll: RoundPoll) -> dict[str, Any]:
     consolidated checkpoint on the recipe's cadence). Returns the round's small summary."""
     sync = ctx.synchronizer(next_round=poll.round)
     summary = sync.close(poll)
+    ctx.committed(summary.record.round)  # the run's evaluator measures it on its own time, if scheduled
     task_logger("atoll.rounds").info(summary.line())
     return {**summary_dict(summary), "phases": round_phases(summary, sync.clock)}
 

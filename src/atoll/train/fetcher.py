@@ -9,11 +9,13 @@ global versions ahead of time, and the loop adopts what is ready between steps
 * a version read but not adopted yet is replaced by a newer one, never queued behind it;
 * with a compressed downlink (``DilocoConfig.downlink_compression``) the learner holds each
   fragment's *view* (:mod:`atoll.core.downlink`), and brings it forward by applying the chain of
-  compressed updates it missed when that is fewer bytes than reading the newest view in full,
-  else by reading the view. An update that does not read is skipped with its reason
-  (:attr:`Follower.skipped`) and the view is read in full; a view that does not read falls back
-  to the fp32 master (within one quantization error of it), and the next version is then read in
-  full. Nothing here raises for a bad object: the learner keeps its current version.
+  compressed updates it missed when that is fewer bytes than rebuilding the newest view from its
+  snapshot (the newest version at or below it that publishes its view whole, then the updates
+  after it: :meth:`~atoll.storage.reader.RunReader.view_chain`), else by that rebuild. An update
+  that does not read is skipped with its reason (:attr:`Follower.skipped`) and the view is
+  rebuilt from its snapshot; a view that does not rebuild falls back to the fp32 master (within
+  one quantization error of it), and the next version is then rebuilt in full. Nothing here
+  raises for a bad object: the learner keeps its current version.
 
 The whole state is read only when a learner joins or rejoins
 (:meth:`atoll.storage.reader.RunReader.read_global_state` with ``view=True``).
@@ -64,7 +66,8 @@ class Follower:
         """Fragments whose held version's published view is held here exactly (a compressed
         downlink; the learner adopted a copy of it): the start of a chain of updates."""
         self.reads: Counter[str] = Counter()
-        """Fragment objects read, by kind: 'master' (fp32), 'view' (fp32) and 'update' (compressed)."""
+        """Fragment objects read, by kind: 'master' (fp32), 'view' (fp32: a snapshot) and 'update'
+        (compressed; those that rebuild a view from its snapshot included)."""
         self.skipped: list[str] = []
         """Why an object was not used (unreadable update, view or master), newest last."""
 
@@ -100,7 +103,12 @@ class Follower:
         dl = self.store.fragment_state(p, newest).downlink
         if dl is None:  # learners hold the fp32 master
             return self._master(p, newest)
-        if self._chain_bytes(p, versions) < dl.view.nbytes:
+        try:
+            chain = self.store.view_chain(p, newest)  # its snapshot and the updates after it
+        except InvalidInput as e:
+            self._skip(f"fragment {p} v{newest}: view unreadable ({e}); using the fp32 master")
+            return self._master(p, newest)
+        if self._chain_bytes(p, versions) < chain.nbytes:
             view = self.views[p]
             for v in versions:
                 try:
@@ -113,11 +121,12 @@ class Follower:
                 self.views[p] = view
                 return view
         try:
-            view = self.store.read_fragment_view(p, newest)
+            view = self.store.read_fragment_view(p, newest, chain=chain)
         except InvalidInput as e:
             self._skip(f"fragment {p} v{newest}: view unreadable ({e}); using the fp32 master")
             return self._master(p, newest)
         self.reads["view"] += 1
+        self.reads["update"] += len(chain.updates)
         self.views[p] = view
         return view
 

@@ -20,9 +20,10 @@ after every step, the path a user's loop takes too:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +37,7 @@ from atoll.train.model import loss_fn
 from atoll.train.publisher import BackgroundOutbox, Outbox
 from atoll.train.recipe import lr_at_step
 from atoll.train.run import load_recipe
+from atoll.train.speed import RateMeter, flops_per_token
 
 __all__ = ["InnerLoop", "IslandLink", "RecipeLearner", "run_learner"]
 
@@ -63,17 +65,58 @@ class InnerLoop:
                                   learner_index=index, num_learners=store.config.num_learners,
                                   seed=recipe.data.seed, interleave=recipe.data.shard == "interleaved")
         self.opt: torch.optim.Optimizer = recipe.inner.make(self.model.parameters())
+        self.compiled = compile_model(self.model, self.spec.compile, self.device)
+        self.prefetch = self.device.type == "cuda"
+        """Draw the next batch and start its copy to the device while the device still works on
+        this step (pinned host memory, non-blocking): the host's batch work overlaps the step."""
+        self._next: tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None = None
 
     def describe(self) -> str:
         """How this loop trains, for the learner's join line."""
-        return (f"batch {self.spec.batch_size}, slowdown {self.spec.slowdown:g}x, "
-                f"device {self.device}{' bf16 autocast' if self.autocast else ''}")
+        micro = f" in micro-batches of {self.spec.micro_batch}" if self.spec.micro_batch else ""
+        return (f"batch {self.spec.batch_size}{micro}, slowdown {self.spec.slowdown:g}x, "
+                f"device {self.device}{' bf16 autocast' if self.autocast else ''}"
+                f"{', fused AdamW' if self.opt.defaults.get('fused') else ''}{', compiled' if self.compiled else ''}")
 
     def resume(self, learner: Learner) -> None:
-        """Continue the data stream where the learner's saved inner state left it; save its cursor from now on."""
+        """Continue the data stream where the learner's saved inner state left it; save its cursor
+        from now on (the position before a prefetched batch: that batch is not trained yet); its
+        progress lines say tokens/s, and on CUDA MFU and peak memory."""
+        self._next = None
         if learner.saved_cursor is not None:
             self.stream.load_state_dict(learner.saved_cursor)
-        learner.data_cursor = self.stream.state_dict
+        learner.data_cursor = self.cursor
+        learner.progress_extra = RateMeter(self.device, flops_per_token=flops_per_token(
+            self.model, self.recipe.context_for(self.model)), tokens=lambda: learner.tokens_total, chips=self.world).line
+
+    def cursor(self) -> dict[str, Any]:
+        """The data position of the next batch this loop will train on."""
+        return dict(self._next[2]) if self._next is not None else self.stream.state_dict()
+
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The island's next batch, this rank's slice, on its way to the device; and the cursor before it."""
+        cursor = self.stream.state_dict()
+        b = self.spec.batch_size
+        x, y = self.stream.next_batch(b * self.world)  # every rank draws the island's batch ...
+        if self.world > 1:  # ... and trains on its own slice of it
+            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
+        if self.device.type == "cuda":  # page-locked: the copy below runs without the host waiting
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), cursor
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the step's batch, in micro-batches with accumulated gradients
+        when ``LearnerSpec.micro_batch`` asks; the mean loss (not synced to the host)."""
+        micro = self.spec.micro_batch or x.shape[0]
+        chunks = list(zip(x.split(micro), y.split(micro), strict=True))
+        total = torch.zeros((), device=self.device)
+        for i, (xc, yc) in enumerate(chunks):
+            with _gradient_sync(self.forward_model, i == len(chunks) - 1):
+                with autocast_context(self.device, self.autocast):
+                    loss = loss_fn(self.forward_model, xc, yc)
+                (loss / len(chunks)).backward()
+            total += loss.detach() / len(chunks)
+        return total
 
     def step(self, learner: Learner, *, step_time_s: float | None = None) -> tuple[int, float, float]:
         """One inner step of ``learner``'s model: lr, batch, forward, backward, clip, AdamW.
@@ -85,24 +128,54 @@ class InnerLoop:
         # Warmup on this learner's steps, cosine over the run's progress.
         for group in self.opt.param_groups:
             group["lr"] = lr_at_step(self.recipe.inner, learner.step_count + 1, learner.run_progress())
-        b = self.spec.batch_size
-        x, y = self.stream.next_batch(b * self.world)  # every rank draws the island's batch ...
-        if self.world > 1:  # ... and trains on its own slice of it
-            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with autocast_context(self.device, self.autocast):
-            loss = loss_fn(self.forward_model, x, y)
+        x, y, _ = self._next if self._next is not None else self._draw()
+        self._next = None
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = self._backward(x, y)
         if self.recipe.inner.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.inner.grad_clip)
         self.opt.step()
+        if self.prefetch:  # the device is still busy with this step: the host draws the next batch
+            self._next = self._draw()
         loss_value = loss.item()
         if step_time_s is None:
             if self.spec.slowdown > 1:  # stand-in for an older chip: stretch the step
                 time.sleep((self.spec.slowdown - 1) * (time.perf_counter() - t0))
             step_time_s = time.perf_counter() - t0
         return int(x.numel()) * self.world, loss_value, step_time_s  # the island's tokens
+
+
+def compile_model(model: torch.nn.Module, setting: str, device: torch.device) -> bool:
+    """``torch.compile`` ``model`` in place (its parameter names stay as they are) when ``setting``
+    ('off', 'auto', 'on'; ``LearnerSpec.compile``) asks for it on ``device``; whether it did.
+    'auto' compiles on CUDA only and lets a failed compilation fall back to eager."""
+    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+        return False
+    if setting == "auto":
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True  # a model the compiler cannot take runs eager
+    model.compile()
+    return True
+
+
+def _gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[object]:
+    """Skip an island's gradient all-reduce on all but the last micro-batch of a step (DDP's
+    ``no_sync``, FSDP2's ``set_requires_gradient_sync``); nothing to skip for one rank."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()  # type: ignore[operator]
+    if hasattr(model, "set_requires_gradient_sync"):
+        @contextlib.contextmanager
+        def unsynced() -> Iterator[None]:
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return unsynced()
+    return contextlib.nullcontext()
 
 
 class RecipeLearner(Learner):

@@ -244,6 +244,8 @@ class Learner:
         self.data_cursor: Callable[[], dict[str, Any] | None] = lambda: None
         """The driver's data position, saved with the inner state (atoll's own loop: its batch stream)."""
         self.step_ema: float | None = None
+        self.progress_extra: Callable[[], str] | None = None
+        """More for each progress line (atoll's own loop: tokens/s, MFU, peak memory; ``train.speed``)."""
         self.up_since = time.monotonic()
         """When this process' learner came up: its contributions report how long ago (``info.up_s``)."""
         self.train_s = 0.0
@@ -458,4 +460,5 @@ class Learner:
     def progress_line(self) -> str:
         ms = (self.step_ema or 0.0) * 1000
         return (f"{self.learner_id}: step {self.step_count} loss {self.summary.last_loss:.4f} "
-                f"published {self.summary.published} aligned {self.summary.aligned} ({ms:.0f} ms/step)")
+                f"published {self.summary.published} aligned {self.summary.aligned} ({ms:.0f} ms/step"
+                f"{self.progress_extra() if self.progress_extra is not None else ''})")

@@ -26,10 +26,12 @@ from atoll.storage.learner_side import LearnerStore
 from atoll.storage.paths import to_url
 from atoll.storage.reader import RunReader
 from atoll.storage.synchronizer_side import SynchronizerStore
+from atoll.train.evaluator import Evaluator, EvaluatorOptions
 from atoll.train.inner import run_learner
 from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
-from atoll.train.run import create_run, load_recipe, make_evaluator
+from atoll.train.run import create_run, load_recipe
+from atoll.train.speed import PEAK_TFLOPS_ENV
 from atoll.train.synchronizer import SynchronizerOptions, run_synchronizer
 
 __all__ = ["LearnerRestarts", "LocalRun", "main"]
@@ -133,10 +135,16 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     store = SynchronizerStore.open(args.url)
     opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu")
-    evaluate = make_evaluator(store)
-    run_synchronizer(store, options=opts, evaluate=evaluate, should_stop=_terminate_gracefully(),
-                     log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    run_synchronizer(store, options=opts, evaluator=_evaluator(store, args.eval_device, log),
+                     should_stop=_terminate_gracefully(), log=log)
     return 0
+
+
+def _evaluator(store: SynchronizerStore, device: str, log: Callable[[str], None]) -> Evaluator | None:
+    """The synchronizer's evaluator thread on ``device`` (None for 'off')."""
+    options = EvaluatorOptions(device=device)
+    return Evaluator(store, options=options, log=log) if options.enabled else None
 
 
 class LearnerRestarts:
@@ -197,10 +205,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return False
 
         sync = SynchronizerStore.open(url)
-        last = run_synchronizer(sync, evaluate=make_evaluator(sync), should_stop=should_stop,
-                                log=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True))
-    final = sync.read_commit(last)
-    loss = final.stats.get("val_loss") if final else None
+        log = lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
+        last = run_synchronizer(sync, evaluator=_evaluator(sync, args.eval_device, log), should_stop=should_stop,
+                                log=log)
+    final, measured = sync.read_commit(last), sync.read_eval(last) if last else None
+    loss = measured.val_loss if measured is not None else final.stats.get("val_loss") if final else None
     print(f"done: {last} rounds in {time.monotonic() - t0:.0f}s; final validation loss {loss}; bucket {url}")
     return 0
 
@@ -214,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--learners", type=int, default=0, help="number of learners (default: the preset's)")
     r.add_argument("--rounds", type=int, default=0, help="outer rounds (default: the preset's)")
     r.add_argument("--log-dir", default=None)
+    r.add_argument("--eval-device", default="auto",
+                   help="the evaluator thread's device: auto (CUDA if present, else CPU), cpu, cuda[:N], mps, off")
+    r.add_argument("--peak-tflops", type=float, default=None,
+                   help="the chips' dense bf16 peak, for MFU in learner progress lines (default: by GPU name)")
     r.set_defaults(fn=_cmd_run)
     for name, fn in (("learner", _cmd_learner), ("synchronizer", _cmd_synchronizer)):
         s = sub.add_parser(name)
@@ -222,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.add_argument("--poll-interval-s", type=float, default=0.1)
         s.add_argument("--device", default=None,
                        help="auto, cpu, cuda[:N], mps (learner default: the recipe's; synchronizer: cpu)")
+        if name == "synchronizer":
+            s.add_argument("--eval-device", default="auto",
+                           help="the evaluator thread's device: auto, cpu, cuda[:N], mps, off")
         if name == "learner":
             s.add_argument("--learner-id", required=True)
             s.add_argument("--log-every", type=int, default=20)
@@ -229,8 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.add_argument("--heartbeat-interval-s", type=float, default=5.0)
             s.add_argument("--orphan-timeout-s", type=float, default=900.0, help="0: never")
             s.add_argument("--autocast", default=None, help="'' or bf16 (default: the recipe's)")
+            s.add_argument("--peak-tflops", type=float, default=None,
+                           help="the chip's dense bf16 peak, for MFU in progress lines (default: by GPU name)")
         s.set_defaults(fn=fn)
     args = parser.parse_args(argv)
+    if getattr(args, "peak_tflops", None):  # learner processes inherit it (atoll.train.speed)
+        os.environ[PEAK_TFLOPS_ENV] = str(args.peak_tflops)
     return int(args.fn(args))
 
 

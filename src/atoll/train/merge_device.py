@@ -50,7 +50,9 @@ def merge_on_device(device: torch.device, *, current: Tensors, bases: Mapping[in
     On the CPU this is exactly ``synchronize_fragment``. Elsewhere the inputs go to the device,
     the merge and outer step run there (fp32), and the new fragment, the merged update and the
     optimizer's momentum come back with one device-to-host copy each (``out``, host tensors for
-    the new fragment, is then not used; a ``workspace`` holds device buffers).
+    the new fragment, is then not used; a ``workspace`` holds device buffers). Contributions
+    already on the device (the synchronizer decodes them there:
+    :meth:`~atoll.storage.reader.RunReader.load_contributions` with ``device``) are not copied.
     """
     if device.type == "cpu":
         return synchronize_fragment(current=current, bases=bases, contributions=contributions,

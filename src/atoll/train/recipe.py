@@ -29,6 +29,8 @@ __all__ = [
     "lr_at_step",
     "demo_recipe",
     "smoke_recipe",
+    "gpu_recipe",
+    "COMPILE_CHOICES",
     "RECIPE_PRESETS",
 ]
 
@@ -73,6 +75,11 @@ class InnerOptimConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
 
+    fused: bool = False
+    """Use torch's fused AdamW kernel (one kernel for every parameter's update instead of a few per
+    tensor) where the parameters' device has one (CUDA, and the CPU in recent torch); elsewhere the
+    default implementation. Same math; rounding may differ in the last bits."""
+
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"inner lr must be finite and > 0 (got {self.lr!r})")
@@ -84,9 +91,14 @@ class InnerOptimConfig:
             raise ConfigError(f"inner schedule must be 'run' or 'steps' (got {self.schedule!r})")
 
     def make(self, params: Any) -> torch.optim.AdamW:
-        return torch.optim.AdamW(
-            params, lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay
-        )
+        params = list(params)
+        kwargs: dict[str, Any] = {"lr": self.lr, "betas": (self.beta1, self.beta2), "weight_decay": self.weight_decay}
+        if self.fused:
+            try:
+                return torch.optim.AdamW(params, **kwargs, fused=True)
+            except RuntimeError:  # no fused kernel for this device or dtype: the default implementation
+                pass
+        return torch.optim.AdamW(params, **kwargs)
 
 
 def lr_at_step(cfg: InnerOptimConfig, step: int, progress: float | None = None) -> float:
@@ -107,6 +119,9 @@ def lr_at_step(cfg: InnerOptimConfig, step: int, progress: float | None = None) 
 
 SHARD_CHOICES = ("ddp", "fsdp2")
 """Valid ``LearnerSpec.shard`` settings."""
+
+COMPILE_CHOICES = ("off", "auto", "on")
+"""Valid ``LearnerSpec.compile`` settings."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +160,15 @@ class LearnerSpec:
     """'' (fp32 everywhere) or 'bf16': autocast the inner forward pass to bf16. Parameters, AdamW
     state, deltas and the outer step stay fp32. The learner flow's ``autocast`` parameter overrides it."""
 
+    micro_batch: int = 0
+    """Sequences per forward/backward pass (0: the whole ``batch_size`` in one pass). A step then
+    accumulates the gradients of ``batch_size / micro_batch`` passes before its one AdamW update,
+    so a step's token batch can exceed what fits in device memory; it must divide ``batch_size``."""
+
+    compile: str = "off"
+    """``torch.compile`` the model of atoll's own loop: 'off', 'on', or 'auto' (on CUDA only, and
+    back to eager if compiling fails). Compiling costs a minute or so at the first steps."""
+
     command: tuple[str, ...] = ()
     """A user's own training script to run as this learner instead of atoll's loop (argv, e.g.
     ``("python", "train.py", "--config", "a.yaml")``): the learner flow runs it with
@@ -177,6 +201,12 @@ class LearnerSpec:
             raise ConfigError(f"learner {self.learner_id}: batch_size must be >= 1")
         if self.ranks < 1:
             raise ConfigError(f"learner {self.learner_id}: ranks must be >= 1")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch_size % self.micro_batch):
+            raise ConfigError(f"learner {self.learner_id}: micro_batch must be 0 or divide batch_size "
+                              f"{self.batch_size} (got {self.micro_batch})")
+        if self.compile not in COMPILE_CHOICES:
+            raise ConfigError(f"learner {self.learner_id}: compile must be one of {COMPILE_CHOICES} "
+                              f"(got {self.compile!r})")
         if self.shard not in SHARD_CHOICES:
             raise ConfigError(f"learner {self.learner_id}: shard must be one of {SHARD_CHOICES} (got {self.shard!r})")
         if not (self.slowdown >= 1 and math.isfinite(self.slowdown)):
@@ -399,4 +429,60 @@ def smoke_recipe(num_learners: int = 3, *, max_rounds: int = 8) -> tuple[DilocoC
     return config, recipe
 
 
-RECIPE_PRESETS = {"demo": demo_recipe, "smoke": smoke_recipe}
+def gpu_recipe(num_learners: int = 4, *, train_url: str = "", val_url: str = "",
+               vocab_size: int = 0) -> tuple[DilocoConfig, Recipe]:
+    """A first run on GPUs: GPT-2 small's body (12 x 768, context 1024), bf16, fused AdamW (docs/gpus.md).
+
+    Without token shards it trains on the standard library's bytes (vocab 256, ~86 M parameters,
+    untied head: nothing to download); with ``train_url`` / ``val_url`` (atoll's token-shard format,
+    ``atoll.train.tokens.write_tokens``) and the tokenizer's ``vocab_size`` it is GPT-2 small itself
+    (tied head; ~124 M at 50257). From the command line, a config file with ``preset: gpu`` sets
+    ``recipe.data`` and ``recipe.model`` the same way. Each setting and why:
+
+    * H = 64, P = 8, tau = 2: a 100 M model steps in ~30 ms on an H100-class chip, so H = P = 24
+      (the paper's, for steps of seconds) would ask the synchronizer for ~8 fragment rounds a second
+      per learner; H = 64 asks for one round per 8 steps, a publish of one 1/8 fragment every 8
+      steps, and each fragment syncs every 64 steps (DiLoCo's H = 500 keeps quality at this size).
+      K = 1 with the adaptive grace window, as the demo.
+    * int4 deltas up and int4 updates down (error feedback): at ~1/60 of data-parallel's bytes per
+      token the demo's front lost 0.5% (docs/benchmarks.md#communication); a 344 MB fp32 model
+      would otherwise move 43 MB per publish.
+    * Outer Nesterov lr 0.7, momentum 0.9 (the paper's, core's defaults): the demo's lr 0.8 without
+      momentum is a correction measured for sub-million-parameter models, where the paper's
+      momentum over-amplifies RDA's merged update (docs/benchmarks.md#quality); at 100 M and above
+      the paper's values are the measured ones.
+    * Inner AdamW lr 6e-4, betas (0.9, 0.95), weight decay 0.1 (GPT-2 small's), fused where the
+      device has the kernel; warmup 200 own steps, cosine over the run to 10%.
+    * bf16 autocast, ``torch.compile`` on CUDA only (``compile="auto"``: off on a CPU, eager again
+      if compiling fails); 16 sequences x 1024 tokens per step and learner; set ``micro_batch`` on
+      chips with less memory.
+    * Saves every 2000 steps (an inner state is ~1 GB), evaluation every 200 rounds, a checkpoint
+      every 1000; 8000 rounds are ~64 k steps, ~1 B tokens, per learner.
+    """
+    config = DilocoConfig(num_learners=num_learners, num_fragments=8, inner_steps=64, overlap_steps=2,
+                          min_quorum=1, initial_grace_s=0.5, outer_lr=0.7, outer_momentum=0.9,
+                          compression="int4", downlink_compression="int4")
+    tokens = bool(train_url or val_url)
+    if tokens and vocab_size < 1:
+        raise ConfigError("gpu_recipe: token shards need the tokenizer's vocab_size")
+    model = {"vocab_size": vocab_size, "tie_embeddings": True} if tokens else {"vocab_size": 256, "tie_embeddings": False}
+    model.update(context_tokens=1024, num_layers=12, num_heads=12, embed_dim=768)
+    data = DataSpec(kind="tokens", train_url=train_url, val_url=val_url) if tokens else DataSpec(max_corpus_mb=32.0)
+    learners = tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=16, pool="gpu", device="auto",
+                                 autocast="bf16", compile="auto") for i in range(num_learners))
+    recipe = Recipe(
+        model=model,
+        data=data,
+        learners=learners,
+        inner=InnerOptimConfig(lr=6e-4, warmup_steps=200, schedule="run", weight_decay=0.1, beta1=0.9, beta2=0.95,
+                               fused=True),
+        max_rounds=8000,
+        eval_every_rounds=200,
+        eval_batches=8,
+        checkpoint_every_rounds=1000,
+        save_every_steps=2000,
+    )
+    return config, recipe
+
+
+RECIPE_PRESETS = {"demo": demo_recipe, "smoke": smoke_recipe, "gpu": gpu_recipe}

@@ -21,9 +21,11 @@ from atoll.storage.handle import RunHandle
 from atoll.storage.reader import RunReader
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.train import data as data_mod
+from atoll.train.device import autocast
 from atoll.train.recipe import Recipe
 
-__all__ = ["RoundSchedule", "create_run", "load_recipe", "make_evaluator", "recipe_context_tokens", "TokenBounds"]
+__all__ = ["EVAL_BATCH_SIZE", "RecipeEvaluator", "RoundSchedule", "create_run", "load_recipe", "make_evaluator", "recipe_context_tokens",
+           "TokenBounds"]
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
@@ -139,20 +141,39 @@ def _fork_point(source: RunReader, fork_round: int) -> tuple[FragmentPlan, Mappi
     return source.plan, state.params, {"url": source.url, "run_id": source.manifest.run_id, "round": at}
 
 
-def make_evaluator(store: RunReader) -> Evaluate:
-    """Validation loss of a full parameter set, on the recipe's validation split (deterministic)."""
-    recipe = load_recipe(store)
-    model = recipe.model_factory()()
-    val = recipe.data.corpus().val
-    context = recipe.context_for(model)
+EVAL_BATCH_SIZE = 16
+"""Sequences per validation batch (``Recipe.eval_batches`` counts these batches)."""
 
-    def evaluate(params: Mapping[str, torch.Tensor]) -> float:
+
+class RecipeEvaluator:
+    """Validation loss of a full parameter set, on the recipe's validation split (deterministic):
+    the recipe's model built once on ``device`` (default the host), its forward pass under
+    ``autocast`` ('' or 'bf16'). Call it with the parameters to measure."""
+
+    def __init__(self, store: RunReader, *, device: torch.device | None = None, autocast: str = "") -> None:
+        recipe = load_recipe(store)
+        self.model = recipe.model_factory()().to(device or torch.device("cpu"))
+        self.device = next(self.model.parameters()).device
+        self.autocast = autocast
+        self.batches = recipe.eval_batches
+        self.val = recipe.data.corpus().val
+        self.context = recipe.context_for(self.model)
+        windows = min(self.batches * EVAL_BATCH_SIZE, max(0, (len(self.val) - 1) // self.context))
+        self.tokens = windows * self.context
+        """Tokens one evaluation predicts (windows x context): its cost, the same every time."""
+
+    def __call__(self, params: Mapping[str, torch.Tensor]) -> float:
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in self.model.named_parameters():
                 p.copy_(params[name])
-        return data_mod.evaluate(model, val, batches=recipe.eval_batches, batch_size=16, context_tokens=context)
+        with autocast(self.device, self.autocast):
+            return data_mod.evaluate(self.model, self.val, batches=self.batches, batch_size=EVAL_BATCH_SIZE,
+                                     context_tokens=self.context)
 
-    return evaluate
+
+def make_evaluator(store: RunReader, *, device: torch.device | None = None, autocast: str = "") -> RecipeEvaluator:
+    """The run's :class:`RecipeEvaluator` (on the host by default)."""
+    return RecipeEvaluator(store, device=device, autocast=autocast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +201,26 @@ class RoundSchedule:
         """The one place that decides whether round ``round_`` is evaluated."""
         every = self.eval_every_rounds
         return self.evaluate and (bool(every and round_ % every == 0) or self.is_last(round_))
+
+    def newest_evaluated(self, after: int, through: int) -> tuple[int | None, int]:
+        """The newest round in (``after``, ``through``] that :meth:`evaluates`, or None; and how
+        many other rounds in that range it evaluates (an evaluator that fell behind skips them)."""
+        if not self.evaluate or through <= after:
+            return None, 0
+        found: list[int] = []
+        every = self.eval_every_rounds
+        if every:
+            last = through - through % every
+            found += [last] if last > after else []
+        if self.max_rounds is not None and after < self.max_rounds <= through:
+            found.append(self.max_rounds)
+        if not found:
+            return None, 0
+        newest = max(found)
+        scheduled = (through // every - after // every) if every else 0
+        scheduled += 1 if self.max_rounds is not None and after < self.max_rounds <= through and (
+            not every or self.max_rounds % every) else 0
+        return newest, max(0, scheduled - 1)
 
     def checkpoints(self, round_: int) -> bool:
         """The one place that decides whether round ``round_`` writes a consolidated checkpoint."""

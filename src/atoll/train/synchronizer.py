@@ -15,7 +15,7 @@ clipped to what the learner was observed to do).
 
 Each round reads as its algorithm: :meth:`Synchronizer.poll` (list, screen, decide by quorum +
 grace), then :meth:`Synchronizer.close` (merge on the synchronizer's device,
-:mod:`atoll.train.merge_device`; evaluate; the round's stats and timings,
+:mod:`atoll.train.merge_device`; the round's stats and timings,
 :mod:`atoll.train.round_stats`; commit; advance or adopt the winner's commit).
 
 Compressed downlink (``DilocoConfig.downlink_compression`` bf16 or int4): the synchronizer keeps
@@ -23,6 +23,15 @@ its fp32 master (what it merges into, resumes from and checkpoints) and also tra
 *view* of every fragment; each new version is published with its update against that view and
 the view it leads to (:mod:`atoll.core.downlink`: error feedback, so the learners' copy stays
 within one quantization error of the master). The views are read back from the bucket on resume.
+
+Pipelined commits (``SynchronizerOptions.pipeline_commits``, on by default): the loop of
+:func:`run_synchronizer` calls :meth:`Synchronizer.step`, which hands each merged round to a
+:class:`~atoll.train.commit_pipeline.CommitPipeline` and goes on to the next round (another
+fragment) while the round's payloads and record are written; records stay strictly ordered and
+create-once, and a crash at any point resumes as an uninterrupted run would (the rules are in
+that module). :meth:`Synchronizer.tick` and :meth:`Synchronizer.close` commit before they
+return, for drivers that read the bucket between rounds (the training run's round flows, the
+virtual run, tests).
 
 Once it holds a lease (:meth:`Synchronizer.hold_lease`, which :func:`run_synchronizer` does),
 every :meth:`Synchronizer.poll` also heartbeats (at most every ``heartbeat_interval_s``) and
@@ -35,8 +44,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -51,11 +59,13 @@ from atoll.core.weights import Counters
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.liveness import Lease
 from atoll.storage.reader import GlobalState
-from atoll.storage.records import CommitRecord, ContributionRecord
+from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.storage.wire import WireCounts
+from atoll.train.commit_pipeline import ClosedRound, CommitPipeline
 from atoll.train.device import resolve_device
+from atoll.train.evaluator import Evaluator
 from atoll.train.lease import Fenced, RunStopped
 from atoll.train.merge_device import FragmentMerger, fragment_bases
 from atoll.train.round_stats import (
@@ -68,39 +78,13 @@ from atoll.train.round_stats import (
     skipped_by_learner,
 )
 from atoll.train.run import RoundSchedule
+from atoll.train.sync_lifecycle import SynchronizerLifecycle, SynchronizerOptions
 from atoll.train.trust import ContributionScreen, token_bounds_of
 
 __all__ = ["SynchronizerOptions", "Synchronizer", "RoundPoll", "RoundSummary", "run_synchronizer"]
 
-Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
-
-@dataclass(frozen=True, kw_only=True)
-class SynchronizerOptions:
-    """Process-local knobs of one synchronizer process. Nothing here changes what is trained:
-    the algorithm lives in the run's DilocoConfig and the round schedule in its recipe (run.json)."""
-
-    poll_interval_s: float = 0.2
-    """Longest sleep between two polls of an open round."""
-
-    live_timeout_s: float | None = None
-    """A learner not seen for this long is not 'live' (for early close). None: max(5 s, 3 H step
-    times), 30 s before a step time is measured."""
-
-    synchronizer_id: str = "synchronizer"
-    """Written into every commit record (who won the round)."""
-
-    device: str = "cpu"
-    """Where merges and outer steps run: 'cpu' (default), 'auto', 'cuda', 'cuda:N', 'mps'. The
-    synchronizer's state stays on the host; each round moves its inputs to this device and the
-    new fragment and momentum back (one copy each). Outer-step math is fp32 on any device."""
-
-    heartbeat_interval_s: float = 5.0
-    """Once the synchronizer holds a lease: at most this often, a poll heartbeats and checks the
-    stop marker and for a newer synchronizer lease."""
-
-
-class Synchronizer:
+class Synchronizer(SynchronizerLifecycle):
     """The synchronizer's state machine; :meth:`tick` does one poll and maybe one commit."""
 
     def __init__(
@@ -108,12 +92,10 @@ class Synchronizer:
         store: SynchronizerStore,
         *,
         options: SynchronizerOptions | None = None,
-        evaluate: Evaluate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.options = options or SynchronizerOptions()
-        self.evaluate = evaluate
         self.clock = clock
         self.config = store.config
         self.plan = store.plan
@@ -131,56 +113,12 @@ class Synchronizer:
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._rounds_closed = 0
-        self.lease: Lease | None = None
-        """The synchronizer lease this object holds (None: none; nothing lifecycle-related happens)."""
-        self._life_checked_at: float | None = None
-        self.heartbeat_errors = 0
+        self._hold_nothing()
         self._wire_mark = store.store.wire_counts()
-
-    # -- lease, heartbeat, stop ----------------------------------------------------------------
-    def hold_lease(self, flow_run_id: str | None = None, *, lease: Lease | None = None) -> Lease:
-        """Take the synchronizer's next lease (fencing older synchronizers), or keep holding
-        ``lease`` (one this process took before, e.g. when the synchronizer object is rebuilt
-        after a failed round). Writes a first heartbeat. From now on :meth:`poll` heartbeats and
-        raises RunStopped / Fenced."""
-        if lease is None:
-            lease = self.store.take_synchronizer_lease(flow_run_id=flow_run_id)
-        self.lease = lease
-        self._life_checked_at = None
-        self.check_lifecycle(force=True)
-        return lease
-
-    def check_lifecycle(self, *, force: bool = False) -> None:
-        """With a lease, at most every ``heartbeat_interval_s`` (always when ``force``): raise
-        RunStopped if the stop marker says stopped, Fenced if a newer synchronizer lease exists,
-        else heartbeat. Without a lease: nothing."""
-        lease = self.lease
-        if lease is None:
-            return
-        now = time.monotonic()
-        if (not force and self._life_checked_at is not None
-                and now - self._life_checked_at < self.options.heartbeat_interval_s):
-            return
-        self._life_checked_at = now
-        marker = self.store.stop_marker()
-        if marker is not None and marker.stopped:
-            raise RunStopped(marker, self.store.url)
-        newest = self.store.current_synchronizer_incarnation()
-        if newest > lease.incarnation:
-            raise Fenced(lease.holder, lease.incarnation, newest)
-        try:
-            self.store.write_heartbeat(lease, round=self.round)
-        except (TransientStorageError, OSError):  # a missed heartbeat is not a failed round
-            self.heartbeat_errors += 1
-
-    def exit_heartbeat(self, reason: str) -> None:
-        """Final ``status="exited"`` heartbeat (best effort; not after being fenced)."""
-        if self.lease is None:
-            return
-        try:
-            self.store.write_heartbeat(self.lease, status="exited", reason=reason, round=self.round)
-        except Exception:  # noqa: BLE001 - the process is exiting anyway
-            self.heartbeat_errors += 1
+        self._commits: CommitPipeline | None = None
+        """The committer of :meth:`step` (started by its first hand-over)."""
+        self._failed: BaseException | None = None
+        """A pipelined commit's error, raised at the next :meth:`step` (after the rounds before it were reported)."""
 
     # -- state -------------------------------------------------------------------------------
     def _load(self, round_: int) -> None:
@@ -209,7 +147,7 @@ class Synchronizer:
             except IntegrityError:
                 continue  # a void slot consumed nothing we can know of
             if rec is not None:
-                self._consume(rec)
+                self._consume(rec.round, rec.accepted, rec.rejected)
                 self.merger.remember_norm(rec.fragment, rec.stats.get("update_norm") if rec.updated else None)
 
     def _load_views(self, state: GlobalState) -> None:
@@ -232,19 +170,18 @@ class Synchronizer:
         return downlink_step(result.new_params, self.views[p], self.config.downlink_compression,
                              block_size=self.config.compression_block_size)
 
-    def _consume(self, rec: CommitRecord, unlisted: Mapping[str, Rejection] | None = None) -> None:
-        """Mark the round's merged and finally rejected keys used up; ``unlisted``: rejections
-        this synchronizer decided but left out of the record (counted there instead)."""
-        keys = {a.key for a in rec.accepted}
+    def _consume(self, round_: int, accepted: Iterable[AcceptedContribution], rejected: Mapping[str, Rejection]) -> None:
+        """Mark round ``round_``'s merged and finally rejected keys used up (``rejected``: those
+        its record lists, and those this synchronizer decided but only counted there)."""
+        keys = {a.key for a in accepted}
         # A contribution that was merely late for a round is not used up: the next round of its
         # fragment considers it again (re-anchored). Every other rejection is final.
-        keys.update(k for k, why in rec.rejected.items() if why.final)
-        keys.update(k for k, why in (unlisted or {}).items() if why.final)
+        keys.update(k for k, why in rejected.items() if why.final)
         self.consumed.update(keys)
         # Bounded: a round lists only the current and previous version of its fragment, so keys
         # consumed more than 2P rounds ago can never be listed again (100,000 rounds stay small).
-        self._consumed_by_round.append((rec.round, keys))
-        horizon = rec.round - 2 * self.plan.num_fragments - 1
+        self._consumed_by_round.append((round_, keys))
+        horizon = round_ - 2 * self.plan.num_fragments - 1
         while self._consumed_by_round and self._consumed_by_round[0][0] < horizon:
             self.consumed.difference_update(self._consumed_by_round.popleft()[1])
 
@@ -262,7 +199,8 @@ class Synchronizer:
 
     @property
     def finished(self) -> bool:
-        return self.schedule.is_last(self.round)
+        """The schedule's last round is committed (and no handed-over round is still in flight)."""
+        return self.schedule.is_last(self.round) and (self._commits is None or not self._commits.in_flight())
 
     def fragment_of_round(self, round_: int) -> int:
         return (round_ - 1) % self.plan.num_fragments
@@ -331,11 +269,29 @@ class Synchronizer:
 
     # -- one close ---------------------------------------------------------------------------
     def close(self, poll: RoundPoll) -> RoundSummary:
-        """Merge the accepted contributions of a closing poll, take the outer step and commit.
+        """Merge the accepted contributions of a closing poll, take the outer step and commit
+        (before returning; rounds handed to :meth:`step`'s pipeline are drained first).
 
-        Reads top to bottom: merge (on a copy of the outer optimizer), account, evaluate, time,
-        commit; then either advance to the committed state or adopt the winner's.
+        Reads top to bottom: merge and account (:meth:`_closing`), commit; then either advance to
+        the committed state or adopt the winner's. Validation loss is measured off this path, by
+        :mod:`atoll.train.evaluator`.
         """
+        if self._commits is not None:
+            self.drain()
+        closed = self._closing(poll)
+        commit = closed.commit(self.store)
+        if not commit.won:
+            return self._adopt(commit.record)
+        self._advance(closed)
+        self.screen.saw_commit(closed.round, self.clock())
+        if closed.checkpoint:
+            self.store.write_checkpoint(closed.round)
+        closed.phases["committed_at_s"] = self.clock()
+        return _summary(closed, commit.record)
+
+    def _closing(self, poll: RoundPoll) -> ClosedRound:
+        """Merge (on a copy of the outer optimizer), account and time a closing poll: everything
+        its commit and this synchronizer's next state need, nothing written yet."""
         if not poll.decision.close:
             raise ValueError(f"round {poll.round} is still open: {poll.decision.reason}")
         if poll.round != self.round + 1:
@@ -349,36 +305,25 @@ class Synchronizer:
         for key in poll.accepted:  # accepted by the quorum rule but not by the merge: say so
             if result is None or key not in result.weights:
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
-        val_loss = self._evaluate(r, p, result)
-        evaluated_at = self.clock()
         downlink = self._downlink(p, result)
         sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
-        stats = round_stats(poll, accepted, result, val_loss=val_loss,
+        stats = round_stats(poll, accepted, result, val_loss=None,
                             fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark,
                             downlink_bytes=None if downlink is None else
                             sum(encoded_nbytes(e) for e in downlink.update.values()))
         self._wire_mark = sent
-        stats["merge_s"], stats["eval_s"] = round(merged_at - poll.polled_at_s, 4), round(evaluated_at - merged_at, 4)
+        stats["merge_s"] = round(merged_at - poll.polled_at_s, 4)
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
                                steady=self._rounds_closed > 0, observed=self.screen.observed.cadences())
         listed, unlisted = recorded_rejections(poll, rejected, stats, self._weighed)
-        commit = self.store.commit_round(
-            r, p, params=result.new_params if result is not None else None,
-            momentum=opt.state_dict() if result is not None else None,
-            accepted=accepted, rejected=listed, timings=timings.to_dict(), stats=stats,
-            committed_by=self.options.synchronizer_id, downlink=downlink, downlink_chained=p not in self._unchained,
-        )
-        if not commit.won:
-            return self._adopt(commit.record)
-        self._advance(commit.record, result, opt, timings, downlink, unlisted)
-        if self.schedule.checkpoints(r):
-            self.store.write_checkpoint(r)
         # The round's phases on this synchronizer's clock, for the round's flow run in the UI.
         phases = {"opened_at_s": poll.opened_at_s, "quorum_at_s": poll.decision.quorum_at_s,
-                  "closed_at_s": poll.polled_at_s, "merged_at_s": merged_at, "evaluated_at_s": evaluated_at,
-                  "committed_at_s": self.clock()}
-        return RoundSummary(record=commit.record, won=True, decision=poll.decision, val_loss=val_loss,
-                            info={"phases": phases})
+                  "closed_at_s": poll.polled_at_s, "merged_at_s": merged_at}
+        return ClosedRound(
+            round=r, fragment=p, after=self.versions[p], result=result, optimizer=opt, downlink=downlink,
+            downlink_chained=p not in self._unchained, accepted=accepted, rejected=listed, unlisted=unlisted,
+            timings=timings, stats=stats, committed_by=self.options.synchronizer_id,
+            checkpoint=self.schedule.checkpoints(r), decision=poll.decision, phases=phases)
 
     def round_wire(self) -> WireCounts:
         """What this synchronizer's store sent since its previous commit (or since it started):
@@ -395,13 +340,82 @@ class Synchronizer:
             return polled.decision
         return self.close(polled)
 
+    # -- pipelined rounds ----------------------------------------------------------------------
+    def step(self) -> tuple[list[RoundSummary], QuorumDecision | None]:
+        """The pipelined loop's step: report the rounds that landed, wait until the next round's
+        fragment has no round in flight, poll once, and if the round closes, merge it and hand
+        its commit to the pipeline (:mod:`atoll.train.commit_pipeline`) without waiting for it.
+
+        This synchronizer's state moves on at the hand-over (the next round merges on it); if
+        the commit then fails or loses a race, the loop learns it here and the state is reloaded
+        from the bucket (a loss is reported as an adopted round; an error is raised, after the
+        rounds that landed before it). Returns the landed rounds, in order, and the open round's
+        decision (None once it closed). Once the schedule's last round is handed over, it waits
+        for everything in flight."""
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        landed = self._collect()
+        pipeline = self._commits or CommitPipeline(self.store, clock=self.clock)
+        self._commits = pipeline
+        if self.schedule.is_last(self.round):
+            return landed + self.drain(), None
+        pipeline.wait_landed(self.round + 1 - self.plan.num_fragments)  # the fragment's base has landed
+        landed += self._collect()
+        if self._failed is not None:
+            return landed, None
+        polled = self.poll()
+        if isinstance(polled, RoundSummary):
+            return landed + [polled], None
+        if not polled.decision.close:
+            return landed, polled.decision
+        closed = self._closing(polled)
+        self._advance(closed)
+        pipeline.submit(closed)
+        return landed, None
+
+    def drain(self) -> list[RoundSummary]:
+        """Wait for every round handed over by :meth:`step`; the ones that landed, in order (a
+        failed commit is raised, a lost one adopted)."""
+        if self._commits is not None:
+            self._commits.drain()
+        landed = self._collect()
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        return landed
+
+    def shutdown(self) -> None:
+        """Stop the commit pipeline's threads: rounds handed over and not yet committed are dropped
+        (the bucket stays as a crash here would leave it; a restart merges them again)."""
+        if self._commits is not None:
+            self._commits.close()
+            self._commits = None
+
+    def _collect(self) -> list[RoundSummary]:
+        """The pipeline's landed rounds as summaries. A round another synchronizer won is adopted
+        (state reloaded from the bucket); a failed one is kept in ``_failed`` for the caller."""
+        out: list[RoundSummary] = []
+        for landed in self._commits.take() if self._commits is not None else []:
+            if landed.result is not None and landed.result.won:
+                self.screen.saw_commit(landed.closed.round, landed.at_s)
+                landed.closed.phases["committed_at_s"] = landed.at_s
+                out.append(_summary(landed.closed, landed.result.record))
+            elif landed.result is not None:
+                out.append(self._adopt(landed.result.record))
+            else:
+                assert landed.error is not None
+                self._failed = landed.error
+        return out
+
     def _merge(
         self, p: int, accepted: Mapping[str, ContributionRecord], rejected: dict[str, Rejection]
     ) -> tuple[FragmentRoundResult | None, NesterovOuterOptimizer]:
         """Load the accepted deltas (bad payloads join ``rejected``) and merge them into fragment
         ``p`` with one outer step, on a copy of the optimizer: if another synchronizer wins the
         commit, ours is discarded."""
-        contributions, bad = self.store.load_contributions(accepted.values())
+        # Decoded on the merge device: the encoded bytes travel there, not the fp32 deltas.
+        contributions, bad = self.store.load_contributions(accepted.values(), device=self.device)
         rejected.update(bad)
         contributions = [dataclasses.replace(c, counters=self._weighed[c.key]) if c.key in self._weighed else c
                          for c in contributions]
@@ -418,55 +432,55 @@ class Synchronizer:
             rejected.update(result.rejected)
         return result, opt
 
-    def _evaluate(self, r: int, p: int, result: FragmentRoundResult | None) -> float | None:
-        """Validation loss of the global model after round ``r``, when the schedule asks for it."""
-        if self.evaluate is None or not self.schedule.evaluates(r):
-            return None
-        params = {n: t for frag in self.fragments for n, t in frag.items()}
-        if result is not None:
-            params.update(result.new_params)
-        return float(self.evaluate(params))
-
-    def _advance(self, record: CommitRecord, result: FragmentRoundResult | None,
-                 opt: NesterovOuterOptimizer, timings: TimingEma, downlink: DownlinkStep | None = None,
-                 unlisted: Mapping[str, Rejection] | None = None) -> None:
-        """Our commit won: make its state ours."""
-        self.round = record.round
+    def _advance(self, closed: ClosedRound) -> None:
+        """Make a closed round's state ours: once its commit won (:meth:`close`), or at its
+        hand-over to the pipeline (:meth:`step`: undone by a reload if the commit does not land)."""
+        self.round = closed.round
         self._rounds_closed += 1
-        self.screen.saw_commit(record.round, self.clock())
+        result, p = closed.result, closed.fragment
         if result is not None:
-            p = record.fragment
+            # The retired version is p's previous one, whose round has landed (the pipeline's rule 3).
             self.merger.retire(p, self.fragments[p], self.optimizers[p])
-            self.versions[p] = record.round
+            self.versions[p] = closed.round
             self.fragments[p] = {n: t.float() for n, t in result.new_params.items()}
-            self.optimizers[p] = opt
-            if self.views is not None and downlink is not None:
-                self.views[p] = downlink.view  # new tensors: never one of the recycled master buffers
+            self.optimizers[p] = closed.optimizer
+            if self.views is not None and closed.downlink is not None:
+                self.views[p] = closed.downlink.view  # new tensors: never one of the recycled master buffers
                 self._unchained.discard(p)
-        self.ema = timings
-        self._consume(record, unlisted)
+        self.ema = closed.timings
+        self._consume(closed.round, closed.accepted, {**closed.rejected, **closed.unlisted})
         if result is not None:
-            self.merger.remember_norm(record.fragment, result.update_norm)
+            self.merger.remember_norm(p, result.update_norm)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours.
 
         With a lease, first make sure that other synchronizer is not a newer incarnation: a
         synchronizer that wakes up (a frozen process thawed) to find its round committed by its
-        replacement is fenced (raises Fenced), and does not report the round as its own."""
+        replacement is fenced (raises Fenced), and does not report the round as its own. Rounds
+        still in the commit pipeline are dropped: they were merged on a state that is not the
+        bucket's."""
         self.check_lifecycle(force=True)
+        if self._commits is not None:
+            self._commits.reset()
+        self._failed = None
         self._load(record.round)
-        self._consume(record)
+        self._consume(record.round, record.accepted, record.rejected)
         self.screen.saw_commit(record.round, self.clock())
         val = record.stats.get("val_loss")
         return RoundSummary(record=record, won=False, val_loss=float(val) if isinstance(val, int | float) else None)
+
+
+def _summary(closed: ClosedRound, record: CommitRecord) -> RoundSummary:
+    """A round this synchronizer committed, as the loop reports it."""
+    return RoundSummary(record=record, won=True, decision=closed.decision, info={"phases": dict(closed.phases)})
 
 
 def run_synchronizer(
     store: SynchronizerStore,
     *,
     options: SynchronizerOptions | None = None,
-    evaluate: Evaluate | None = None,
+    evaluator: Evaluator | None = None,
     on_round: Callable[[RoundSummary], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
@@ -478,9 +492,18 @@ def run_synchronizer(
 
     ``hold_lease``: take the synchronizer's next lease first and heartbeat (see
     :meth:`Synchronizer.hold_lease`). Sleeps on atoll's own clock between polls (never longer
-    than the decision's recheck time).
+    than the decision's recheck time). With ``options.pipeline_commits`` each round's commit
+    overlaps the next round (:meth:`Synchronizer.step`); a stop first commits the rounds already
+    merged, a fenced or failing synchronizer drops them (a restart merges them again).
+
+    ``evaluator`` (:mod:`atoll.train.evaluator`): started here and told of every committed round;
+    it measures validation loss on its own thread, so no round waits for it. When the run's last
+    round is committed, the return waits for that round's evaluation (bounded by its
+    ``final_wait_s``); any other exit leaves at once.
     """
-    sync = Synchronizer(store, options=options, evaluate=evaluate)
+    sync = Synchronizer(store, options=options)
+    if evaluator is not None:
+        on_round = evaluator.start().after(on_round)
     log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
     lease: Lease | None = None
     reason = "finished"
@@ -492,31 +515,43 @@ def run_synchronizer(
         while not sync.finished:
             if should_stop():
                 reason = "should_stop"
+                _report_or_wait(sync, (sync.drain(), None), on_round=on_round, log=log)
                 break
-            try:
-                out = sync.tick()
-                failures = 0
-            except (RoundOrderError, InvalidInput, TransientStorageError) as e:
-                # Storage said no (bad data never raises here: it becomes a recorded rejection).
-                # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
-                # and whoever runs it restarts it from the bucket.
-                failures += 1
-                if ROUND_RETRY.exhausted(failures):
-                    raise
-                sync = _after_failed_round(sync, e, failures, lease=lease, log=log)
-                continue
-            _report_or_wait(sync, out, on_round=on_round, log=log)
+            sync, out, failures = _step_or_retry(sync, failures, lease=lease, log=log)
+            if out is not None:
+                _report_or_wait(sync, out, on_round=on_round, log=log)
     except RunStopped as e:
         log(f"synchronizer: {e}")
         reason = f"stopped: {e.marker.reason}"
+        _report_or_wait(sync, (sync.drain(), None), on_round=on_round, log=log)
     except Fenced as e:
         log(f"synchronizer: {e}; exiting")
         return sync.round  # the newer synchronizer owns sync/ now: write nothing more
     except BaseException as e:
         sync.exit_heartbeat(f"error: {type(e).__name__}: {e}")
         raise
+    finally:
+        sync.shutdown()
+        if evaluator is not None:
+            evaluator.close(final_round=sync.round if sync.finished else None)
     sync.exit_heartbeat(reason)
     return sync.round
+
+
+def _step_or_retry(sync: Synchronizer, failures: int, *, lease: Lease | None, log: Callable[[str], None]
+                   ) -> tuple[Synchronizer, tuple[list[RoundSummary], QuorumDecision | None] | None, int]:
+    """One step of the loop: (the synchronizer, what the step found, failures in a row). A round
+    storage refused is retried on a synchronizer rebuilt from the bucket (then nothing is found)."""
+    try:
+        return sync, (sync.step() if sync.options.pipeline_commits else _ticked(sync.tick())), 0
+    except (RoundOrderError, InvalidInput, TransientStorageError) as e:
+        # Storage said no (bad data never raises here: it becomes a recorded rejection).
+        # Bounded (core.retry.ROUND_RETRY): after the last attempt the process fails loudly
+        # and whoever runs it restarts it from the bucket.
+        failures += 1
+        if ROUND_RETRY.exhausted(failures):
+            raise
+        return _after_failed_round(sync, e, failures, lease=lease, log=log), None, failures
 
 
 def _after_failed_round(sync: Synchronizer, error: Exception, failures: int, *, lease: Lease | None,
@@ -524,21 +559,29 @@ def _after_failed_round(sync: Synchronizer, error: Exception, failures: int, *, 
     """Retry ``failures`` of a round storage refused: say so, back off, and rebuild the
     synchronizer from the bucket (still holding this process's ``lease``)."""
     log(f"synchronizer: round {sync.round + 1}: {error}; retry {failures} of {ROUND_RETRY.attempts - 1}")
+    sync.shutdown()
     time.sleep(ROUND_RETRY.delay_s(failures - 1))
-    rebuilt = Synchronizer(sync.store, options=sync.options, evaluate=sync.evaluate, clock=sync.clock)
+    rebuilt = Synchronizer(sync.store, options=sync.options, clock=sync.clock)
     if lease is not None:
         rebuilt.hold_lease(lease=lease)
     return rebuilt
 
 
-def _report_or_wait(sync: Synchronizer, out: RoundSummary | QuorumDecision, *,
+def _ticked(out: RoundSummary | QuorumDecision) -> tuple[list[RoundSummary], QuorumDecision | None]:
+    """:meth:`Synchronizer.tick`'s answer as :meth:`Synchronizer.step`'s."""
+    return ([out], None) if isinstance(out, RoundSummary) else ([], out)
+
+
+def _report_or_wait(sync: Synchronizer, out: tuple[list[RoundSummary], QuorumDecision | None], *,
                     on_round: Callable[[RoundSummary], None] | None, log: Callable[[str], None]) -> None:
-    """A committed round is logged and handed to ``on_round``; an open one is polled again after
+    """Committed rounds are logged and handed to ``on_round``; an open one is polled again after
     the decision's recheck time (at least 5 ms, at most one poll interval)."""
-    if isinstance(out, RoundSummary):
-        log(out.line())
+    landed, decision = out
+    for summary in landed:
+        log(summary.line())
         if on_round is not None:
-            on_round(out)
+            on_round(summary)
+    if decision is None:
         return
-    wait = (out.recheck_at_s or 0) - sync.clock()
+    wait = (decision.recheck_at_s or 0) - sync.clock()
     time.sleep(min(max(wait, 0.005), sync.options.poll_interval_s))

@@ -185,7 +185,9 @@ class _VirtualRun:
         self.tick_synchronizer()
 
     def tick_synchronizer(self) -> None:
-        """Commit every round that can close now; unblock lock-step learners whose version landed."""
+        """Commit every round that can close now; unblock lock-step learners whose version landed.
+        ``Synchronizer.tick`` commits each round before it returns (no commit pipeline here), so
+        the bucket moves with the virtual clock and a run is deterministic."""
         while True:
             out = self.sync.tick()
             if isinstance(out, RoundSummary):
