@@ -249,14 +249,14 @@ def moto_endpoint() -> Iterator[str]:
     import boto3
 
     import moto_s3
-    from storage.conftest import S3_BUCKET, free_port
+    from atoll.ops.procs import free_port
 
     server = moto_s3.start(free_port())
     try:
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+                     region_name="us-east-1").create_bucket(Bucket="atoll-test")
         yield endpoint
     finally:
         server.stop()
