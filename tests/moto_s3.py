@@ -17,10 +17,12 @@ In this process: ``start(port)`` returns a started ``ThreadedMotoServer``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 _PUT_LOCK = threading.Lock()
@@ -51,6 +53,24 @@ def start(port: int, host: str = "127.0.0.1") -> Any:
     server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
     server.start()
     return server
+
+
+@contextlib.contextmanager
+def serving(bucket: str) -> Iterator[str]:
+    """A started server on a free loopback port with ``bucket`` created; yields its endpoint URL."""
+    import boto3
+
+    from atoll.ops.procs import free_port
+
+    server = start(free_port())
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

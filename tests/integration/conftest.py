@@ -17,8 +17,6 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from atoll.ops.procs import free_port  # noqa: E402
-
 S3_BUCKET = "atoll-it"
 
 for _name in ("werkzeug", "moto"):
@@ -44,16 +42,7 @@ class S3:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3]:
-    import boto3
-
     import moto_s3
 
-    server = moto_s3.start(free_port())
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+    with moto_s3.serving(S3_BUCKET) as endpoint:
         yield S3(endpoint, S3_BUCKET)
-    finally:
-        server.stop()

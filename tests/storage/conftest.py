@@ -108,19 +108,8 @@ class Backend:
 def moto_endpoint() -> Iterator[str]:
     import moto_s3
 
-    server = moto_s3.start(free_port())
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        import boto3
-
-        boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket=S3_BUCKET)
+    with moto_s3.serving(S3_BUCKET) as endpoint:
         yield endpoint
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -246,20 +246,10 @@ def test_a_synchronizer_killed_between_steps_resumes_bit_identical_on_a_local_st
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    import boto3
-
     import moto_s3
-    from atoll.ops.procs import free_port
 
-    server = moto_s3.start(free_port())
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket="atoll-test")
+    with moto_s3.serving("atoll-test") as endpoint:
         yield endpoint
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("point", ["next-payloads-written-record-not", "record-written-next-payloads-in-flight"])
