@@ -137,16 +137,15 @@ def test_round_stats_by_hand() -> None:
     poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.5, 2.0))
     accepted = [AcceptedContribution(key="k-a", learner_id="a", weight=1.0, base_version=0, c_steps=4, c_tokens=400)]
     result = FragmentRoundResult(new_params={}, update={}, weights={"k-a": 1.0}, update_norm=0.5)
-    stats = round_stats(poll, accepted, result, val_loss=3.0, fragment_numel=10)
+    stats = round_stats(poll, accepted, result, fragment_numel=10)
     assert stats == {
         "quorum_s": 0.5,  # from the first arrival (1.5), not from the round's opening
         "grace_s": 0.25, "wait_s": 5.0, "reason": "test", "waiting_for": ["l9"],
         "tokens": 400, "steps": 4,  # only what was merged
         "bytes_in": 100, "bytes_out_per_learner": 40, "update_norm": 0.5,
         "pools": {"a": "fast", "b": "slow"}, "learner_loss": {"a": 2.5},  # NaN loss is not reported
-        "val_loss": 3.0,
     }
-    nothing = round_stats(poll, [], None, val_loss=None, fragment_numel=10)
+    nothing = round_stats(poll, [], None, fragment_numel=10)
     assert nothing["bytes_out_per_learner"] == 0 and nothing["update_norm"] == 0.0 and "val_loss" not in nothing
 
 
@@ -157,7 +156,7 @@ def test_round_stats_carry_the_round_s_traffic_and_each_contributor_s_report() -
                                                    "meter": "x" * 33}),
             "k-c": _record("c", 2, 200, 50, wire="not counts")}
     poll = _poll_with(recs, quorum_at=2.0, arrivals=(1.5, 2.0, 2.0))
-    stats = round_stats(poll, [], None, val_loss=None, fragment_numel=10, wire=WireCounts(gets=2, lists=7))
+    stats = round_stats(poll, [], None, fragment_numel=10, wire=WireCounts(gets=2, lists=7))
     assert stats["wire"] == {"puts": 0, "gets": 2, "heads": 0, "lists": 7, "deletes": 0, "bytes_up": 0, "bytes_down": 0}
     assert stats["learner_wire"] == {
         "a": {**wire, "tokens": 800, "meter": "m-1"},

@@ -156,12 +156,13 @@ def learner_wire(recs: Mapping[str, ContributionRecord]) -> dict[str, dict[str, 
 
 
 def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: FragmentRoundResult | None, *,
-                val_loss: float | None, fragment_numel: int, wire: WireCounts | None = None,
+                fragment_numel: int, wire: WireCounts | None = None,
                 downlink_bytes: int | None = None) -> dict[str, Any]:
     """The commit record's ``stats``: round facts for people (pure; JSON-able). ``wire``: what the
     synchronizer's store sent since its previous commit (``stats["wire"]``); each contributor's
     own report goes to ``stats["learner_wire"]``. ``downlink_bytes``: the tensor bytes of a
-    compressed downlink update (default: the fp32 fragment, ``4 x fragment_numel``)."""
+    compressed downlink update (default: the fp32 fragment, ``4 x fragment_numel``). The validation
+    loss is not a round fact: the evaluator writes it beside the chain (``sync/evals/<round>.json``)."""
     merged = {a.key for a in accepted}
     recs = poll.accepted
     d = poll.decision
@@ -182,8 +183,6 @@ def round_stats(poll: RoundPoll, accepted: list[AcceptedContribution], result: F
         "learner_loss": {rec.learner_id: rec.info.get("loss") for rec in recs.values()
                          if isinstance(rec.info.get("loss"), float) and math.isfinite(rec.info["loss"])},
     }
-    if val_loss is not None and math.isfinite(val_loss):
-        stats["val_loss"] = round(val_loss, 6)
     if wire is not None:
         stats["wire"] = wire.to_dict()
     reported = learner_wire(recs)

@@ -307,7 +307,7 @@ class Synchronizer(SynchronizerLifecycle):
                 rejected.setdefault(key, Rejection(RejectionKind.NOT_MERGED, "left out of the merge"))
         downlink = self._downlink(p, result)
         sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
-        stats = round_stats(poll, accepted, result, val_loss=None,
+        stats = round_stats(poll, accepted, result,
                             fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark,
                             downlink_bytes=None if downlink is None else
                             sum(encoded_nbytes(e) for e in downlink.update.values()))
