@@ -25,8 +25,8 @@ model once, is printed apart). Beside them:
 The last line is the default configuration's (the demo preset's ``DilocoConfig``): the learners'
 bytes per token (up and down, payloads and records) over DP fp32's, ``bytes per token vs DP: 1/N``.
 
-Not in these counts: learners' inner-state saves for rejoin (the recipe's ``save_every_steps``;
-a virtual run does not save; printed from the planner), leases and heartbeats (a few hundred bytes
+Not in these counts: learners' inner-state saves for rejoin (paced by the recipe's budget,
+``save_uplink_share``, or its ``save_every_steps``; a virtual run does not save; printed from the planner), leases and heartbeats (a few hundred bytes
 every few seconds of wall time), and the real fetcher's polling on a timer (a virtual learner
 polls once per step). Writes ``communication.png`` (bytes per token by direction) and
 ``communication.json`` under ``--out``.
@@ -109,7 +109,8 @@ def measure(config: DilocoConfig, recipe: Recipe, *, steps: int, noise: float, s
     shapes = [s for p in range(store.plan.num_fragments) for s in store.manifest.fragment_shapes(p).values()]
     params = sum(math.prod(s) for s in shapes)
     kwargs = {"params": params, "tokens_per_step": tokens_per_step, "tensors": len(shapes),
-              "save_every_steps": recipe.save_every_steps}
+              "save_every_steps": recipe.save_every_steps, "save_uplink_share": recipe.save_uplink_share,
+              "save_moments": recipe.save_moments_dtype}
     if "download_precision" in inspect.signature(plan_wire).parameters:
         kwargs["download_precision"] = getattr(config, "downlink_compression", "fp32")
     planned = plan_wire(config, **kwargs)  # type: ignore[arg-type]

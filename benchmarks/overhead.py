@@ -226,9 +226,11 @@ def wire_figures(store: RunReader) -> WireFigures:
     per_step = [a.c_tokens / a.c_steps for rec in records for a in rec.accepted if a.c_steps]
     shapes = [s for p in range(store.plan.num_fragments) for s in store.manifest.fragment_shapes(p).values()]
     params = sum(math.prod(s) for s in shapes)
+    recipe = load_recipe(store)
     planned = plan_wire(store.config, params=params, tensors=len(shapes),
                         tokens_per_step=round(statistics.median(per_step)) if per_step else 1,
-                        save_every_steps=load_recipe(store).save_every_steps)
+                        save_every_steps=recipe.save_every_steps, save_uplink_share=recipe.save_uplink_share,
+                        save_moments=recipe.save_moments_dtype)
     return WireFigures(rounds=len(after), learners=sum((w.learners for w in after), WireCounts()),
                        synchronizer=sum((w.synchronizer for w in after), WireCounts()),
                        learner_tokens=sum(w.learner_tokens for w in after), planned=planned)

@@ -453,10 +453,17 @@ def cross_points(axes: dict[str, list], ref: ParetoPoint, keep: dict[str, list],
             for h in keep["h"] for pc in keep["pacing"]]
 
 
-def parse_point(text: str) -> ParetoPoint:
-    """``UP/DOWN/H/PACING``, e.g. ``int4/bf16/24/1``."""
-    up, down, h, pacing = text.split("/")
-    return ParetoPoint(up=up, down=down, h=int(h), pacing=float(pacing))
+def parse_point(text: str, extra: str = "") -> ParetoPoint:
+    """``UP/DOWN/H/PACING[/SETTINGS]``, e.g. ``int4/bf16/24/1`` or
+    ``int4/int4/8/1/keep_local_progress:1;outer_lr:0.6``: SETTINGS (``field:value;...``) go after
+    ``extra`` (``--pareto-extra``, every point's), so one invocation can sweep the outer step."""
+    up, down, h, pacing, *own = text.split("/", 4)
+    return ParetoPoint(up=up, down=down, h=int(h), pacing=float(pacing), extra=";".join(filter(None, [extra, *own])))
+
+
+def has_settings(extra: str, common: str) -> bool:
+    """Whether a point's settings ``extra`` hold every one of ``common`` (``--pareto-extra``)."""
+    return set(filter(None, common.split(";"))) <= set(filter(None, extra.split(";")))
 
 
 def front(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -484,7 +491,7 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
     axes = axis_values(a)
     ref = ParetoPoint(extra=a.pareto_extra)
     if a.pareto_grid == "points":
-        todo = [ref] + [dataclasses.replace(parse_point(x), extra=a.pareto_extra) for x in a.pareto_points.split(",") if x]
+        todo = [ref] + [parse_point(x, a.pareto_extra) for x in a.pareto_points.split(",") if x]
     elif a.pareto_grid in ("coord", "auto"):
         todo = coordinate_points(axes, ref)
     else:
@@ -517,7 +524,7 @@ def run_pareto(a: argparse.Namespace, run, seeds: list[int], lr: float, runs: di
 def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_params: int, seeds: list[int],
                  say) -> dict:  # type: ignore[no-untyped-def]
     """The front's table: every point run at ``lr``, then the front (all seeds run, none diverged)."""
-    keys = [k for k in runs if k.startswith(f"pareto {lr:g} ") and ParetoPoint.from_key(k).extra == a.pareto_extra]
+    keys = [k for k in runs if k.startswith(f"pareto {lr:g} ") and has_settings(ParetoPoint.from_key(k).extra, a.pareto_extra)]
     ref_key = ParetoPoint(extra=a.pareto_extra).key(lr)
     if not keys or ref_key not in runs:
         return {}
@@ -542,9 +549,10 @@ def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_p
     on_front = front({k: (r["total"], r["mean"]) for k, r in full.items()})
     for k, r in rows.items():
         r["front"] = k in on_front
-    head = (f"{'config (decoupled K=1+grace, P=min(8,H))':42s} {'val loss':>8s} {'+-':>6s} {'n':>2s} {'/ H8 fp32':>9s} "
+    wide = max(42, *(len(ParetoPoint.from_key(k).label()) + 2 for k in rows))
+    head = (f"{'config (decoupled K=1+grace, P=min(8,H))':{wide}s} {'val loss':>8s} {'+-':>6s} {'n':>2s} {'/ H8 fp32':>9s} "
             f"{'up B/tok':>9s} {'down B/tok':>10s} {'req/ktok':>8s} {'sync B/tok':>10s} {'vs DP fp32':>10s} "
-            f"{'vs DP bf16':>10s} {'eff H':>6s} {'merged work':>11s}")
+            f"{'vs DP bf16':>10s} {'eff H / H':>9s} {'merged work':>11s}")
     say("")
     say(f"-- communication front: loss against bytes per token (inner lr {lr:g}; learners' bytes up and down, "
         f"payloads and records, per token trained; DP = ring all-reduce, M = {M}, every worker's bytes sent and "
@@ -554,10 +562,10 @@ def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_p
     for k in sorted(rows, key=lambda k: rows[k]["total"]):
         r = rows[k]
         mark = " F" if r["front"] else (" x" if r["diverged"] else "")
-        say(f"{ParetoPoint.from_key(k).label() + mark:42s} {r['mean']:8.4f} {r['spread']:6.4f} {r['n']:2d} "
+        say(f"{ParetoPoint.from_key(k).label() + mark:{wide}s} {r['mean']:8.4f} {r['spread']:6.4f} {r['n']:2d} "
             f"{r['ratio']:9.3f} {r['up']:9.1f} {r['down']:10.1f} {r['req_k']:8.2f} {r['sync']:10.1f} "
             f"{'1/' + format(r['dp_fold'], '.0f'):>10s} {'1/' + format(r['dp16_fold'], '.0f'):>10s} "
-            f"{r['effective_h']:6.1f} {r['merged_share']:11.0%}")
+            f"{r['effective_h']:6.1f}/{r['point']['h']:<2d} {r['merged_share']:11.0%}")
     say(f"(F: on the front: no point with all {len(seeds)} seeds run has fewer bytes and a lower loss; x: diverged on "
         f"a seed (never a candidate); '/ H8 fp32' divides by the reference row's mean over the same seeds)")
     say("front:")
@@ -576,16 +584,17 @@ def pareto_table(a: argparse.Namespace, runs: dict, labels: dict, lr: float, n_p
 def pareto_markdown(rows: dict) -> list[str]:
     """The front's table as markdown (docs/benchmarks.md), fewest bytes first."""
     out = ["| uplink / downlink, H, pacing | val loss / H8 fp32 | seeds | up | down | req / 1k tok | learners B/tok "
-           "| vs DP fp32 | eff. H | merged work | front |",
+           "| vs DP fp32 | eff. H / H | merged work | front |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in sorted(rows, key=lambda k: rows[k]["total"]):
         r = rows[k]
         pt = ParetoPoint.from_key(k)
         pace = ", paced" if pt.pacing else ""
+        pace += f", {pt.extra}" if pt.extra else ""
         spread = f" (+-{r['spread']:.3f})" if r["n"] > 1 else ""
         out.append(f"| {pt.up} / {pt.down}, H={pt.h}{pace} | {r['ratio']:.3f}x{spread} | {r['n']} | "
                    f"{r['up']:.1f} | {r['down']:.1f} | {r['req_k']:.2f} | {r['total']:.1f} | 1/{r['dp_fold']:.0f} | "
-                   f"{r['effective_h']:.1f} | {r['merged_share']:.0%} | {'yes' if r['front'] else ('diverged' if r['diverged'] else '')} |")
+                   f"{r['effective_h']:.1f} / {pt.h} | {r['merged_share']:.0%} | {'yes' if r['front'] else ('diverged' if r['diverged'] else '')} |")
     return out
 
 
@@ -679,7 +688,7 @@ def main() -> int:
                    "at a time; auto: coord, then the cross product of each axis's values within --pareto-promising "
                    "of the reference; full: the whole cross product (72 points by default); points: the reference and "
                    "--pareto-points")
-    g.add_argument("--pareto-points", default="", help="with --pareto-grid points: UP/DOWN/H/PACING,... (e.g. "
+    g.add_argument("--pareto-points", default="", help="with --pareto-grid points: UP/DOWN/H/PACING[/SETTINGS],... (e.g. "
                    "int4/int4/24/1)")
     g.add_argument("--pareto-ups", default="fp32,bf16,int4", help="uplink precisions (the deltas)")
     g.add_argument("--pareto-downs", default="fp32,bf16,int4", help="downlink precisions (the fetched fragments)")

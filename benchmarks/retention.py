@@ -3,8 +3,8 @@
     python benchmarks/retention.py [--rounds 600] [--learners 4] [--every-s 30] [--keep-rounds 16] [--out out/]
 
 A real local run (``python -m atoll.train.local run --preset demo``: a synchronizer process and
-``--learners`` learner processes that publish, save their inner state every ``save_every_steps``
-and write checkpoints) trains ``--rounds`` rounds in a local folder. Meanwhile, every ``--every-s``
+``--learners`` learner processes that publish, save their inner state as the recipe's budget
+allows, and write checkpoints) trains ``--rounds`` rounds in a local folder. Meanwhile, every ``--every-s``
 seconds, this script prunes it the way ``atoll prune`` does (``--keep-rounds``, two checkpoints,
 ``--min-age-s``, the real clock: the run is live, so young objects must survive) and records the
 bucket's size. "Without retention" is the size now plus every byte deleted so far: what the folder

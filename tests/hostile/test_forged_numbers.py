@@ -159,3 +159,58 @@ def test_tens_of_thousands_of_junk_records_keep_every_commit_small(backend: Back
     _junk(run, junk)
     again = drive(run, 3)
     _small_and_readable(run, [s.record for s in again])
+
+
+def _forged_alongside_honest(run: HostileRun, *, stall_s: float) -> tuple[RoundSummary, str, int]:
+    """The synchronizer stalls ``stall_s``, then the forger claims every step the step bound admits
+    (full batches) for the next round while the honest learners publish theirs; the round that
+    merges it, the forged key, and the claimed steps."""
+    run.clock.t += stall_s
+    p, steps, tokens = _forged_steps(run)
+    key = run.contribution(changes={"c_steps": steps, "c_tokens": tokens, "info": {"step_time_s": 1e-9}})
+    for s in drive(run, 2):
+        if key in {a.key for a in s.record.accepted}:
+            return s, key, steps
+    raise AssertionError(f"the forged contribution was not merged: {run.rejection(key)}")
+
+
+def _forgers_share(record: CommitRecord, key: str) -> tuple[int, float, int]:
+    """The forged contribution's weighed steps, its share, and the round's contributions."""
+    forged = next(a for a in record.accepted if a.key == key)
+    return forged.c_steps, forged.weight, len(record.accepted)
+
+
+def test_forged_counters_in_a_new_runs_first_round_count_at_most_the_prior(backend: Backend) -> None:
+    """Nothing has been observed yet (a new run): the forger's claim of every step the step bound
+    admits after a 30 s stall counts for at most the prior 2 x H steps, and with honest learners
+    in the round it carries at most 0.9 of the round's steps (the rules before counted it in
+    full: 0.999 of the round)."""
+    run = HostileRun(backend)
+    s, key, claimed = _forged_alongside_honest(run, stall_s=30.0)
+    steps, share, n = _forgers_share(s.record, key)
+    h = run.sync.config.inner_steps
+    assert steps <= 2 * h < claimed
+    assert s.record.stats["steps_clipped"]["evil"]["claimed"] == claimed
+    if n > 1:
+        assert share <= 0.9 + 1e-12
+
+
+def test_a_restarted_synchronizer_reads_back_what_it_observed(backend: Backend) -> None:
+    """Every commit names the fastest step times its synchronizer observed; a synchronizer
+    restarted on a fresh handle reads them back, so the forger's claim in its first round is
+    bounded by the honest learners' pace from the start (H + 4 x elapsed / their step time),
+    not left unbounded until it has seen another learner twice."""
+    run = HostileRun(backend)
+    done = drive(run, 6)
+    observed = done[-1].record.stats["observed_step_s"]
+    assert set(observed) <= {*HONEST, "evil"} and set(HONEST) & set(observed)
+    assert all(0 < t <= DT for t in observed.values())
+    run.sync = run.new_synchronizer(fresh=True)
+    assert run.sync.screen.observed.fastest_other("evil") == min(observed[h] for h in HONEST if h in observed)
+    started = run.clock()
+    s, key, claimed = _forged_alongside_honest(run, stall_s=10.0)
+    steps, share, n = _forgers_share(s.record, key)
+    bound = run.sync.config.inner_steps + int(4.0 * (run.clock() - started) / min(observed.values()))
+    assert steps <= bound < claimed
+    if n > 1:
+        assert share <= 0.9 + 1e-12

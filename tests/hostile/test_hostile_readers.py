@@ -6,11 +6,15 @@ replaced by a hostile value (400-digit integers, ``1e400``, NaN spelled in the t
 numbers belong, deep or huge nesting, negative numbers), or raw bytes (binary, truncated JSON,
 another kind). Each is written where that kind lives (a learner's own prefix; a commit slot, past
 or next; the synchronizer's liveness, stop and retention records; a checkpoint's config), then
-every reader reads the run: the synchronizer's listing, the fleet watch and ``atoll stop``
-(liveness), the learner's fetcher, ``atoll status`` and goodput, the round recorder's read,
-``verify``, retention's plan and a resume's state read. Each must return (a :class:`Skipped`,
-a rejection, a problem line, a void slot) and never raise. The object's original bytes are put
-back after each example. Example counts are small: the suite runs on 2 cores.
+every reader reads the run, each command among them: the synchronizer's listing, the fleet
+watch and ``atoll stop`` (liveness), the learner's fetcher, ``atoll status``, goodput and the
+plots' tracker, the round recorder's read, ``verify``, retention's plan (``atoll prune``), the
+recipe every process loads first (``load_recipe``), a resume's checks and state read, and
+``load_checkpoint``. Each must return (a :class:`Skipped`, a rejection, a problem line, a void
+slot) or raise atoll's own typed error where it must refuse (``load_checkpoint`` on a bad
+checkpoint; ``load_recipe`` on a sealed round 1 naming another run.json; ``prune`` on a
+non-plain object among the synchronizer's own folders), never anything else. The object's
+original bytes are put back after each example. Example counts are small: the suite runs on 2 cores.
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atoll.runs.goodput import GoodputTracker
-from atoll.runs.report import run_status
+from atoll.runs.plots import plots_markdown, render_plots
+from atoll.runs.report import check_run, run_status
 from atoll.storage import SynchronizerStore, paths
 from atoll.storage.codec import dump_record
-from atoll.storage.integrity import seal
+from atoll.storage.integrity import IntegrityError, seal
 from atoll.storage.retention import RetentionPolicy, RetentionRefused, plan_prune
 from atoll.storage.store import NotPlainObjectError
+from atoll.storage.validation import StorageError
 from atoll.train.fetcher import Fetcher
+from atoll.train.run import load_recipe
 
 EXAMPLES = int(os.environ.get("ATOLL_HOSTILE_EXAMPLES", "5"))
 """Examples per record kind on a local folder (small: ``make test`` runs on 2 cores)."""
@@ -62,8 +69,10 @@ RAW = st.one_of(
                      b'{"schema":"atoll/heartbeat","schema_version":3,"time":NaN}']),
 )
 
-KINDS = ("contribution", "commit-next", "commit-past", "heartbeat", "lease", "sync-heartbeat", "stop", "prune",
-         "head", "learner-state", "checkpoint")
+KINDS = ("contribution", "commit-next", "commit-past", "commit-first", "heartbeat", "lease", "sync-heartbeat",
+         "stop", "prune", "head", "learner-state", "checkpoint")
+LEARNER_OWNED = frozenset({"contribution", "heartbeat", "lease", "learner-state"})
+"""Kinds under a learner's own prefix: no command may refuse the run for them (they are skipped)."""
 
 
 def _spell(text: bytes) -> bytes:
@@ -96,6 +105,7 @@ class ReadersRun:
             return key, _body(s.get(key)), "atoll/contribution"
         keys = {
             "commit-next": paths.commit_key(self.latest + 1), "commit-past": paths.commit_key(2),
+            "commit-first": paths.commit_key(1),
             "heartbeat": paths.learner_heartbeat_key("evil", 1), "lease": paths.learner_lease_key("evil", 1),
             "sync-heartbeat": paths.sync_heartbeat_key(1), "stop": paths.STOP, "prune": paths.PRUNE,
             "head": paths.HEAD, "learner-state": paths.learner_state_key("evil"),
@@ -130,15 +140,21 @@ def _hostile_bytes(draw: Any, body: dict[str, Any] | None, schema: str) -> bytes
 
 
 @st.composite
-def planted(draw: Any, readers: ReadersRun) -> tuple[str, bytes]:
+def planted(draw: Any, readers: ReadersRun) -> tuple[str, str, bytes]:
     kind = draw(st.sampled_from(KINDS))
     key, body, schema = readers.target(kind)
-    return key, _hostile_bytes(draw, body, schema)
+    return kind, key, _hostile_bytes(draw, body, schema)
 
 
-def read_everything(readers: ReadersRun) -> None:
-    """Every reader of bucket objects, each on a fresh handle; none may raise."""
+def read_everything(readers: ReadersRun, kind: str | None = None) -> None:
+    """Every reader of bucket objects, each command among them, each on a fresh handle; none may
+    raise but the typed refusals named in the module's docstring (none for a learner's object)."""
     run = readers.run
+    try:
+        load_recipe(run.reader(fresh=True))  # every process's first read
+        check_run(run.reader(fresh=True))  # the supervisor's resume check
+    except IntegrityError:
+        assert kind == "commit-first", "only a sealed round 1 naming another run.json may refuse the recipe"
     fresh = run.reader(fresh=True)
     p, v = run.next_fragment()
     fresh.list_contributions(p, [v, max(0, v - 1)])  # the synchronizer's poll
@@ -154,14 +170,22 @@ def read_everything(readers: ReadersRun) -> None:
     fetcher = Fetcher(run.reader(fresh=True), 0, 0.01, versions=[0] * fresh.plan.num_fragments, log=lambda _: None)
     fetcher.poll_once()
     run_status(run.reader(fresh=True))  # atoll status
-    GoodputTracker(run.reader(fresh=True)).update()
+    tracker = GoodputTracker(run.reader(fresh=True))
+    tracker.update()
+    plots_markdown("run", tracker, {})  # atoll status --plot: what it reads (rendering is matplotlib's)
     run.reader(fresh=True).verify()
     try:
-        plan_prune(run.reader(fresh=True), RetentionPolicy(keep_rounds=4), now=time.time())
+        plan_prune(run.reader(fresh=True), RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time())
     except (RetentionRefused, NotPlainObjectError):
-        pass  # a typed refusal: retention never deletes what it cannot prove
+        # a typed refusal: retention never deletes what it cannot prove; one learner's object is skipped
+        assert kind not in LEARNER_OWNED, f"prune refused the run for a learner's own object ({kind})"
     fresh.read_global_state()  # resume
     fresh.load_learner_state_record(HONEST[0])
+    for r in run.reader(fresh=True).list_checkpoints():
+        try:
+            run.reader(fresh=True).load_checkpoint(r)
+        except (StorageError, FileNotFoundError):
+            pass  # typed: a checkpoint that does not verify is refused, never a raw error
 
 
 @pytest.fixture(scope="module", params=["local", "s3"])
@@ -189,12 +213,12 @@ def test_no_reader_raises_on_any_hostile_object(readers: ReadersRun) -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(data=st.data())
     def check(data: st.DataObject) -> None:
-        key, hostile = data.draw(planted(readers))
+        kind, key, hostile = data.draw(planted(readers))
         s = readers.store.store
         original = s.get_or_none(key)
         s.put(key, hostile)
         try:
-            read_everything(readers)
+            read_everything(readers, kind)
         finally:
             if original is None:
                 s.delete(key)
@@ -205,9 +229,12 @@ def test_no_reader_raises_on_any_hostile_object(readers: ReadersRun) -> None:
 
 
 def test_the_readers_run_reads_clean(readers: ReadersRun) -> None:
-    """The control: with nothing planted, every reader sees the run as committed."""
+    """The control: with nothing planted, every reader sees the run as committed, and the plots render."""
     read_everything(readers)
     assert readers.run.reader(fresh=True).verify().ok
+    tracker = GoodputTracker(readers.run.reader(fresh=True))
+    tracker.update()
+    assert render_plots(tracker)
 
 
 @pytest.mark.parametrize("what", ["fifo", "folder", "link-out", "link-in"])
@@ -234,7 +261,7 @@ def test_no_reader_raises_on_a_non_regular_object(readers: ReadersRun, what: str
         else:
             os.symlink(readers.run.backend.path(paths.RUN_MANIFEST), path)
         try:
-            read_everything(readers)
+            read_everything(readers, kind)
         finally:
             if path.is_dir() and not path.is_symlink():
                 (path / "x").unlink()

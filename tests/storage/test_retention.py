@@ -325,7 +325,9 @@ def test_atoll_prune_cli_dry_run_then_prune_then_verify_and_status(tmp_path: Pat
 
 def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     """A local writer (a hostile learner on a shared file system) links folders of its prefix to
-    somewhere outside the run: retention refuses to run, naming the link, and deletes nothing."""
+    somewhere outside the run: retention skips that learner, naming the link, deletes nothing of
+    it (nor anything through the link), and prunes everyone else; a link among the synchronizer's
+    own folders refuses the prune."""
     import os
 
     url = to_url(str(tmp_path / "run"))
@@ -346,8 +348,10 @@ def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     for f in [*root.rglob("*"), *outside.rglob("*")]:
         os.utime(f, (old, old), follow_symlinks=False)
     run = OperatorStore.open(url)
-    with pytest.raises(NotPlainObjectError, match="symlink"):
-        plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
+    assert [s.key for s in plan.skipped] == ["learners/evil/"] and "symlink" in plan.skipped[0].why
+    assert plan.deletes and not any(d.key.startswith("learners/evil/") for d in plan.deletes)
+    apply_prune(run, plan)
     with pytest.raises(NotPlainObjectError, match="link"):
         run.store.delete(f"learners/evil/blobs/sha256/{'ab' * 32}.safetensors")
     assert all(f.read_bytes() == b"precious" for f in victims)
@@ -358,14 +362,15 @@ def test_links_out_of_the_run_folder_are_never_followed(tmp_path: Path) -> None:
     with pytest.raises(NotPlainObjectError, match="00000001"):
         plan_prune(run, RetentionPolicy(keep_rounds=4, keep_checkpoints=1), now=time.time() + LATER)
     (root / "sync" / "checkpoints" / "00000001").unlink()
-    assert plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER).deletes
+    assert not plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER).skipped
 
 
 @pytest.mark.parametrize("link", ["blobs", "learner", "sha256"])
 def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path: Path, link: str) -> None:
     """A learner links its own blobs folder (or its whole prefix, or its sha256 folder) to a folder
     INSIDE the run: listed through, every committed state object, version 0 included, was deleted.
-    Retention refuses to run, naming the link; every state object stays and the run verifies."""
+    Retention skips that learner, naming the link, and deletes nothing of it; what it prunes of
+    everyone else leaves a run that verifies."""
     import os
 
     url = to_url(str(tmp_path / "run"))
@@ -385,8 +390,9 @@ def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path:
         os.utime(f, (old, old), follow_symlinks=False)
     before = sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir())
     run = OperatorStore.open(url)
-    with pytest.raises(NotPlainObjectError, match="symlink|link"):
-        plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    plan = plan_prune(run, RetentionPolicy(keep_rounds=4), now=time.time() + LATER)
+    assert [s.key for s in plan.skipped] == ["learners/evil/"] and "link" in plan.skipped[0].why
+    assert not any(d.key.startswith("learners/evil/") for d in plan.deletes)
     victim = f"learners/evil/blobs/sha256/{before[0]}"
     with pytest.raises(NotPlainObjectError, match="link"):
         run.store.delete(victim)
@@ -395,6 +401,7 @@ def test_a_link_inside_the_run_never_lets_prune_delete_committed_state(tmp_path:
     with pytest.raises(RetentionRefused):
         apply_prune(run, forged, by="test")
     assert sorted(p.name for p in (root / "sync" / "blobs" / "sha256").iterdir()) == before
+    apply_prune(run, plan)
     assert RunReader.open(url).verify().ok
 
 

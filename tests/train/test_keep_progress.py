@@ -11,8 +11,9 @@ import torch
 
 from atoll.core.config import synchronous_diloco
 from atoll.runs.goodput import MergedWork
-from atoll.storage import RunReader
+from atoll.storage import LearnerStore, RunReader
 from atoll.storage.paths import to_url
+from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import LearnerSpec, smoke_recipe
 from atoll.train.run import create_run
 from atoll.train.virtual import run_virtual
@@ -55,3 +56,50 @@ def test_work_after_a_publish_is_merged_instead_of_overwritten(tmp_path: Path) -
     dropped, kept = _merged_share(tmp_path, False), _merged_share(tmp_path, True)
     # Overwriting drops at least the tau = 2 steps after each publish of H = 4: about half.
     assert dropped < 0.7 and kept > 0.8 and kept > dropped + 0.2, (dropped, kept)
+
+
+def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_hand(tmp_path: Path) -> None:
+    """The real Learner on a real bucket, fragment 0 set to numbers exact in fp32: aligned to 1
+    everywhere, three steps (30 tokens) to 1.75 and a publish, two more (14 tokens) to 2.75;
+    adopting a version of 4 everywhere leaves 4 + (2.75 - 1.75) = 5, with 2 steps and 14 tokens
+    carried; one more step (9 tokens) to 5.25 and the next contribution is against the new
+    version, with delta 4 - 5.25 = -1.25, 3 steps, 23 tokens, 2 of them kept through the adoption."""
+    config, recipe = smoke_recipe(2, max_rounds=10)
+    store = create_run(to_url(str(tmp_path / "run")), config.replace(keep_local_progress=True), recipe)
+    learner = RecipeLearner(LearnerStore.beside(store), "learner-0", log=lambda s: None)
+    names = learner.plan.fragments[0]
+
+    def fill(value: float) -> None:
+        with torch.no_grad():
+            for n in names:
+                learner.params[n].fill_(value)
+
+    def version(value: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full_like(learner.params[n], value) for n in names}
+
+    assert learner.adopt(1, 0, version(1.0))
+    for _ in range(3):
+        learner.counters.record_step(10)
+    fill(1.75)
+    learner.publish(0)
+    for _ in range(2):
+        learner.counters.record_step(7)
+    fill(2.75)
+    assert learner.adopt(5, 0, version(4.0))
+    for n in names:
+        assert torch.equal(learner.params[n].detach(), torch.full_like(learner.params[n], 5.0)), n
+    fc = learner.counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 2, 14, 2)
+    assert not learner.adopt(5, 0, version(9.0))  # not newer: nothing changes
+
+    learner.counters.record_step(9)
+    fill(5.25)
+    learner.step_count = 6
+    learner.publish(0)
+    learner.flush()
+    reader = RunReader.open(store.url, read_only=True)
+    (rec,) = reader.list_contributions(0, 5, ["learner-0"]).records
+    assert (rec.c_steps, rec.c_tokens, rec.info["kept_steps"], rec.info["step"]) == (3, 23, 2, 6)
+    delta = reader.load_contribution(rec).delta
+    for n in names:
+        assert torch.equal(delta[n], torch.full_like(delta[n], -1.25)), n

@@ -92,3 +92,43 @@ def test_nothing_is_carried_without_a_step_since_the_publish() -> None:
     counters.record_step(5)
     marks.mark(0, params, counters.fragments[0])
     assert marks.unpublished(0, params, _fragment(3), counters.fragments[0]) is None
+
+
+def test_keep_local_progress_by_hand() -> None:
+    """Two weights, numbers chosen to be exact in fp32. Base (1, 2); three steps of (+0.25, -0.5)
+    at 10 tokens each reach (1.75, 0.5), where the learner publishes; two steps of (+0.5, +0.25)
+    at 7 tokens each reach (2.75, 1). Adopting version 5 = (4, -1) gives (4, -1) + (2.75 - 1.75,
+    1 - 0.5) = (5, -0.5), with counters (base 5, 2 steps, 14 tokens, 2 of them kept)."""
+    params, counters, marks = {"w": torch.tensor([1.0, 2.0])}, LearnerCounters.fresh(1, base_version=3), PublishMarks(1)
+    base = {"w": params["w"].clone()}
+    for _ in range(3):
+        counters.record_step(10)
+        params["w"] += torch.tensor([0.25, -0.5])
+    marks.mark(0, params, counters.fragments[0])  # the publish: (1.75, 0.5), 3 steps, 30 tokens
+    for _ in range(2):
+        counters.record_step(7)
+        params["w"] += torch.tensor([0.5, 0.25])
+    assert params["w"].tolist() == [2.75, 1.0]
+
+    kept = marks.unpublished(0, params, base, counters.fragments[0])
+    assert kept is not None and kept.progress["w"].tolist() == [1.0, 0.5] and (kept.c_steps, kept.c_tokens) == (2, 14)
+    align_fragment(params, {"w": torch.tensor([4.0, -1.0])}, counters=counters, fragment=0, version=5)
+    marks.clear(0)
+    carry(params, counters.fragments[0], kept)
+    assert params["w"].tolist() == [5.0, -0.5]
+    fc = counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 2, 14, 2)
+    assert fc.frozen().c_steps == 2  # the next contribution carries the kept steps
+
+    # One more step, then the next adoption with no publish between: everything since the
+    # last adoption (kept steps included) is unpublished, and all of it is kept again.
+    counters.record_step(9)
+    params["w"] += torch.tensor([0.25, 0.25])
+    again = marks.unpublished(0, params, {"w": torch.tensor([4.0, -1.0])}, counters.fragments[0])
+    assert again is not None and again.progress["w"].tolist() == [1.25, 0.75] and (again.c_steps, again.c_tokens) == (3, 23)
+    align_fragment(params, {"w": torch.tensor([0.0, 0.0])}, counters=counters, fragment=0, version=7)
+    carry(params, counters.fragments[0], again)
+    assert params["w"].tolist() == [1.25, 0.75] and counters.fragments[0].kept_steps == 3
+    # Without keep_local_progress an alignment resets everything, kept steps included.
+    align_fragment(params, {"w": torch.tensor([0.0, 0.0])}, counters=counters, fragment=0, version=9)
+    assert counters.fragments[0] == type(counters.fragments[0])(base_version=9)

@@ -96,3 +96,9 @@ def test_pareto_grid_and_front(quality) -> None:  # type: ignore[no-untyped-def]
     assert P.from_key(kept.key(6e-3)) == kept
     c = quality.pareto_config(quality.diloco_configs(8, 0.8, 0.0)["decoupled"], kept, fragments=8)
     assert (c.keep_local_progress, c.outer_lr, c.inner_steps, c.num_fragments) == (True, 0.7, 24, 8)
+    # A point's own settings follow every point's (--pareto-extra): one invocation sweeps the outer step.
+    own = quality.parse_point("int4/int4/8/1/keep_local_progress:1;outer_lr:0.5", "outer_momentum:0.5")
+    assert own == P(up="int4", down="int4", h=8, pacing=1.0, extra="outer_momentum:0.5;keep_local_progress:1;outer_lr:0.5")
+    assert quality.parse_point("int4/bf16/24/0") == P(up="int4", down="bf16", h=24)
+    assert quality.has_settings(own.extra, "outer_momentum:0.5") and quality.has_settings(own.extra, "")
+    assert not quality.has_settings(own.extra, "outer_momentum:0.9")

@@ -149,6 +149,37 @@ def test_pacing_never_closes_a_round_sooner_or_with_fewer(times, steps, wait, n_
         assert {a.learner_id for a in on.accepted} >= {a.learner_id for a in off.accepted}
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    fast=st.lists(st.tuples(st.floats(0.0, 20.0), st.integers(1, 12)), min_size=1, max_size=3),
+    straggler_at=st.floats(0.0, 40.0),
+    pace=st.sampled_from([0.25, 0.5, 1.0]),
+    step_s=st.floats(0.1, 2.0),
+)
+def test_a_straggler_holds_a_paced_round_no_longer_than_the_bound_and_grace(fast, straggler_at, pace, step_s) -> None:
+    """A live learner that is slow (or silent) never keeps a paced round open past the pacing bound
+    (``pace_steps`` step times after the round opened) plus the grace window, counted from the
+    later of that bound and the quorum; arriving after that cut, it is late."""
+    h = 8
+    policy = paced(pace_steps=pace * h)
+    timings = TimingEstimates(step_s=step_s, quorum_s=0.0, sync_s=0.0)
+    grace = 0.5 * 2 * step_s  # gamma * tau * xi_step (P = H, one step between rounds)
+    got = [arr(f"F{i}", t, steps) for i, (t, steps) in enumerate(fast)]
+    live = [a.learner_id for a in got] + ["S"]
+    cut = max(min(a.arrived_at_s for a in got), policy.pace_steps * step_s) + grace
+    arrivals = [*got, arr("S", straggler_at, h)]
+    d = decide_round(now_s=cut, opened_at_s=0.0, arrivals=[a for a in arrivals if a.arrived_at_s <= cut],
+                     live_learners=live, policy=policy, timings=timings)
+    if max(a.arrived_at_s for a in got) <= cut:
+        assert d.close and d.close_at_s is not None and d.close_at_s <= cut + 1e-9
+    later = decide_round(now_s=max(cut, straggler_at) + 1.0, opened_at_s=0.0, arrivals=arrivals,
+                         live_learners=live, policy=policy, timings=timings)
+    assert later.close and later.close_at_s is not None and later.close_at_s <= cut + 1e-9
+    late = {a.learner_id for a, why in later.rejected if why.kind is RejectionKind.LATE}
+    assert late == {a.learner_id for a in arrivals if a.arrived_at_s > later.close_at_s}
+    assert ("S" in late) == (straggler_at > later.close_at_s)
+
+
 def test_config_round_pacing_is_a_fraction_of_h_validated_and_off_by_default() -> None:
     assert DilocoConfig().round_pacing == 0.0 and DilocoConfig().quorum_policy().pace_steps == 0.0
     c = DilocoConfig(num_fragments=8, inner_steps=8, round_pacing=0.75)

@@ -4,7 +4,7 @@ Each subcommand is a small function that parses its flags and calls library code
 does the work so a notebook can do the same without the CLI. The subcommands live beside this
 module by job: :mod:`~atoll.cli.simulation` (simulate, plan), :mod:`~atoll.cli.stack` (up, deploy,
 demo), :mod:`~atoll.cli.training` (train, resume), :mod:`~atoll.cli.run_bucket` (status, verify,
-prune) and :mod:`~atoll.cli.flow_runs` (learner, stop, supervise); :mod:`~atoll.cli.flags`
+prune), :mod:`~atoll.cli.flow_runs` (learner, stop, supervise) and :mod:`~atoll.cli.keys` (keys); :mod:`~atoll.cli.flags`
 generates flags from the typed options models.
 
 Errors: atoll's own (a bad run folder, a missing run, bad input, a bad config or argument) print
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from atoll import __version__
-from atoll.cli import flow_runs, run_bucket, simulation, stack, training
+from atoll.cli import flow_runs, keys, run_bucket, simulation, stack, training
 from atoll.cli.flags import resolve_defaults as _resolve_defaults
 
 __all__ = ["main", "build_parser", "error_line", "MAX_ERROR_CHARS"]
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Orchestration (Prefect) handlers call atoll.ops / atoll.flows / atoll.runs; `status` never imports Prefect.
     for add in (simulation.add_simulate, simulation.add_plan, stack.add_up, stack.add_deploy,
                 training.add_train_and_resume, run_bucket.add_status, run_bucket.add_verify, run_bucket.add_prune,
-                flow_runs.add_learner, flow_runs.add_stop, flow_runs.add_supervise, stack.add_demo):
+                flow_runs.add_learner, flow_runs.add_stop, flow_runs.add_supervise, stack.add_demo, keys.add_keys):
         add(sub)
     return parser
 

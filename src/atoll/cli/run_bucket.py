@@ -18,6 +18,9 @@ def add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--last", type=int, default=20, help="show the last N rounds (0: all; default %(default)s)")
     p.add_argument("--plot", metavar="DIR", help="also write the run's plots as PNGs under DIR (loss, goodput and "
                                                  "merged-work share, contributors, bytes, learners)")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write the same figures as TensorBoard event files "
+                                                        "under DIR, replacing the previous export (needs "
+                                                        "pip install 'atoll[tensorboard]')")
     add_storage_option(p)
     p.set_defaults(handler=_status)
 
@@ -70,12 +73,18 @@ def _status(args: argparse.Namespace) -> int:
 
         written = write_plots(args.plot, tracker)
         print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none (no round committed yet)")
+    if args.tensorboard:
+        from atoll.runs.tensorboard import write_tensorboard
+
+        events = write_tensorboard(args.tensorboard, tracker)
+        print(f"tensorboard: {events} (tensorboard --logdir {args.tensorboard})" if events
+              else "tensorboard: nothing written (no round committed yet)")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     store = open_existing(args.run_url, bucket_options(args))
-    signed = "with the synchronizer's key" if store.keyring.key("synchronizer") else "digests and links only"
+    signed = store.signature_scheme()
     print(f"verifying {store.url} ({signed}) ...", flush=True)
 
     def progress(r: int) -> None:

@@ -89,7 +89,19 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
                    help="DP gradient precision (default %(default)s)")
     p.add_argument("--grace-factor", type=float, default=default("grace_factor"), help="gamma (default %(default)s)")
     p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="tokens a learner trains per inner step: adds bytes per token, records included")
+                   help="tokens a learner trains per inner step: adds bytes per token, records included, "
+                        "and what its inner-state saves cost")
+    recipe = lambda name: LibraryDefault("atoll.train.recipe:Recipe", name)  # noqa: E731
+    p.add_argument("--save-share", type=float, default=recipe("save_uplink_share"),
+                   help="with --tokens-per-step: saves' byte budget, a share of a learner's other uplink "
+                        "(Recipe.save_uplink_share, default %(default)s)")
+    p.add_argument("--save-every-s", type=float, default=recipe("save_every_s"),
+                   help="with --tokens-per-step: seconds between saves at least (default %(default)s)")
+    p.add_argument("--save-moments", choices=["fp32", "bf16"], default=recipe("save_moments_dtype"),
+                   help="with --tokens-per-step: dtype of the saved AdamW moments (default %(default)s)")
+    p.add_argument("--saves", action="store_true",
+                   help="also print what saves cost per token at the demo and paper presets and at 86M and 1B "
+                        "(the gpu preset), at the recipe's default cadence")
     p.set_defaults(handler=_plan)
 
 
@@ -117,6 +129,14 @@ def _plan(args: argparse.Namespace) -> int:
         config = DilocoConfig(num_learners=args.learners, num_fragments=args.fragments, inner_steps=args.inner_steps,
                               overlap_steps=args.tau, compression=args.precision)
         print("\n".join(plan_wire(config, params=int(args.params), tokens_per_step=args.tokens_per_step,
-                                  download_precision=args.download_precision,
-                                  dp_precision=args.dp_precision).lines()))
+                                  download_precision=args.download_precision, dp_precision=args.dp_precision,
+                                  save_every_steps=None, save_uplink_share=args.save_share or None,
+                                  save_every_s=args.save_every_s, step_s=args.step_s,
+                                  save_moments=args.save_moments).lines()))
+    if args.saves:
+        from atoll.train.save_costs import save_cost_lines
+
+        print("\ninner-state saves per token a learner trains, at the recipe's default cadence (bytes up; "
+              "share: of its contributions' bytes; fixed: the cadence the presets had before):")
+        print("\n".join(save_cost_lines()))
     return 0

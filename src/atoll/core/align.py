@@ -38,6 +38,12 @@ class FragmentCounters:
     c_tokens: int = 0
     """Tokens since that alignment."""
 
+    kept_steps: int = 0
+    """Of ``c_steps``, those run before that alignment and carried through it
+    (``keep_local_progress``, :func:`carry`): work the next contribution delivers that adoption
+    would otherwise have overwritten. Contributions report it (``info["kept_steps"]``) so the
+    merged-work share can say how much of what it counts was kept this way."""
+
     def frozen(self) -> Counters:
         return Counters(c_steps=self.c_steps, c_tokens=self.c_tokens)
 
@@ -147,3 +153,4 @@ def carry(params: Mapping[str, torch.Tensor], counters: FragmentCounters, unpubl
     for name, d in unpublished.progress.items():
         params[name].add_(d.to(dtype=params[name].dtype, device=params[name].device))
     counters.c_steps, counters.c_tokens = unpublished.c_steps, unpublished.c_tokens
+    counters.kept_steps = unpublished.c_steps

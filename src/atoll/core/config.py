@@ -140,13 +140,28 @@ class DilocoConfig:
     can buy. Off (None) by default: an honest island with many more ranks than the others
     legitimately carries more than 0.9 of a round (two ranks beside one, at token weighting,
     already 0.901); counters are bounded by observed time (``max_learner_speedup``) either way.
-    A fleet of equal learners can set e.g. 0.9 (docs/threat-model.md)."""
+    A fleet of equal learners can set e.g. 0.9 (docs/threat-model.md). ``max_step_share``, on
+    by default, is the cap that knows the recipe's islands."""
+
+    max_step_share: float | None = 0.9
+    """Largest share of a round's inner steps one contribution may carry, with two or more
+    contributions (counted as weighed: after the clip of ``max_learner_speedup``): a claim above
+    it is clipped to ``max_step_share / (1 - max_step_share)`` times the others' steps together,
+    tokens in proportion (:func:`~atoll.core.weights.cap_step_share`). Steps, not weights: an
+    island's ranks multiply its tokens per step (the recipe's batch), never its steps, so an
+    honest multi-rank island is no nearer the cap than a one-rank learner, while one learner's
+    claims can buy at most this share of a round's steps whatever was observed before
+    (docs/threat-model.md has the worst cases). In [0.5, 1); None turns it off. 0.9: the demo's
+    honest rounds carry at most 0.82 (``benchmarks/trust_guards.py``)."""
 
     max_learner_speedup: float | None = 4.0
     """How much faster than the fastest other learner (its step time as the synchronizer
     observes it) a learner may step: a contribution's steps count for weighting at most
     H + max_learner_speedup x (time since its base version was committed) / that step time;
-    a claim above it is clipped, not rejected (docs/threat-model.md). None turns the clip off."""
+    a claim above it is clipped, not rejected (docs/threat-model.md). Until another learner's
+    step time has been observed (a new run; a restarted synchronizer reads back the ones its
+    predecessor observed), the bound is the prior 2 x H steps. None turns the clip and the
+    prior off."""
 
     def __post_init__(self) -> None:
         # Checked in field order, so the first knob named is the first one out of range.
@@ -214,7 +229,7 @@ class DilocoConfig:
         )
 
     def _check_guards(self) -> None:
-        """Round deadline, outlier guard, round pacing, kept progress, weight cap, speed clip."""
+        """Round deadline, outlier guard, round pacing, kept progress, weight and step caps, speed clip."""
         need = self._need
         need(
             self.max_wait_s is None or (math.isfinite(self.max_wait_s) and self.max_wait_s > 0),
@@ -240,6 +255,10 @@ class DilocoConfig:
                                                   and math.isfinite(self.max_learner_speedup)
                                                   and self.max_learner_speedup >= 1.0),
              "max_learner_speedup", "must be None or a finite ratio >= 1")
+        need(self.max_step_share is None or (isinstance(self.max_step_share, int | float)
+                                             and not isinstance(self.max_step_share, bool)
+                                             and 0.5 <= self.max_step_share < 1.0),
+             "max_step_share", "must be None or a share in [0.5, 1)")
 
     @property
     def steps_between_rounds(self) -> float:

@@ -22,7 +22,9 @@ __all__ = [
     "max_steps_since",
     "MIN_STEP_S",
     "plausible_steps",
+    "UNOBSERVED_INTERVALS",
     "clip_counters",
+    "cap_step_share",
     "cap_weight_share",
 ]
 
@@ -125,8 +127,14 @@ def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "token
     return WeightResult(weights=weights, rejected=rejected)
 
 
+UNOBSERVED_INTERVALS = 2
+"""The prior before anything has been observed: a contribution's weight counts at most this many
+publication intervals of H inner steps (one of fresh work, one carried from before it aligned),
+until the synchronizer has observed another learner's step time."""
+
+
 def plausible_steps(elapsed_s: float, *, min_step_s: float | None, inner_steps: int,
-                    speedup: float | None) -> int | None:
+                    speedup: float | None, unobserved_steps: int | None = None) -> int | None:
     """The most inner steps a contribution's weight may count: what its observed time could
     have produced, ``H + speedup * elapsed_s / min_step_s``.
 
@@ -135,13 +143,20 @@ def plausible_steps(elapsed_s: float, *, min_step_s: float | None, inner_steps: 
     observed minimum plausible step time (of the *other* live learners: a learner's own reports
     never loosen its own bound); ``speedup`` is how much faster than that a learner may step.
     ``+ H`` covers the steps a learner may carry into a contribution from before it aligned
-    (local progress kept past the overlap). None (no bound) when there is no step time to go by
-    or the bound is off. An honest learner that is not more than ``speedup`` times faster than
-    the fastest other learner stays under it; a claim above it is clipped (:func:`clip_counters`),
-    not rejected: the steps may be honest, the weight they ask for is not proven.
+    (local progress kept past the overlap). An honest learner that is not more than ``speedup``
+    times faster than the fastest other learner stays under it; a claim above it is clipped
+    (:func:`clip_counters`), not rejected: the steps may be honest, the weight they ask for is
+    not proven.
+
+    With no step time to go by (a new run, a restarted synchronizer that read nothing back) the
+    bound is the prior ``unobserved_steps`` (the synchronizer passes
+    ``UNOBSERVED_INTERVALS * H``), not no bound; None when there is no prior either, or the
+    bound is off (``speedup`` None).
     """
-    if speedup is None or min_step_s is None or not (min_step_s > 0 and math.isfinite(min_step_s)):
+    if speedup is None:
         return None
+    if min_step_s is None or not (min_step_s > 0 and math.isfinite(min_step_s)):
+        return None if unobserved_steps is None else max(1, int(unobserved_steps))
     if not (math.isfinite(elapsed_s) and elapsed_s > 0):
         elapsed_s = 0.0
     return int(inner_steps) + int(speedup * elapsed_s / min_step_s)
@@ -154,6 +169,27 @@ def clip_counters(c: Counters, max_steps: int | None) -> Counters:
     if max_steps is None or c.c_steps <= max_steps or c.c_steps <= 0 or max_steps <= 0:
         return c
     return Counters(c_steps=max_steps, c_tokens=max(1, c.c_tokens * max_steps // c.c_steps))
+
+
+def cap_step_share(counters: Mapping[str, Counters], max_share: float | None) -> dict[str, Counters]:
+    """``counters`` with no one contribution carrying more than ``max_share`` of the round's
+    inner steps (two or more contributions): the one above (at most one can be, the cap being at
+    least a half) is clipped (:func:`clip_counters`) to ``max_share / (1 - max_share)`` times the
+    others' steps together. Steps, not weights: an island's ranks multiply its tokens per step
+    (its weight per step, from the recipe), never its steps, so an honest multi-rank island is
+    no nearer the cap than a one-rank learner. The same objects when none is over (or
+    ``max_share`` is None or 1). Integers only."""
+    if max_share is None or max_share >= 1.0 or len(counters) < 2:
+        return dict(counters)
+    out = dict(counters)
+    total = sum(max(0, c.c_steps) for c in counters.values())
+    for key, c in counters.items():
+        rest = total - max(0, c.c_steps)
+        if c.c_steps > max_share * total and rest > 0:
+            # share <= k  <=>  steps <= k / (1 - k) * rest; the fraction in integers, rounding down
+            num, den = float(max_share).as_integer_ratio()
+            out[key] = clip_counters(c, max(1, num * rest // (den - num)))
+    return out
 
 
 def cap_weight_share(weights: Mapping[str, float], max_share: float | None) -> dict[str, float]:

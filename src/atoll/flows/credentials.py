@@ -13,6 +13,15 @@ sets those variables in the process environment (variables that are already set 
 own secret mounts, e.g. kubernetes ``secretKeyRef``, take precedence), before the bucket is
 opened, so s3fs / gcsfs / boto pick them up. Values never appear in flow-run parameters, job
 variables or logs.
+
+**Signing keys** travel the same way: ``ATOLL_KEYRING`` in the block holds the host's *private*
+keys as a keyring JSON (``atoll keys new <writer>`` writes exactly that: ``{"learner-0":
+"ed25519-private:<hex>"}``). Give each writer its own block (``atoll deploy --secret-block`` per
+pool): the synchronizer's block holds only the synchronizer's key, a learner pool's only that
+learner's. Public keys are not secret: they come from ``run.json`` (pinned at creation), or
+``ATOLL_PUBLIC_KEYS`` in plain job variables (the synchronizer's key a learner expects, a learner
+added after creation). A block whose ``ATOLL_KEYRING`` does not parse is refused when it is loaded,
+naming the block, never the value (docs/protocol.md section 8).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, cast
 
 __all__ = ["SECRET_BLOCK_ENV", "export_secret_env", "secret_env_values"]
+
+KEYRING_ENV = "ATOLL_KEYRING"
+"""The signing keys' variable (:data:`atoll.storage.integrity.KEYRING_ENV`)."""
 
 SECRET_BLOCK_ENV = "ATOLL_SECRET_BLOCK"
 """Environment variable holding the name of the Prefect Secret block with the bucket credentials."""
@@ -48,6 +60,14 @@ def secret_env_values(value: Any, *, block: str) -> dict[str, str]:
         if not isinstance(v, str | int | float) or isinstance(v, bool):
             raise ValueError(f"Secret block {block!r}: the value of {key} must be a string")
         out[key] = str(v)
+    if KEYRING_ENV in out:
+        from atoll.storage.integrity import Keyring
+
+        try:
+            Keyring.from_json(out[KEYRING_ENV])
+        except ValueError:  # its message may quote key material: name the block only
+            raise ValueError(f"Secret block {block!r}: {KEYRING_ENV} is not a keyring (a JSON object of "
+                             f"'ed25519-private:<hex>', 'ed25519-public:<hex>' or hex HMAC keys)") from None
     return out
 
 

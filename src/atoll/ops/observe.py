@@ -16,7 +16,8 @@ from typing import Any
 
 from atoll.storage import paths
 from atoll.storage.codec import load_record
-from atoll.storage.liveness import KIND_HEARTBEAT, KIND_LEASE, Heartbeat, Lease
+from atoll.storage.liveness import KIND_HEARTBEAT, KIND_LEASE, MAX_LIFECYCLE_RECORD_BYTES, Heartbeat, Lease
+from atoll.storage.reading import Skipped, read_parsed
 
 __all__ = ["processes_with", "pid_state", "live_copies", "alive"]
 
@@ -59,16 +60,18 @@ def live_copies(store: Any, learner_id: str, *, env_var: str, marker: str, heart
         n = paths.parse_incarnation_key(name)
         if n is None:
             continue
-        data = store.store.get_or_none(paths.learner_lease_key(learner_id, n))
-        if data is None:
+        # Through the one reader: a lease or heartbeat that is not a plain, well-formed record
+        # is skipped like an absent one.
+        lease = read_parsed(store.store, paths.learner_lease_key(learner_id, n), MAX_LIFECYCLE_RECORD_BYTES,
+                            lambda data: Lease.from_body(load_record(data, KIND_LEASE)))
+        if lease is None or isinstance(lease, Skipped):
             continue
-        lease = Lease.from_body(load_record(data, KIND_LEASE))
         if lease.pid not in mine or pid_state(lease.pid) in NOT_RUNNING:
             continue
-        hb = store.store.get_or_none(paths.learner_heartbeat_key(learner_id, n))
-        if hb is None:
+        beat = read_parsed(store.store, paths.learner_heartbeat_key(learner_id, n), MAX_LIFECYCLE_RECORD_BYTES,
+                           lambda data: Heartbeat.from_body(load_record(data, KIND_HEARTBEAT)))
+        if beat is None or isinstance(beat, Skipped):
             continue
-        beat = Heartbeat.from_body(load_record(hb, KIND_HEARTBEAT))
         written = stored.get(n)
         if beat.status == "alive" and time.time() - (beat.time if written is None else written) < heartbeat_timeout_s:
             out.append(n)

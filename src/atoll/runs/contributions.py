@@ -1,23 +1,31 @@
 """What committed rounds merged, contribution by contribution: the contribution records a round
-names (read from the bucket a chunk at a time), a round's contributions table, and the effective H
-(inner steps per merged contribution)."""
+names (read from the bucket a chunk at a time), a round's contributions table, the effective H
+(inner steps per merged contribution), and the work no round merged, by cause (:class:`LostWork`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from atoll.core.rejection import Rejection, RejectionKind
+from atoll.storage import paths
 from atoll.storage.codec import load_record
+from atoll.storage.handle import MAX_CONTRIBUTION_RECORD_BYTES
 from atoll.storage.reader import RunReader
+from atoll.storage.reading import Skipped, read_parsed
 from atoll.storage.records import KIND_CONTRIBUTION, CommitRecord, ContributionRecord
 from atoll.storage.store import io_map
-from atoll.storage.validation import InvalidInput
 
 __all__ = [
+    "LOST_CAUSES",
     "ContributionRow",
+    "LostWork",
     "contribution_rows",
     "effective_h",
+    "fate_of",
+    "learner_of_contribution",
     "prefetch_contributions",
     "read_contribution",
     "steps_since_sync",
@@ -32,13 +40,12 @@ long run delays a round by one chunk at most (~0.1 s on S3)."""
 
 
 def _load_contribution(store: RunReader, key: str) -> ContributionRecord | None:
-    """A contribution record, or None if it is gone or not a contribution record (a transient
-    storage error is raised: the store is unwell, not the record)."""
-    try:
-        data = store.store.get_or_none(key, max_bytes=1 << 20)
-        return ContributionRecord.from_body(load_record(data, KIND_CONTRIBUTION), key) if data is not None else None
-    except (InvalidInput, ValueError, TypeError):
-        return None
+    """A contribution record, or None if it is gone or unusable (not a plain object, oversized,
+    not a contribution record: the one reader's :class:`~atoll.storage.reading.Skipped`). A
+    transient storage error is raised: the store is unwell, not the record."""
+    got = read_parsed(store.store, key, MAX_CONTRIBUTION_RECORD_BYTES,
+                      lambda data: ContributionRecord.from_body(load_record(data, KIND_CONTRIBUTION), key))
+    return None if isinstance(got, Skipped) else got
 
 
 def read_contribution(store: RunReader, key: str, cache: dict[str, ContributionRecord | None]) -> ContributionRecord | None:
@@ -76,9 +83,19 @@ class ContributionRow:
                 "weight": round(self.weight, 6), "status": self.status}
 
 
-def _learner_of_key(key: str) -> str:
+_RECORD_NAME = re.compile(r"^(?P<lid>.+)\.s\d{10}\.[0-9a-f]{16}\.json$")
+
+
+def learner_of_contribution(key: str) -> str:
+    """The learner a contribution key belongs to: the owner of the prefix it lies under (what the
+    bucket policy lets only that learner write), never what its record or file name claims; for
+    a key outside every learner's prefix, the learner id its file name spells."""
+    owner = paths.learner_of_key(key)
+    if owner is not None:
+        return owner
     name = key.rsplit("/", 1)[-1]
-    return name.split(".s", 1)[0] if ".s" in name else name
+    m = _RECORD_NAME.match(name)
+    return m.group("lid") if m else name
 
 
 def contribution_rows(store: RunReader, record: CommitRecord,
@@ -91,11 +108,12 @@ def contribution_rows(store: RunReader, record: CommitRecord,
             for a in sorted(record.accepted, key=lambda a: a.learner_id)]
     for key, why in sorted(record.rejected.items()):
         rec = read_contribution(store, key, cache)
+        learner = learner_of_contribution(key)
         if rec is not None:
             pool = rec.info.get("pool") if isinstance(rec.info.get("pool"), str) else ""
-            rows.append(ContributionRow(rec.learner_id, str(pool), rec.c_tokens, rec.c_steps, 0.0, str(why)))
+            rows.append(ContributionRow(learner, str(pool), rec.c_tokens, rec.c_steps, 0.0, str(why)))
         else:
-            rows.append(ContributionRow(_learner_of_key(key), "", 0, 0, 0.0, str(why)))
+            rows.append(ContributionRow(learner, "", 0, 0, 0.0, str(why)))
     return rows
 
 
@@ -115,3 +133,102 @@ def steps_since_sync(rows: Iterable[ContributionRow]) -> float | None:
     every H of its steps; one that falls behind lets learners run more steps between syncs."""
     steps = [r.steps for r in rows if r.status == "accepted" and r.steps > 0]
     return sum(steps) / len(steps) if steps else None
+
+
+LOST_CAUSES = ("overlap", "superseded", "late", "rejected")
+"""Why a learner's inner steps did not reach the model (:class:`LostWork`), in ``atoll status``'s order."""
+
+_FATES = ("merged", *LOST_CAUSES)
+
+
+def fate_of(why: Rejection) -> str:
+    """The cause a rejection puts a contribution's work under: late (after the grace window, and
+    not merged since), superseded (the same learner's newer contribution replaced it, or a second
+    one in the round), or rejected (every other kind: counters, fencing, outliers, bad input)."""
+    if why.kind is RejectionKind.LATE:
+        return "late"
+    if why.kind in (RejectionKind.SUPERSEDED, RejectionKind.DUPLICATE):
+        return "superseded"
+    return "rejected"
+
+
+class LostWork:
+    """Each learner's inner steps by fate, fed committed rounds in order; steps, per fragment.
+
+    A contribution of learner m on fragment p, published at m's step ``s`` with ``c_steps`` = c,
+    carries m's steps ``(s - c, s]`` on p (its work since it last adopted p, plus, with
+    ``keep_local_progress``, what it kept through that adoption). Each step of each fragment
+    is then, in this order:
+
+    * merged: a merged contribution carries it (counted once, however many do);
+    * the fate of the newest contribution that carries it (by base version, then step): late
+      (still refused as late), superseded (replaced by the learner's newer contribution, against
+      a newer base: the newer one does not hold this work) or rejected (any other reason);
+    * overlap: no contribution carries it, but a later one exists: steps run between a publish
+      and the next adoption, which the adoption overwrote (``keep_local_progress`` carries them
+      into the next contribution instead);
+    * not counted: after the newest contribution a committed round lists (not yet published, or
+      not yet decided).
+
+    Only contributions a committed round lists (merged or rejected) are known, and only those
+    whose record reads (``info["step"]``). A learner restarted from a save runs some steps again:
+    they are counted once here (goodput counts them as redone). Memory: one span per such
+    contribution."""
+
+    def __init__(self) -> None:
+        self._spans: dict[tuple[str, int], dict[str, tuple[int, int, int, str]]] = {}
+        """(learner, fragment) -> key -> (base version, first step, last step, fate)."""
+        self._counted: dict[tuple[str, int], dict[str, int]] = {}
+        """(learner, fragment) -> its steps by fate, as of the last :meth:`steps` (redone when it changed)."""
+
+    def note(self, learner: str, fragment: int, rec: ContributionRecord | None, fate: str) -> None:
+        """A committed round merged (``fate="merged"``) or refused ``rec``; a merged one stays merged."""
+        step = rec.info.get("step") if rec is not None else None
+        if rec is None or not isinstance(step, int) or isinstance(step, bool) or not 0 < rec.c_steps <= step < 2**53:
+            return
+        spans = self._spans.setdefault((learner, fragment), {})
+        old = spans.get(rec.key)
+        if old is None or old[3] != "merged":
+            spans[rec.key] = (rec.base_version, step - rec.c_steps, step, fate)
+            self._counted.pop((learner, fragment), None)
+
+    def round(self, record: CommitRecord, contribution: Mapping[str, ContributionRecord | None]) -> None:
+        """Note committed ``record``'s contributions (their records by key, None when unreadable)."""
+        for a in record.accepted:
+            self.note(a.learner_id, record.fragment, contribution.get(a.key), "merged")
+        for key, why in record.rejected.items():
+            self.note(learner_of_contribution(key), record.fragment, contribution.get(key), fate_of(why))
+
+    def steps(self) -> dict[str, dict[str, int]]:
+        """Per learner, its steps by fate over every fragment ("merged" and :data:`LOST_CAUSES`),
+        each fragment's steps counted apart: divide by P for whole inner steps."""
+        out: dict[str, dict[str, int]] = {}
+        for slot, spans in self._spans.items():
+            got = out.setdefault(slot[0], dict.fromkeys(_FATES, 0))
+            if slot not in self._counted:
+                self._counted[slot] = _fates(list(spans.values()))
+            for fate, n in self._counted[slot].items():
+                got[fate] += n
+        return out
+
+
+def _fates(spans: list[tuple[int, int, int, str]]) -> dict[str, int]:
+    """One (learner, fragment)'s steps from 0 to its newest contribution, by fate (:class:`LostWork`):
+    a sweep over the spans' ends, holding only the spans open at each (a few at a time)."""
+    out = dict.fromkeys(_FATES, 0)
+    spans = sorted(spans, key=lambda s: s[1])
+    cuts = sorted({0, *(lo for _, lo, _, _ in spans), *(hi for _, _, hi, _ in spans)})
+    open_: list[tuple[int, int, int, str]] = []
+    i = 0
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        while i < len(spans) and spans[i][1] <= lo:
+            open_.append(spans[i])
+            i += 1
+        open_ = [s for s in open_ if s[2] > lo]
+        if not open_:
+            out["overlap"] += hi - lo
+        elif any(s[3] == "merged" for s in open_):
+            out["merged"] += hi - lo
+        else:
+            out[max(open_, key=lambda s: (s[0], s[2]))[3]] += hi - lo
+    return out

@@ -22,7 +22,11 @@ Two figures (docs/prefect.md, "Goodput and merged-work share"), per learner and 
   alignment, which alignment overwrites) does not count. A learner that publishes a fragment
   again before it adopts the round that merged its previous contribution (same base version)
   carries that merged work again: only the steps beyond it count (:class:`MergedWork`). The
-  share is merged steps over steps run (redone ones included), weighted by step time.
+  share is merged steps over steps run (redone ones included), weighted by step time. With
+  ``keep_local_progress`` the steps between a publish and the next alignment are carried into
+  the next contribution (its ``c_steps`` count them, ``info["kept_steps"]`` says how many) and
+  count as merged when it is: ``kept_s`` is that part of the share. What was lost is counted by
+  cause (overlap, superseded, late, rejected: :class:`~atoll.runs.contributions.LostWork`).
 
 Only the bucket is read (commit records and the contribution records they name), so goodput is
 the same whether or not the Prefect database that ran the run still exists.
@@ -37,7 +41,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from atoll.runs.contributions import prefetch_contributions, read_contribution
+from atoll.runs.contributions import LOST_CAUSES, LostWork, prefetch_contributions, read_contribution
 from atoll.runs.losses import ValLosses
 from atoll.runs.numbers import finite
 from atoll.runs.traffic import RoundWire, WireTracker
@@ -69,6 +73,16 @@ class LearnerTime:
     redone_s: float
     merged_s: float
     tokens_per_s: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation its newest contribution reported (CUDA with a known peak; else None)."""
+    peak_mem_gib: float | None = None
+    """Peak device memory its newest contribution reported, GiB (CUDA; else None)."""
+    kept_s: float = 0.0
+    """Of ``merged_s``, steps that adoption would have overwritten and ``keep_local_progress``
+    carried into the next contribution (its ``info["kept_steps"]``), merged with it."""
+    lost_s: Mapping[str, float] = field(default_factory=dict)
+    """Steps whose work reached no committed round, by cause
+    (:data:`~atoll.runs.contributions.LOST_CAUSES`, :class:`~atoll.runs.contributions.LostWork`)."""
 
     @property
     def useful_s(self) -> float:
@@ -107,6 +121,10 @@ class GoodputReport:
     per_learner: dict[str, float] = field(default_factory=dict)
     """Goodput per learner."""
     learners: dict[str, LearnerTime] = field(default_factory=dict)
+    kept_s: float = 0.0
+    """Of ``merged_s``, the learners' steps kept through an adoption (``keep_local_progress``)."""
+    lost_s: dict[str, float] = field(default_factory=dict)
+    """Of ``training_s``, the steps whose work no committed round merged, by cause."""
 
     @property
     def merged_per_learner(self) -> dict[str, float]:
@@ -158,11 +176,26 @@ MAX_REPORTED_S = 1e8
 @dataclass
 class _LearnerWork:
     merged_steps: int = 0
+    kept_steps: int = 0
+    """Of ``merged_steps``, those its contributions carried through an adoption (``info["kept_steps"]``)."""
     events: list[tuple[float, int]] = field(default_factory=list)  # (created_at, local step)
     step_times: list[float] = field(default_factory=list)
     procs: dict[str, list[float]] = field(default_factory=dict)
     """Process (meter or incarnation) -> [came up at, last report at, up_s, train_s], its own clock."""
     tokens_per_step: float | None = None
+    speed: tuple[float, float | None, float | None] | None = None
+    """(reported at, MFU, peak memory GiB) of its newest contribution that reported them."""
+
+
+def reported_speed(info: Mapping[str, object]) -> tuple[float | None, float | None]:
+    """(MFU, peak memory in GiB) from a contribution's ``info["speed"]``: the learner's own numbers,
+    shown only, each kept only where plausible (MFU in [0, 1], memory in [0, 2^20] GiB)."""
+    speed = info.get("speed")
+    if not isinstance(speed, Mapping):
+        return None, None
+    mfu, memory = finite(speed.get("mfu")), finite(speed.get("peak_mem_gib"))
+    return (mfu if mfu is not None and 0 <= mfu <= 1 else None,
+            memory if memory is not None and 0 <= memory <= 2**20 else None)
 
 
 @dataclass(frozen=True)
@@ -198,6 +231,8 @@ class GoodputTracker:
         self.learners: dict[str, _LearnerWork] = {}
         self._seen: set[str] = set()
         self.merged = MergedWork()
+        self.lost = LostWork()
+        """Every learner's steps by fate: merged, or lost by cause."""
         self.wire = WireTracker()
         """The run's traffic, from the same commit records (they carry it: nothing more is read)."""
         self.sample_every = sample_every
@@ -222,6 +257,10 @@ class GoodputTracker:
             work.step_times.append(st)
         if 0 < rec.c_steps < 2**53 and 0 <= rec.c_tokens < 2**53:
             work.tokens_per_step = rec.c_tokens / rec.c_steps
+        mfu, memory = reported_speed(rec.info)
+        if (mfu is not None or memory is not None) and math.isfinite(rec.created_at) and (
+                work.speed is None or rec.created_at >= work.speed[0]):
+            work.speed = (rec.created_at, mfu, memory)
         up, train = finite(rec.info.get("up_s")), finite(rec.info.get("train_s"))
         if up is not None and train is not None and 0 <= train <= up <= MAX_REPORTED_S and math.isfinite(rec.created_at):
             proc = meter_from_report(rec.info.get("wire")) or f"incarnation-{rec.incarnation}"
@@ -243,11 +282,13 @@ class GoodputTracker:
                 work = self._note(rec) if rec is not None else self.learners.setdefault(a.learner_id, _LearnerWork())
                 steps, tokens = self.merged.add(record.fragment, a)
                 work.merged_steps += steps
+                work.kept_steps += _kept(rec, a.c_steps, steps)
                 new_tokens += tokens
             for key in record.rejected:
                 rec = read_contribution(self.store, key, self.cache)
                 if rec is not None:
                     self._note(rec)
+            self.lost.round(record, self.cache)
             merged = new_tokens / self.store.plan.num_fragments
             self.losses.note_commits([record])
             wire = self.wire.add(record, tokens_merged=merged)
@@ -288,7 +329,8 @@ class GoodputTracker:
 
     def report(self) -> GoodputReport:
         p = self.store.plan.num_fragments
-        times = {lid: _learner_time(work, p) for lid, work in self.learners.items()}
+        lost = self.lost.steps()
+        times = {lid: _learner_time(work, p, lost.get(lid, {})) for lid, work in self.learners.items()}
         available = sum(t.available_s for t in times.values())
         training = sum(t.training_s for t in times.values())
         useful = sum(t.useful_s for t in times.values())
@@ -296,13 +338,26 @@ class GoodputTracker:
         return GoodputReport(goodput=useful / available if available > 0 else None,
                              merged_share=merged / training if training > 0 else None,
                              useful_s=useful, available_s=available, merged_s=merged, training_s=training,
-                             per_learner={lid: t.goodput for lid, t in times.items()}, learners=times)
+                             per_learner={lid: t.goodput for lid, t in times.items()}, learners=times,
+                             kept_s=sum(t.kept_s for t in times.values()),
+                             lost_s={c: sum(t.lost_s.get(c, 0.0) for t in times.values()) for c in LOST_CAUSES})
 
 
-def _learner_time(work: _LearnerWork, p: int) -> LearnerTime:
+def _kept(rec: ContributionRecord | None, c_steps: int, new_steps: int) -> int:
+    """Of a merged contribution's ``new_steps`` (beyond what the learner's earlier contribution
+    against the same base merged), those it carried through an adoption: its first
+    ``info["kept_steps"]`` steps, less any the earlier one already held."""
+    kept = rec.info.get("kept_steps") if rec is not None else None
+    if not isinstance(kept, int) or isinstance(kept, bool) or kept <= 0:
+        return 0
+    return max(0, min(kept, c_steps) - (c_steps - new_steps))
+
+
+def _learner_time(work: _LearnerWork, p: int, fates: Mapping[str, int]) -> LearnerTime:
     """Where a learner's time went (:class:`LearnerTime`). Steps are timed by the learner's median
     step time; with its processes' own clocks (``up_s``, ``train_s``) the time available and in
-    steps come from them, otherwise (older records) it is taken to have trained all the time."""
+    steps come from them, otherwise (older records) it is taken to have trained all the time.
+    ``fates``: its steps by fate over all fragments (:meth:`LostWork.steps`)."""
     t = statistics.median(work.step_times) if work.step_times else 1.0
     steps = [step for _, step in sorted(work.events)]
     # The highest counter reached, plus every step run twice after a restart (the counter went
@@ -325,4 +380,7 @@ def _learner_time(work: _LearnerWork, p: int) -> LearnerTime:
     tps = work.tokens_per_step / t if work.tokens_per_step is not None and work.step_times else None
     return LearnerTime(available_s=max(available, training), training_s=training, waiting_s=max(0.0, up - training),
                        down_s=max(0.0, available - up), redone_s=redone_s, merged_s=share * training,
-                       tokens_per_s=tps)
+                       tokens_per_s=tps, mfu=work.speed[1] if work.speed else None,
+                       peak_mem_gib=work.speed[2] if work.speed else None,
+                       kept_s=min(1.0, work.kept_steps / p / ran) * training if ran else 0.0,
+                       lost_s={c: min(1.0, fates.get(c, 0) / p / ran) * training if ran else 0.0 for c in LOST_CAUSES})

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.core.config import DilocoConfig
+from atoll.storage.integrity import Keyring
 from atoll.storage.paths import join_url, to_url
 from atoll.storage.reader import RunReader
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
@@ -117,7 +118,9 @@ def prepare_run(
     if store.exists():
         return _info(store, "continued")
     if resume_from:
-        source = RunReader.open(resume_from, opts, read_only=True)  # a fork never writes to its source
+        # A fork never writes to its source, and reads it against the key the source pins: the new
+        # run may be created with a new synchronizer key (rotation, a lost key; docs/protocol.md §8).
+        source = RunReader.open(resume_from, opts, read_only=True, keyring=Keyring.from_env().unanchored())
         if not source.exists():
             raise FileNotFoundError(f"no run at {resume_from} to fork")
         recipe = load_recipe(source)

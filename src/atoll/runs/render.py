@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from atoll.runs.contributions import ContributionRow, effective_h, steps_since_sync
-from atoll.runs.goodput import GoodputReport
+from atoll.runs.contributions import LOST_CAUSES, ContributionRow, effective_h, steps_since_sync
+from atoll.runs.goodput import GoodputReport, LearnerTime
 from atoll.runs.numbers import fmt_bytes, fmt_int, fmt_num, fmt_pct, fmt_s, short
 from atoll.runs.traffic import WireTracker
 from atoll.storage.records import CommitRecord
@@ -20,6 +20,7 @@ __all__ = [
     "figure_lines",
     "history_table",
     "learner_time_lines",
+    "lost_work_line",
     "learner_time_table",
     "round_markdown",
 ]
@@ -84,18 +85,36 @@ def figure_lines(report: GoodputReport) -> list[str]:
     return [f"goodput {100 * report.goodput:.1f}%: time in useful training steps over time available "
             f"({report.useful_s:.1f} s of {report.available_s:.1f} learner-s; not waiting, not restarting)",
             f"merged-work share {fmt_pct(report.merged_share)}: the part of that training the model kept "
-            f"({report.merged_s:.1f} s of {report.training_s:.1f} s merged in committed rounds)"]
+            f"({report.merged_s:.1f} s of {report.training_s:.1f} s merged in committed rounds)", lost_work_line(report)]
+
+
+def lost_work_line(report: GoodputReport) -> str:
+    """The training no committed round merged, by cause (``atoll status``; share of training s),
+    and the part of the merged share that ``keep_local_progress`` kept through an adoption."""
+    def share(s: float) -> str:
+        return fmt_pct(s / report.training_s if report.training_s > 0 else None)
+    causes = ", ".join(f"{c} {share(report.lost_s.get(c, 0.0))}" for c in LOST_CAUSES)
+    return (f"lost work: {causes} of training (overlap: steps between a publish and the next adoption, "
+            f"overwritten by it); kept through adoption: {share(report.kept_s)} (inside the merged share)")
 
 
 def learner_time_table(goodput: GoodputReport) -> list[str]:
-    """Per learner, as markdown: goodput, merged-work share and where its time went."""
-    out = ["| learner | goodput so far | merged-work share | training s | waiting s | restarting s | tokens/s |",
-           "|---|---|---|---|---|---|---|"]
+    """Per learner, as markdown: goodput, merged-work share, where its time went, and its speed."""
+    out = ["| learner | goodput so far | merged-work share | training s | waiting s | restarting s | tokens/s | "
+           "MFU | peak mem |", "|---|---|---|---|---|---|---|---|---|"]
     for lid, t in sorted(goodput.learners.items()):
-        tps = f"{t.tokens_per_s:,.0f}" if t.tokens_per_s is not None else "-"
+        tps, mfu, mem = _speed_cells(t)
         out.append(f"| {lid} | {100 * t.goodput:.1f}% | {100 * t.merged_share:.1f}% | {t.training_s:.1f} | "
-                   f"{t.waiting_s:.1f} | {t.restarting_s:.1f} | {tps} |")
+                   f"{t.waiting_s:.1f} | {t.restarting_s:.1f} | {tps} | {mfu} | {mem} |")
     return out
+
+
+def _speed_cells(t: LearnerTime) -> tuple[str, str, str]:
+    """A learner's tokens/s (in its steps), MFU and peak device memory as its contributions
+    reported them ('-' where unknown: MFU and memory are measured on CUDA only)."""
+    return (f"{t.tokens_per_s:,.0f}" if t.tokens_per_s is not None else "-",
+            f"{t.mfu:.1%}" if t.mfu is not None else "-",
+            f"{t.peak_mem_gib:.1f} GiB" if t.peak_mem_gib is not None else "-")
 
 
 def _wire_rows(record: CommitRecord, wire: WireTracker | None) -> list[str]:
@@ -161,15 +180,16 @@ def effective_h_line(records: Iterable[CommitRecord], inner_steps: int, round_pa
     if got is None:
         return f"effective H: - (nothing merged yet; H = {inner_steps}, {pacing})"
     return (f"effective H: {got[0]:.1f} inner steps per merged contribution (H = {inner_steps}, {pacing}; "
-            f"{got[1]} contributions)")
+            f"{got[1]} contributions): {got[0] / max(1, inner_steps):.2f} x H")
 
 
 def learner_time_lines(report: GoodputReport) -> list[str]:
-    """Per learner, as plain text (``atoll status``): goodput, merged-work share and where its time went."""
+    """Per learner, as plain text (``atoll status``): goodput, merged-work share, where its time
+    went, and its speed: tokens/s in its steps, MFU and peak device memory (CUDA; '-' elsewhere)."""
     lines = [f"{'learner':<16} {'goodput':>8} {'merged':>7} {'training s':>10} {'waiting s':>9} "
-             f"{'restarting s':>12} {'tokens/s':>9}"]
-    lines += [f"{lid:<16} {100 * t.goodput:>7.1f}% {100 * t.merged_share:>6.1f}% {t.training_s:>10.1f} "
-              f"{t.waiting_s:>9.1f} {t.restarting_s:>12.1f} "
-              f"{(f'{t.tokens_per_s:,.0f}' if t.tokens_per_s is not None else '-'):>9}"
-              for lid, t in sorted(report.learners.items())]
+             f"{'restarting s':>12} {'tokens/s':>9} {'MFU':>6} {'peak mem':>10}"]
+    for lid, t in sorted(report.learners.items()):
+        tps, mfu, mem = _speed_cells(t)
+        lines.append(f"{lid:<16} {100 * t.goodput:>7.1f}% {100 * t.merged_share:>6.1f}% {t.training_s:>10.1f} "
+                     f"{t.waiting_s:>9.1f} {t.restarting_s:>12.1f} {tps:>9} {mfu:>6} {mem:>10}")
     return lines

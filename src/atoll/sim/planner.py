@@ -179,9 +179,18 @@ class WirePlan:
     dp_bytes_per_token: float
     """Data-parallel per member: a ring all-reduce of the full gradient every step."""
     save_bytes: int = 0
-    """One save of a learner's inner state for rejoin (AdamW's two moments, fp32)."""
-    save_every_steps: int = 0
-    """Steps between two saves (0: not counted)."""
+    """One save of a learner's inner state for rejoin (AdamW's two moments, fp32 or bf16, and its record)."""
+    save_every_steps: int | None = 0
+    """``Recipe.save_every_steps``: steps between two saves (0: not counted); None: saves paced by
+    the budget (``save_uplink_share``, ``save_every_s``)."""
+    save_uplink_share: float | None = None
+    """``Recipe.save_uplink_share`` (with ``save_every_steps`` None): saves send at most this
+    many bytes per byte of the learner's other uplink (here: its contributions)."""
+    save_every_s: float = 0.0
+    """``Recipe.save_every_s`` (with ``save_every_steps`` None): seconds between two saves at least;
+    counted only with ``step_s``."""
+    step_s: float | None = None
+    """A learner's inner-step time, for ``save_every_s``."""
     downlink_compressed: bool = False
     """The synchronizer also writes the update each round, and the learners' view every
     ``view_every`` versions of a fragment."""
@@ -238,8 +247,22 @@ class WirePlan:
 
     @property
     def save_bytes_per_token(self) -> float:
-        """A learner's saves of its inner state, per token it trains."""
-        return self.save_bytes / (self.save_every_steps * self.tokens_per_step) if self.save_every_steps else 0.0
+        """A learner's saves of its inner state, per token it trains: at ``save_every_steps``, or at
+        the most the budget allows (saves are whole, so a run's saves approach it from below)."""
+        if self.save_every_steps is not None:
+            return self.save_bytes / (self.save_every_steps * self.tokens_per_step) if self.save_every_steps else 0.0
+        rate = math.inf
+        if self.save_uplink_share is not None:
+            rate = self.save_uplink_share * self.up_bytes_per_token
+        if self.save_every_s and self.step_s:
+            rate = min(rate, self.save_bytes / (self.save_every_s / self.step_s * self.tokens_per_step))
+        return rate if math.isfinite(rate) else 0.0
+
+    @property
+    def steps_per_save(self) -> float | None:
+        """A learner's inner steps between two saves at that rate (None: no saves counted)."""
+        per_token = self.save_bytes_per_token
+        return self.save_bytes / (per_token * self.tokens_per_step) if per_token > 0 else None
 
     @property
     def down_bytes_per_token(self) -> float:
@@ -251,9 +274,20 @@ class WirePlan:
             f"down {self.down_bytes_per_round:,} B ({self.down_requests_per_round} GET + polls)",
             f"per token trained:        up {self.up_bytes_per_token:,.1f} B, down {self.down_bytes_per_token:,.1f} B, "
             f"data-parallel {self.dp_bytes_per_token:,.1f} B"
-            + (f"; saves {self.save_bytes_per_token:,.1f} B more up" if self.save_every_steps else ""),
+            + (f"; saves {self.save_bytes_per_token:,.1f} B more up" if self.save_bytes_per_token else ""),
             f"synchronizer per round:   up {self.sync_up_bytes_per_round:,} B, down {self.sync_down_bytes_per_round:,} B",
+            *self.save_lines(),
         ]
+
+    def save_lines(self) -> list[str]:
+        """What a learner's saves of its inner state cost, at their cadence."""
+        steps = self.steps_per_save
+        if steps is None:
+            return []
+        up = self.up_bytes_per_token
+        share = f" ({self.save_bytes_per_token / up:.1%} of its contributions' bytes)" if up else ""
+        return [f"saves (inner state):      {self.save_bytes / 2**20:,.1f} MiB each, every ~{steps:,.0f} steps: "
+                f"{self.save_bytes_per_token:,.2f} B per token up{share}"]
 
 
 def _safetensors_bytes(n: int, precision: str, tensors: int, block_size: int) -> int:
@@ -263,15 +297,19 @@ def _safetensors_bytes(n: int, precision: str, tensors: int, block_size: int) ->
 
 def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensors: int | None = None,
               download_precision: str | None = None, dp_precision: str = "bf16",
-              save_every_steps: int = 0) -> WirePlan:
+              save_every_steps: int | None = 0, save_uplink_share: float | None = None, save_every_s: float = 0.0,
+              step_s: float | None = None, save_moments: str = "fp32") -> WirePlan:
     """What a run of ``config`` on a model of ``params`` parameters in ``tensors`` tensors (default:
     one per fragment) puts on the wire, per round and per token; ``tokens_per_step``: tokens one
     learner trains on per inner step. Deltas travel in ``config.compression``, new versions in
     ``download_precision`` (default ``config.downlink_compression``: the fp32 master, or a
-    compressed update a learner applies to its view). ``save_every_steps``: the recipe's cadence of
-    inner-state saves (0: leave them out)."""
+    compressed update a learner applies to its view). The recipe's inner-state saves:
+    ``save_every_steps`` (0: leave them out; None: paced by ``save_uplink_share`` and
+    ``save_every_s`` at ``step_s`` seconds a step), moments in ``save_moments`` ('fp32', 'bf16')."""
     if params < 1 or tokens_per_step < 1:
         raise ValueError("need params >= 1 and tokens_per_step >= 1")
+    if save_moments not in ("fp32", "bf16"):
+        raise ValueError(f"save_moments must be 'fp32' or 'bf16' (got {save_moments!r})")
     p, m = config.num_fragments, config.num_learners
     per_fragment = max(1, math.ceil((tensors if tensors is not None else p) / p))
     frag = math.ceil(params / p)
@@ -292,9 +330,10 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         steps_per_round=config.inner_steps / p,
         tokens_per_step=tokens_per_step,
         dp_bytes_per_token=dp,
-        save_bytes=2 * _safetensors_bytes(params, "fp32", tensors if tensors is not None else p, block)
+        save_bytes=2 * _safetensors_bytes(params, save_moments, tensors if tensors is not None else p, block)
         + CONTRIBUTION_RECORD_BYTES,  # two moments per parameter, and the state record
-        save_every_steps=max(0, save_every_steps),
+        save_every_steps=None if save_every_steps is None else max(0, save_every_steps),
+        save_uplink_share=save_uplink_share, save_every_s=save_every_s, step_s=step_s,
         downlink_compressed=compressed,
         momentum_written=config.outer_momentum > 0,
         view_every=config.downlink_snapshot_every,

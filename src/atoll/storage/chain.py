@@ -44,7 +44,7 @@ class CommitChain(RunHandle):
         check against: the bucket policy (docs/protocol.md section 8) is then the defence."""
         manifest = self.manifest
         url = self.store.key_url(paths.RUN_MANIFEST)
-        key = self._run_key(SYNCHRONIZER_KEY_ID)
+        key = self._verifier(SYNCHRONIZER_KEY_ID)  # an Ed25519 run.json was checked when it was read
         problem: IntegrityError | None = None
         if key is not None:
             try:
@@ -55,8 +55,14 @@ class CommitChain(RunHandle):
         try:
             first = self.read_commit(1)  # verifies prev_sha256 against run.json's bytes
         except IntegrityError as e:
-            raise IntegrityError(f"run.json does not match the chain (round 1 does not link to it): {e.what}",
-                                 url) from None
+            if problem is not None or self._names_other_manifest():
+                # A sealed round 1 that names other bytes: run.json was rewritten (or round 1 forged).
+                raise IntegrityError(f"run.json does not match the chain (round 1 does not link to it): {e.what}",
+                                     url) from None
+            # Round 1's slot is void (damaged, destroyed): it proves nothing either way, exactly
+            # as before round 1 was committed. The run goes on; the void slot is reported.
+            self._note_void(1, f"round 1 is void ({e.what}); run.json was checked against no commit")
+            return manifest
         if first is None and problem is not None:
             raise problem
         return manifest
@@ -102,7 +108,7 @@ class CommitChain(RunHandle):
     def _verified_commit(self, round_: int, key: str, data: bytes) -> CommitRecord:
         url = self.store.key_url(key)
         body = load_record(data, KIND_COMMIT, url=url)
-        sync_key = self._run_key(SYNCHRONIZER_KEY_ID)
+        sync_key = self._verifier(SYNCHRONIZER_KEY_ID)
         check_seal(KIND_COMMIT, body, url=url, key=sync_key)
         record = CommitRecord.from_body(body, self.plan.num_fragments)
         if record.round != round_:
@@ -127,9 +133,25 @@ class CommitChain(RunHandle):
         only objects that are not sealed commit records (destroyed: the link cannot be checked,
         and that slot is reported void on its own). False if nothing is stored for ``round_`` or
         a sealed record is stored there with other bytes."""
+        found, shas, sealed_prevs = self._stored_slot(round_)
+        return sha in shas or (found and not sealed_prevs)
+
+    def _names_other_manifest(self) -> bool:
+        """Whether round 1's slot or a repair holds a sealed commit record (its digest matches)
+        that links to other bytes than run.json's: evidence that run.json was rewritten, where a
+        damaged or destroyed round 1 is evidence of nothing."""
+        _ = self.manifest
+        return any(prev != self._cache.manifest_sha for prev in self._stored_slot(1)[2])
+
+    def _stored_slot(self, round_: int) -> tuple[bool, set[str], list[object]]:
+        """What is stored for round ``round_`` (its slot and repairs), read through the capped
+        reader: (anything there, the sha256 of each readable object, the ``prev_sha256`` of each
+        one that is a sealed commit record)."""
         keys = [paths.commit_key(round_)]
         keys += [paths.repairs_prefix(round_) + n for n in self.store.list(paths.repairs_prefix(round_))]
-        found = sealed = False
+        found = False
+        shas: set[str] = set()
+        sealed: list[object] = []
         for key in keys:
             try:
                 data = self._get_capped(key, MAX_COMMIT_BYTES)
@@ -141,15 +163,19 @@ class CommitChain(RunHandle):
             if data is None:
                 continue
             found = True
-            if sha256_hex(data) == sha:
-                return True
+            shas.add(sha256_hex(data))
             try:
                 body = load_record(data, KIND_COMMIT)
                 check_seal(KIND_COMMIT, body, url=key)
-                sealed = True
+                sealed.append(body.get("prev_sha256"))
             except Exception:  # noqa: BLE001 - not a sealed commit record
                 continue
-        return found and not sealed
+        return found, shas, sealed
+
+    def _note_void(self, round_: int, why: str) -> None:
+        """Note a void slot a reader stepped over in :attr:`skipped` (the newest 100)."""
+        self._cache.skipped.append(Skipped(paths.commit_key(round_), RejectionKind.CORRUPT, why[:400]))
+        del self._cache.skipped[:-100]
 
     def _expected_prev(self, round_: int) -> str | None:
         """The sha256 round ``round_``'s commit must name as ``prev_sha256``, if this handle knows
@@ -191,8 +217,7 @@ class CommitChain(RunHandle):
         try:
             return self.read_commit(round_)
         except IntegrityError as e:
-            self._cache.skipped.append(Skipped(paths.commit_key(round_), RejectionKind.CORRUPT, e.what[:400]))
-            del self._cache.skipped[:-100]
+            self._note_void(round_, e.what)
             return None
 
     _readable = readable_commit

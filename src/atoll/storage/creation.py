@@ -16,6 +16,7 @@ from atoll.storage.codec import dump_record, finite_json, sha256_hex
 from atoll.storage.handle import RunHandle, Tensors
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, seal
 from atoll.storage.records import KIND_RUN, RunManifest
+from atoll.storage.signing import Ed25519Signer, HmacKey, PinnedKeys, Signer, run_context
 from atoll.storage.validation import InvalidInput, RunExistsError, check_finite, check_tensor_layout, validate_id
 
 __all__ = ["RunCreator"]
@@ -56,16 +57,32 @@ class RunCreator(RunHandle):
         )
         manifest = RunManifest(run_id=run_id, config=config, plan=plan, shapes=shapes, initial=initial,
                                created_at=time.time(), extra=extra)
-        # Sealed, and signed for this run when the keyring holds the synchronizer's key: with a
-        # keyring, run.json is checked (checked_manifest) before anything in it is acted on.
-        sync_key = self.keyring.for_run(run_id).key(SYNCHRONIZER_KEY_ID) if self.keyring else None
-        body = seal(KIND_RUN, manifest.to_dict(), sync_key)
+        body, signer = self._signed_body(manifest)
+        body = seal(KIND_RUN, body, signer)
         data = dump_record(KIND_RUN, body)
         if not self.store.create(paths.RUN_MANIFEST, data):
             raise RunExistsError(f"a run already exists at {self.url} (created concurrently)")
         cache = self._cache
         cache.manifest, cache.manifest_sha, cache.manifest_body = manifest, sha256_hex(data), body
+        cache.pinned = self._checked_pins(manifest, body, self.store.key_url(paths.RUN_MANIFEST))
         return manifest
+
+    def _signed_body(self, manifest: RunManifest) -> tuple[dict[str, Any], Signer | None]:
+        """run.json's body and what signs it. With the synchronizer's Ed25519 private key, the
+        body pins its public key and every learner public key this keyring holds (``signing``):
+        every later object of the run is checked against them, by public keys only. With its HMAC
+        key, an HMAC signature for the run. Otherwise unsigned (the bucket policy is the defence)."""
+        body = manifest.to_dict()
+        private = self.keyring.private(SYNCHRONIZER_KEY_ID)
+        if private is not None:
+            learners = {w: k for w, k in self.keyring.publics().items() if w != SYNCHRONIZER_KEY_ID}
+            body["signing"] = PinnedKeys(private.public_key(), learners).to_dict()
+            return body, Ed25519Signer(private, run_context(manifest.run_id))
+        if self.keyring.public(SYNCHRONIZER_KEY_ID) is not None:
+            raise PermissionError("this keyring holds only the synchronizer's public key: creating a signed "
+                                  "run needs its private key (ATOLL_KEYRING)")
+        key = self.keyring.for_run(manifest.run_id).key(SYNCHRONIZER_KEY_ID) if self.keyring else None
+        return body, None if key is None else HmacKey(key)
 
 
 def _initial_shapes(plan: FragmentPlan, initial_params: Tensors) -> dict[str, tuple[int, ...]]:

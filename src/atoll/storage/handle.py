@@ -46,9 +46,19 @@ from atoll.storage.codec import (
     sha256_hex,
     tensors_to_bytes,
 )
-from atoll.storage.integrity import KEYRING_ENV, SYNCHRONIZER_KEY_ID, Keyring, check_seal, seal
-from atoll.storage.reading import Skipped, read_bytes
+from atoll.storage.integrity import KEYRING_ENV, SYNCHRONIZER_KEY_ID, IntegrityError, Keyring, check_seal, seal
+from atoll.storage.reading import Skipped, get_plain, read_bytes
 from atoll.storage.records import KIND_RUN, BlobRef, CommitRecord, ContributionRecord, RunManifest
+from atoll.storage.signing import (
+    Ed25519Signer,
+    Ed25519Verifier,
+    HmacKey,
+    PinnedKeys,
+    Signer,
+    Verifier,
+    public_raw,
+    run_context,
+)
 from atoll.storage.store import ObjectStore
 from atoll.storage.validation import (
     InvalidInput,
@@ -88,6 +98,8 @@ class HandleCache:
     manifest_sha: str | None = None
     manifest_body: dict[str, Any] | None = None
     run_keys: Keyring | None = None
+    pinned: PinnedKeys | None = None
+    """The public keys run.json pins (None: an HMAC-signed or unsigned run)."""
     commits: OrderedDict[int, CommitRecord] = field(default_factory=OrderedDict)
     """Verified commit records by round."""
     commit_sha: OrderedDict[int, str] = field(default_factory=OrderedDict)
@@ -174,7 +186,7 @@ class RunHandle:
         other = type(self)(store, max_payload_bytes=self.max_payload_bytes, keyring=self.keyring,
                            read_only=self.read_only)
         other._cache.manifest, other._cache.manifest_sha = self._cache.manifest, self._cache.manifest_sha
-        other._cache.manifest_body = self._cache.manifest_body
+        other._cache.manifest_body, other._cache.pinned = self._cache.manifest_body, self._cache.pinned
         return other
 
     def __repr__(self) -> str:
@@ -208,7 +220,9 @@ class RunHandle:
                     f"schema_version {LAYOUT_SCHEMA_VERSION}) and cannot continue it. Start a new run, or "
                     f"read this one with atoll 0.1")
             body = load_record(data, KIND_RUN, url=url)
-            cache.manifest = RunManifest.from_body(body)
+            manifest = RunManifest.from_body(body)
+            cache.pinned = self._checked_pins(manifest, body, url)
+            cache.manifest = manifest
             cache.manifest_sha, cache.manifest_body = sha256_hex(data), body
         return cache.manifest
 
@@ -232,22 +246,93 @@ class RunHandle:
         return 4 * self.plan.fragment_numel(fragment) + 4 * sum(len(n) + 128 for n in names) + 65536
 
     # -- keys and seals ----------------------------------------------------------------------
+    def _checked_pins(self, manifest: RunManifest, body: dict[str, Any], url: str) -> PinnedKeys | None:
+        """The public keys ``run.json`` pins, once run.json verifies with the synchronizer's one,
+        and that one is this keyring's anchor (its synchronizer entry, public or private) where it
+        has one. An anchored handle refuses a run.json that pins no key (a downgrade)."""
+        anchor = self.keyring.public(SYNCHRONIZER_KEY_ID)
+        if "signing" not in body:
+            if anchor is not None:
+                raise IntegrityError("run.json pins no synchronizer key, and this keyring expects one "
+                                     "(unsigned, or rewritten without its signature)", url)
+            return None
+        try:
+            pinned = PinnedKeys.from_body(body["signing"])
+        except ValueError as e:
+            raise IntegrityError(f"run.json's signing field is unusable: {e}", url) from None
+        check_seal(KIND_RUN, body, url=url, key=Ed25519Verifier(pinned.synchronizer, run_context(manifest.run_id)),
+                   require_signature=True)
+        if anchor is not None and public_raw(anchor) != public_raw(pinned.synchronizer):
+            raise IntegrityError("run.json pins another synchronizer key than this keyring's "
+                                 f"{SYNCHRONIZER_KEY_ID!r} entry (a run.json rewritten under another key)", url)
+        return pinned
+
     def _run_key(self, writer: str) -> bytes | None:
-        """``writer``'s signing key for this run (:meth:`Keyring.for_run`: a signature binds the run id)."""
+        """``writer``'s HMAC key for this run (:meth:`Keyring.for_run`: a signature binds the run id)."""
         if not self.keyring:
             return None
         if self._cache.run_keys is None:
             self._cache.run_keys = self.keyring.for_run(self.manifest.run_id)
         return self._cache.run_keys.key(writer)
 
+    def _signer(self, writer: str) -> Signer | None:
+        """How this handle signs as ``writer`` in this run: its Ed25519 private key, else its HMAC
+        key for the run, else None (unsigned)."""
+        if (private := self.keyring.private(writer)) is not None:
+            # The synchronizer's private key is also the anchor run.json was checked against
+            # (_checked_pins): a handle holding another one never gets this far.
+            return Ed25519Signer(private, run_context(self.manifest.run_id))
+        key = self._run_key(writer)
+        return None if key is None else HmacKey(key)
+
+    def _verifier(self, writer: str) -> Verifier | None:
+        """What ``writer``'s records must verify with in this run, from public keys wherever the
+        run pins them: the synchronizer's pinned key; a learner's own entry in this keyring (a
+        rotated key), else the one run.json pins for it. In an HMAC run, the HMAC key for the run
+        where this handle holds it. None: nothing to verify with."""
+        try:
+            context = run_context(self.manifest.run_id)
+        except RunNotFoundError:
+            if self.keyring:
+                raise
+            return None  # no run.json pins a key and this handle holds none: digests only
+        pinned = self._cache.pinned
+        if writer == SYNCHRONIZER_KEY_ID and pinned is not None:
+            return Ed25519Verifier(pinned.synchronizer, context)
+        if writer != SYNCHRONIZER_KEY_ID:
+            if (own := self.keyring.public(writer)) is not None:
+                return Ed25519Verifier(own, context)
+            if pinned is not None:
+                public = pinned.learners.get(writer)
+                return None if public is None else Ed25519Verifier(public, context)
+        key = self._run_key(writer)
+        return None if key is None else HmacKey(key)
+
+    def signature_scheme(self) -> str:
+        """What this handle checks signatures with, in words (``atoll verify`` prints it)."""
+        try:
+            _ = self.manifest
+        except (InvalidInput, StorageError):
+            return "run.json unreadable"
+        if (pinned := self._cache.pinned) is not None:
+            return f"ed25519: the synchronizer's key run.json pins, {public_raw(pinned.synchronizer).hex()[:16]}..."
+        if self._run_key(SYNCHRONIZER_KEY_ID) is not None:
+            return "hmac-sha256: the synchronizer's key"
+        return "digests and links only"
+
+    def _signatures_required(self) -> bool:
+        """Whether every contribution must be signed: the run pins keys, or this handle has a keyring."""
+        _ = self.manifest
+        return self._cache.pinned is not None or bool(self.keyring)
+
     def _operator_seal(self, what: str) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
         """How a record only the operator (or the synchronizer) writes is sealed: a digest, and the
-        synchronizer's signature for this run when this handle's keyring holds its key. A run whose
-        ``run.json`` is signed refuses an unsigned one (its synchronizer would ignore it)."""
-        key = self._run_key(SYNCHRONIZER_KEY_ID)
+        synchronizer's signature for this run when this handle's keyring holds its private (or
+        HMAC) key. A run whose ``run.json`` is signed refuses an unsigned one (readers ignore it)."""
+        key = self._signer(SYNCHRONIZER_KEY_ID)
         if key is None and self._run_is_signed():
             raise PermissionError(f"this run signs its records and {what} would be ignored unsigned: set "
-                                  f"${KEYRING_ENV} to a keyring holding the synchronizer's key "
+                                  f"${KEYRING_ENV} to a keyring holding the synchronizer's private key "
                                   f"({SYNCHRONIZER_KEY_ID!r})")
         return lambda kind, body: seal(kind, body, key)
 
@@ -259,11 +344,13 @@ class RunHandle:
         return isinstance(self._cache.manifest_body, dict) and "signature" in self._cache.manifest_body
 
     def _operator_check(self, kind: str) -> Callable[[dict[str, Any], str], None]:
-        """Check a sealed operator record (see :meth:`_operator_seal`): with the synchronizer's key
-        its signature is required; without, a digest present must match (older records have none)."""
-        key = self._run_key(SYNCHRONIZER_KEY_ID)
-
+        """Check a sealed operator record (see :meth:`_operator_seal`): where the run pins the
+        synchronizer's public key or this handle holds its HMAC key, its signature is required;
+        otherwise a digest present must match (older records have none)."""
         def check(body: dict[str, Any], url: str) -> None:
+            # the key is looked up only once there is a record to check: a run without one (or
+            # without run.json yet) reads as "no marker", not as an error
+            key = self._verifier(SYNCHRONIZER_KEY_ID)
             if key is not None or "digest" in body:
                 check_seal(kind, body, url=url, key=key)
         return check
@@ -294,7 +381,10 @@ class RunHandle:
         if max_bytes is not None and ref.nbytes > max_bytes:
             raise InvalidInput("oversize", f"payload declares {ref.nbytes} bytes, cap is {max_bytes}", url=url)
         # Never read more than the (verified) record declares, plus one byte to detect "longer".
-        data = self.store.get_or_none(key, max_bytes=ref.nbytes if max_bytes is None else max_bytes)
+        try:  # a folder, a FIFO or a link where the payload belongs is bad input, like a wrong digest
+            data = get_plain(self.store, key, ref.nbytes if max_bytes is None else max_bytes)
+        except InvalidInput as e:
+            raise InvalidInput(e.kind, e.reason, url=url) from None
         if data is None:
             raise InvalidInput("missing_payload", f"payload {ref.sha256} does not exist", url=url)
         if max_bytes is not None and len(data) > max_bytes:

@@ -72,7 +72,7 @@ class LearnerStore(LeaseHolder):
         record = ContributionRecord(key=key, learner_id=learner_id, fragment=fragment, base_version=base_version,
                                     c_steps=c_steps, c_tokens=c_tokens, payload=ref, tensors=meta,
                                     created_at=time.time(), info=info, incarnation=incarnation)
-        body = seal(KIND_CONTRIBUTION, record.to_dict(), self._run_key(learner_id))
+        body = seal(KIND_CONTRIBUTION, record.to_dict(), self._signer(learner_id))
         if not self.store.create(key, dump_record(KIND_CONTRIBUTION, body)):
             existing = self._read_contribution_record(key)
             if isinstance(existing, Rejection):

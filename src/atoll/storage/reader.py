@@ -20,21 +20,19 @@ from atoll.core.downlink import apply_update
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.synchronize import FragmentContribution
 from atoll.core.weights import Counters
-from atoll.storage import liveness, paths
+from atoll.storage import checkpoints, liveness, paths
 from atoll.storage.chain import CommitChain
-from atoll.storage.codec import bytes_to_encoded, bytes_to_tensors, load_record, sha256_hex
+from atoll.storage.codec import bytes_to_encoded, bytes_to_tensors, load_record
 from atoll.storage.handle import (
     CACHE_ENTRIES,
-    MAX_CHECKPOINT_CONFIG_BYTES,
     MAX_CONTRIBUTION_RECORD_BYTES,
     MAX_HEAD_BYTES,
     MAX_LEARNER_STATE_RECORD_BYTES,
 )
-from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, check_seal
+from atoll.storage.integrity import IntegrityError, check_seal
 from atoll.storage.liveness import KIND_STOP, SYNCHRONIZER_HOLDER, Liveness, StopMarker
 from atoll.storage.reading import Skipped, read_parsed
 from atoll.storage.records import (
-    KIND_CHECKPOINT,
     KIND_CONTRIBUTION,
     KIND_EVAL,
     KIND_LEARNER_STATE,
@@ -153,10 +151,10 @@ class RunReader(CommitChain):
             if paths.learner_of_key(key) != record.learner_id:
                 raise InvalidInput("schema", f"record of {record.learner_id!r} outside its learner's prefix", url=url)
             try:
-                check_seal(KIND_CONTRIBUTION, body, url=url, key=self._run_key(record.learner_id),
-                           require_signature=bool(self.keyring))
+                check_seal(KIND_CONTRIBUTION, body, url=url, key=self._verifier(record.learner_id),
+                           require_signature=self._signatures_required())
             except IntegrityError as e:
-                kind = RejectionKind.BAD_SIGNATURE if self.keyring else RejectionKind.CORRUPT
+                kind = RejectionKind.BAD_SIGNATURE if self._signatures_required() else RejectionKind.CORRUPT
                 return self._cache_contribution(key, Rejection(kind, e.what))
             expected_key = paths.contribution_key(record.fragment, record.base_version, record.learner_id,
                                                   record.c_steps, record.payload.sha256)
@@ -518,22 +516,9 @@ class RunReader(CommitChain):
                       if n.isascii() and n.isdigit() and len(n) <= 12)
 
     def load_checkpoint(self, round_: int) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, verified against the sha256 in its config.json."""
-        ckey = paths.checkpoint_config_key(round_)
-        cdata = self._get_capped(ckey, MAX_CHECKPOINT_CONFIG_BYTES)
-        if cdata is None:
-            raise FileNotFoundError(f"no checkpoint config at {self.store.key_url(ckey)}")
-        body = load_record(cdata, KIND_CHECKPOINT, url=self.store.key_url(ckey))
-        if (key := self._run_key(SYNCHRONIZER_KEY_ID)) is not None:  # signed for this run: checked
-            check_seal(KIND_CHECKPOINT, body, url=self.store.key_url(ckey), key=key)
-        mkey = paths.checkpoint_model_key(round_)
-        data = self.store.get_or_none(mkey)
-        if data is None:
-            raise InvalidInput("missing_payload", "checkpoint model file is missing", url=self.store.key_url(mkey))
-        if sha256_hex(data) != body.get("model", {}).get("sha256"):
-            raise InvalidInput("checksum", "checkpoint model sha256 differs from config.json",
-                               url=self.store.key_url(mkey))
-        return bytes_to_tensors(data, url=self.store.key_url(mkey))
+        """The checkpoint's tensors, verified (:func:`atoll.storage.checkpoints.load_checkpoint`:
+        its config's seal and fields, the model's size and sha256)."""
+        return checkpoints.load_checkpoint(self, round_)
 
     # -- the whole run -----------------------------------------------------------------------
     def verify(self, *, on_round: Callable[[int], None] | None = None) -> VerifyReport:

@@ -25,6 +25,7 @@ from atoll.core.rejection import Rejection, RejectionKind
 from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError
 
 __all__ = ["Skipped", "NumberBoundError", "MAX_INT_DIGITS", "MAX_WHY_CHARS", "loads_bounded", "read_bytes", "read_parsed", "skip_of",
+           "get_plain",
            "bounded_int", "finite_float"]
 
 MAX_INT_DIGITS = 40
@@ -102,19 +103,36 @@ def read_bytes(store: Any, key: str, cap: int, *, denied_raises: bool = False) -
     ``run.json``: access denied there is the reader's credentials, which the operator must see; on
     a learner's object it may be the learner's doing, so it is skipped like any other)."""
     try:
+        data = get_plain(store, key, cap, denied_raises=denied_raises)
+    except InvalidInput as e:
+        return skip_of(key, e)
+    if data is None:
+        return None
+    if len(data) > cap:
+        return Skipped(key, RejectionKind.OVERSIZE, f"larger than the {cap}-byte cap for its kind")
+    return data
+
+
+def get_plain(store: Any, key: str, cap: int, *, denied_raises: bool = False) -> bytes | None:
+    """The object at ``key`` as the store hands it back for a read capped at ``cap`` (the backend
+    may return a byte more, so that the caller can tell "longer"), None if absent; anything that
+    is not a readable regular object (a folder, a FIFO, a link out of the run, access denied, a
+    name the backend refuses) raises InvalidInput('corrupt'), which every payload reader already
+    handles. Only :class:`TransientStorageError` (and PermissionError with ``denied_raises``)
+    passes through. Payload readers that check sizes and digests themselves call this; record
+    readers call :func:`read_bytes`."""
+    try:
         data: bytes | None = store.get_or_none(key, max_bytes=cap)
     except TransientStorageError:
         raise  # the store is unwell, not this object
     except PermissionError:
         if denied_raises:
             raise
-        return Skipped(key, RejectionKind.CORRUPT, "cannot be read: access denied")
+        raise InvalidInput(RejectionKind.CORRUPT, "cannot be read: access denied") from None
+    except InvalidInput:
+        raise
     except (StorageError, OSError, ValueError) as e:  # a folder, a FIFO, a link out, a name the backend refuses
-        return Skipped(key, RejectionKind.CORRUPT, f"cannot be read: {type(e).__name__}: {str(e)[:300]}")
-    if data is None:
-        return None
-    if len(data) > cap:
-        return Skipped(key, RejectionKind.OVERSIZE, f"larger than the {cap}-byte cap for its kind")
+        raise InvalidInput(RejectionKind.CORRUPT, f"cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
     return data
 
 

@@ -37,13 +37,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from atoll.core.rejection import RejectionKind
 from atoll.storage import paths
+from atoll.storage.checkpoints import checked_checkpoint
 from atoll.storage.integrity import IntegrityError
 from atoll.storage.operator_side import OperatorStore
 from atoll.storage.reader import RunReader
+from atoll.storage.reading import MAX_WHY_CHARS, Skipped
 from atoll.storage.records import BlobRef, CommitRecord, FragmentState, PruneRecord
 from atoll.storage.store import NotPlainObjectError, ObjectInfo, io_map
-from atoll.storage.validation import InvalidInput, StorageError, validate_learner_id
+from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError, validate_learner_id
 
 __all__ = ["RetentionPolicy", "PrunePlan", "PruneItem", "plan_prune", "apply_prune", "key_class", "RetentionRefused",
            "NotPlainObjectError", "GLOBAL_STATE", "CONTRIBUTION", "LEARNER_PAYLOAD", "CHECKPOINT", "PROBE"]
@@ -155,6 +158,9 @@ class PrunePlan:
     kept_bytes: Counter[str] = field(default_factory=Counter)
     young: int = 0
     """Unreferenced objects kept only because they are younger than ``min_age_s``."""
+    skipped: list[Skipped] = field(default_factory=list)
+    """What retention did not use, and why (a learner whose prefix holds a non-plain object, a
+    checkpoint that does not verify): nothing it would have proven unreferenced is deleted."""
 
     def deleted(self, what: str) -> tuple[int, int]:
         """(objects, bytes) this plan deletes of class ``what``."""
@@ -175,6 +181,7 @@ class PrunePlan:
         total_kept = sum(self.kept.values())
         lines.append(f"{'total':<22}{len(self.deletes):>10}{_size(self.bytes):>12}{total_kept:>10}"
                      f"{_size(sum(self.kept_bytes.values())):>12}")
+        lines += [f"skipped {s}" for s in self.skipped]
         return lines
 
 
@@ -232,20 +239,17 @@ class _Planner:
         plan = PrunePlan(latest=latest, through_round=through, floors=floors)
         self.global_state(plan, kept_shas)
         self.checkpoints(plan)
-        for prefix in (paths.LEARNERS_PREFIX, paths.SYNC_PREFIX, f"{paths.SYNC_PREFIX}blobs/"):
-            self.store.list_plain(prefix)  # a learner's folder that is a link, or a link among sync's
+        for prefix in (paths.SYNC_PREFIX, f"{paths.SYNC_PREFIX}blobs/"):
+            self.store.list_plain(prefix)  # a link among the synchronizer's own folders refuses the prune
         learners = run.learner_ids()
-        for lid in learners:
-            for prefix in (paths.learner_prefix(lid), f"{paths.learner_prefix(lid)}blobs/",
-                           paths.learner_contributions_prefix(lid)):
-                self.store.list_plain(prefix)
         self.log(f"  global state: {plan.deleted(GLOBAL_STATE)[0]} objects to delete; "
                  f"looking at {len(learners)} learner(s)")
-        for part in io_map(lambda lid: self.learner(lid, floors), learners):
+        for part in io_map(lambda lid: self.learner_or_skip(lid, floors), learners):
             plan.deletes.extend(part.deletes)
             plan.kept.update(part.kept)
             plan.kept_bytes.update(part.kept_bytes)
             plan.young += part.young
+            plan.skipped.extend(part.skipped)
         for info in self.files(paths.PROBE_PREFIX):
             self.unreferenced(plan, paths.PROBE_PREFIX + info.name, PROBE, info)
         return plan
@@ -296,11 +300,31 @@ class _Planner:
                 self.unreferenced(plan, prefix + info.name, GLOBAL_STATE, info)
 
     def checkpoints(self, plan: PrunePlan) -> None:
+        """Keep the newest ``keep_checkpoints`` checkpoints that verify (:func:`checked_checkpoint`:
+        a config whose seal, and signature where the run has a key, verifies, for this run and
+        round, with its model file at the size it names); older ones that verify go, and so do
+        ones that do not, once old enough (being written, or abandoned). A folder holding
+        something that is not a plain object is skipped: nothing in it is deleted or counted."""
         rounds = self.run.list_checkpoints()
         self.store.list_plain(paths.checkpoints_prefix())  # no link, FIFO or device among the folders
-        folders = {r: self.files(paths.checkpoints_prefix() + f"{r:08d}/") for r in rounds}
-        complete = [r for r in rounds if any(i.name == "config.json" for i in folders[r])]
+        folders: dict[int, list[ObjectInfo]] = {}
+        for r in rounds:
+            try:
+                folders[r] = self.files(paths.checkpoints_prefix() + f"{r:08d}/")
+            except NotPlainObjectError as e:
+                plan.skipped.append(Skipped(paths.checkpoints_prefix() + f"{r:08d}/", RejectionKind.CORRUPT,
+                                            f"not counted, nothing in it deleted: {e}"[:MAX_WHY_CHARS]))
+        rounds = [r for r in rounds if r in folders]
         keep_n = self.policy.keep_checkpoints
+        complete: list[int] = []
+        if keep_n is not None:  # None keeps every one: nothing to verify
+            for r in rounds:
+                got = checked_checkpoint(self.run, r, {i.name: i.size for i in folders[r]})
+                if isinstance(got, Skipped):
+                    plan.skipped.append(got)
+                    self.log(f"  checkpoint {r} does not verify, not counted: {got.why}")
+                else:
+                    complete.append(r)
         keep = set(rounds) if keep_n is None else set(complete[-keep_n:])  # None: every one (counted)
         for r in rounds:
             prefix = paths.checkpoints_prefix() + f"{r:08d}/"
@@ -311,6 +335,27 @@ class _Planner:
                     plan.deletes.append(PruneItem(prefix + info.name, CHECKPOINT, info.size))
                 else:  # incomplete: being written now, or abandoned by a killed synchronizer
                     self.unreferenced(plan, prefix + info.name, CHECKPOINT, info)
+
+    def learner_or_skip(self, learner_id: str, floors: tuple[int, ...]) -> PrunePlan:
+        """One learner's part of the plan, or, where its prefix holds something that is not a
+        plain object (a link on the way, a FIFO, a folder where objects belong) or cannot be
+        listed, an empty part that names it as skipped: none of that learner's objects is
+        deleted, and every other learner's prune carries on (one learner's prefix is its own to
+        spoil, never the run's)."""
+        try:
+            for prefix in (paths.learner_prefix(learner_id), f"{paths.learner_prefix(learner_id)}blobs/",
+                           paths.learner_contributions_prefix(learner_id)):
+                self.store.list_plain(prefix)
+            return self.learner(learner_id, floors)
+        except TransientStorageError:
+            raise
+        except (StorageError, OSError) as e:
+            part = PrunePlan(latest=0, through_round=0, floors=floors)
+            why = f"{type(e).__name__}: {e}"[:MAX_WHY_CHARS]
+            part.skipped.append(Skipped(paths.learner_prefix(learner_id), RejectionKind.CORRUPT,
+                                        f"none of this learner's objects is deleted: {why}"))
+            self.log(f"  {learner_id}: skipped ({why}); none of its objects is deleted")
+            return part
 
     def learner(self, learner_id: str, floors: tuple[int, ...]) -> PrunePlan:
         part = PrunePlan(latest=0, through_round=0, floors=floors)

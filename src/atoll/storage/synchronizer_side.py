@@ -197,7 +197,7 @@ class SynchronizerStore(LeaseHolder):
         """Create the sealed record in the round's slot (or a free repair slot), then the head hint.
         A refused create means another synchronizer won the round: its record is the result."""
         round_ = record.round
-        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self._run_key(SYNCHRONIZER_KEY_ID)))
+        data = dump_record(KIND_COMMIT, seal(KIND_COMMIT, record.to_dict(), self._signer(SYNCHRONIZER_KEY_ID)))
         key = paths.commit_key(round_) if not void else self._free_repair_key(round_)
         liveness.fault_hold_before_commit(round_)  # chaos tests only: no-op unless its env vars are set
         if self.store.create(key, data):
@@ -316,5 +316,5 @@ class SynchronizerStore(LeaseHolder):
                 "model": {"file": "model.safetensors", "sha256": sha, "nbytes": len(data)},
                 "created_at": time.time()}
         self.store.put(config_key, dump_record(KIND_CHECKPOINT, seal(KIND_CHECKPOINT, body,
-                                                                     self._run_key(SYNCHRONIZER_KEY_ID))))
+                                                                     self._signer(SYNCHRONIZER_KEY_ID))))
         return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)

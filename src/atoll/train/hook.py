@@ -17,8 +17,12 @@ atoll's own learner does after its inner step, with the very same code (atoll's 
 * publishes the due fragment's delta with its counters (encoded and written on a background
   thread, so the step does not wait for the bucket);
 * overwrites fragments in place when a new global version lands (optimizer state is kept);
-* saves what rejoin needs every ``save_every_steps`` (the optimizer's state, the step counter and
-  :attr:`LearnerHook.user_state`, a JSON dict for the loop's own position);
+* saves what rejoin needs (the optimizer's state, the step counter and :attr:`LearnerHook.user_state`,
+  a JSON dict for the loop's own position) when its pacing says so: within a share of its uplink
+  bytes by default, or every ``save_every_steps`` (:mod:`atoll.train.save_pacing`), in the
+  background;
+* reports its tokens/s (and on CUDA its MFU and peak memory) with each contribution, for
+  ``atoll status``;
 * holds the learner's lease and heartbeats, so a newer copy fences this one, ``atoll stop`` and
   SIGTERM stop it cleanly, and Prefect's healing relaunches it when it dies.
 
@@ -53,6 +57,7 @@ from atoll.storage.learner_side import LearnerStore
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSummary, Replica
 from atoll.train.lease import die_with_parent
 from atoll.train.session import Build, LearnerSession
+from atoll.train.speed import RateMeter, flops_per_token
 
 __all__ = ["LearnerHook", "join"]
 
@@ -209,6 +214,8 @@ class LearnerHook:
             assert self.learner is not None
             if self._build is not None:  # built in the session: the learner holds them
                 self.model, self.optimizer = self.learner.model, self.learner.opt
+            else:  # a user's loop: its speed in each contribution, for atoll status (atoll's loop sets its own)
+                self.learner.speed_report = _speed_meter(self.learner, self.world).report
             if self.world > 1:
                 _broadcast_ready(self.learner)
         else:
@@ -235,6 +242,14 @@ class LearnerHook:
             # the launcher's to stop (torchrun stops the others), and the island is relaunched.
             return bool(self.session.__exit__(exc_type, exc, tb))
         return isinstance(exc, LearnerExit)
+
+
+def _speed_meter(learner: Learner, world: int) -> RateMeter:
+    """Tokens/s, MFU (CUDA) and peak memory of a user's loop, from publish to publish."""
+    config = getattr(learner.model, "config", None)
+    context = learner.recipe.context_tokens or getattr(config, "context_tokens", 0)
+    per_token = flops_per_token(learner.model, context if isinstance(context, int) else 0)
+    return RateMeter(learner.device, flops_per_token=per_token, tokens=lambda: learner.tokens_total, chips=world)
 
 
 def join(run: str | RunHandle | None = None, learner_id: str | None = None, model: torch.nn.Module | None = None,

@@ -86,8 +86,11 @@ class InnerLoop:
         if learner.saved_cursor is not None:
             self.stream.load_state_dict(learner.saved_cursor)
         learner.data_cursor = self.cursor
-        learner.progress_extra = RateMeter(self.device, flops_per_token=flops_per_token(
-            self.model, self.recipe.context_for(self.model)), tokens=lambda: learner.tokens_total, chips=self.world).line
+        per_token = flops_per_token(self.model, self.recipe.context_for(self.model))
+        learner.progress_extra = RateMeter(self.device, flops_per_token=per_token,
+                                           tokens=lambda: learner.tokens_total, chips=self.world).line
+        learner.speed_report = RateMeter(self.device, flops_per_token=per_token,  # its own window: publish to publish
+                                         tokens=lambda: learner.tokens_total, chips=self.world).report
 
     def cursor(self) -> dict[str, Any]:
         """The data position of the next batch this loop will train on."""

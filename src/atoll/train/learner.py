@@ -42,7 +42,7 @@ from atoll.storage.validation import InvalidInput
 from atoll.storage.wire import wire_report
 from atoll.train.device import flat_fragment_to_device, fragment_delta_to_host
 from atoll.train.fetcher import FetchError
-from atoll.train.inner_state import load_inner_state, local_inner_state
+from atoll.train.inner_state import load_inner_state, local_inner_state, moments_as
 from atoll.train.publisher import Outbox, Outgoing
 from atoll.train.run import load_recipe
 
@@ -204,7 +204,7 @@ class Replica:
         learner.bases[fragment] = flat_fragment_to_device(base, learner.device)
 
     def inner_state(self, learner: Learner, *, snapshot: bool) -> dict[str, torch.Tensor]:
-        return local_inner_state(learner.model, learner.opt, snapshot=snapshot)
+        return local_inner_state(learner.model, learner.opt, snapshot=snapshot, moments=learner.save_moments)
 
     def broadcast(self, learner: Learner, fragments: list[int]) -> None:
         import torch.distributed as dist
@@ -246,6 +246,9 @@ class Learner:
         self.step_ema: float | None = None
         self.progress_extra: Callable[[], str] | None = None
         """More for each progress line (atoll's own loop: tokens/s, MFU, peak memory; ``train.speed``)."""
+        self.speed_report: Callable[[], dict[str, float]] | None = None
+        """Tokens/s, MFU and peak memory since the previous publish, for each contribution's
+        ``info["speed"]`` (``atoll status`` shows the newest per learner; ``train.speed``)."""
         self.up_since = time.monotonic()
         """When this process' learner came up: its contributions report how long ago (``info.up_s``)."""
         self.train_s = 0.0
@@ -370,6 +373,10 @@ class Learner:
         info = {"step": self.step_count, "step_time_s": round(self.step_ema or 0.0, 6), "pool": self.spec.pool,
                 "loss": round(loss, 6) if math.isfinite(loss) else None, "wire": self.wire_report(),
                 "train_s": round(self.train_s, 3), "up_s": round(time.monotonic() - self.up_since, 3)}
+        if self.speed_report is not None:
+            info["speed"] = self.speed_report()
+        if fc.kept_steps:  # keep_local_progress: steps carried through the last adoption
+            info["kept_steps"] = fc.kept_steps
         outgoing = Outgoing(self.learner_id, p, fc.base_version, fc.frozen(), info, self.incarnation,
                             self.plan.fragment_numel(p))
         if self.keeps_progress:  # every rank of an island, so that all of them carry the same
@@ -435,27 +442,49 @@ class Learner:
         """Wait for contributions still being written in the background (raises a failed write)."""
         self.outbox.flush()
 
-    def save(self, *, background: bool = False) -> None:
-        """Save the inner state (AdamW moments, step counter, data cursor) for rejoin.
+    @property
+    def save_moments(self) -> torch.dtype:
+        """The dtype of the saved AdamW moments (``Recipe.save_moments_dtype``)."""
+        return torch.bfloat16 if self.recipe.save_moments_dtype == "bf16" else torch.float32
+
+    @property
+    def saving(self) -> bool:
+        """A periodic save is still being written in the background (the next one is not queued)."""
+        return self.outbox.saving
+
+    def save_bytes_estimate(self) -> int:
+        """What one save sends before the first one has: AdamW's two moments per parameter."""
+        return 2 * sum(self.plan.sizes.values()) * (2 if self.save_moments == torch.bfloat16 else 4)
+
+    def save(self, *, background: bool = False) -> int:
+        """Save the inner state (AdamW moments, step counter, data cursor) for rejoin; the bytes
+        of its tensors, or 0 when nothing was taken (a background save is still in flight).
 
         Contributions still being written go first: a saved step never runs ahead of what the
         bucket holds from this learner. ``background=True`` (with a background outbox; the
-        periodic saves): snapshot the state here and write it after those contributions on the
-        writer's thread, guarded by the lease like them, so the step does not wait for the
-        write; otherwise (the last save, on exit) write it now."""
+        periodic saves): snapshot the state here and write it once those contributions are
+        written, on a thread of its own, guarded by the lease like them, so the step does not
+        wait for the write; while an earlier one is still being written, nothing is taken and
+        nothing queued (:mod:`atoll.train.save_pacing`). Otherwise (the last save, on exit)
+        write it now, after everything in flight."""
         background = background and self.outbox.background
+        if background and self.outbox.saving:
+            return 0
         if not background:
             self.flush()
-        tensors = self.weights.inner_state(self, snapshot=background)
+        tensors = moments_as(self.weights.inner_state(self, snapshot=background), self.save_moments)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         meta: dict[str, Any] = {"step": self.step_count, "tokens": self.tokens_total, "cursor": self.data_cursor()}
         if self.user_state:
             meta["user"] = self.user_state
         if background:
             meta = json.loads(json.dumps(meta))  # a snapshot: the loop goes on changing user_state
             learner_id = self.learner_id
-            self.outbox.save(lambda store: store.save_learner_state(learner_id, tensors, meta), guard=self.publish_guard)
-            return
+            taken = self.outbox.save(lambda store: store.save_learner_state(learner_id, tensors, meta),
+                                     guard=self.publish_guard)
+            return nbytes if taken else 0
         self.store.save_learner_state(self.learner_id, tensors, meta)
+        return nbytes
 
     def progress_line(self) -> str:
         ms = (self.step_ema or 0.0) * 1000

@@ -6,7 +6,8 @@ one place where the ways of writing differ:
 * :class:`Outbox` writes in the training thread: the delta is taken, the lease is asked
   (``guard``), and the contribution is written before the step returns;
 * :class:`BackgroundOutbox` takes the delta into a reused host buffer in the step and hands the
-  write to a :class:`BackgroundWriter` thread, so the next inner steps overlap the bucket I/O.
+  write to a :class:`BackgroundWriter` thread, so the next inner steps overlap the bucket I/O;
+  its periodic saves go to a :class:`SaveWriter`, one at a time, beside the contributions.
 
 How the delta is taken (the whole model on this rank, or FSDP2 shards gathered on every rank) is
 the learner's weights' business (:class:`~atoll.train.learner.Replica`,
@@ -28,7 +29,7 @@ import torch
 from atoll.core.weights import Counters
 from atoll.storage.learner_side import LearnerStore
 
-__all__ = ["BackgroundOutbox", "BackgroundWriter", "BufferPool", "Outbox", "Outgoing"]
+__all__ = ["BackgroundOutbox", "BackgroundWriter", "BufferPool", "Outbox", "Outgoing", "SaveWriter"]
 
 TakeDelta = Callable[[torch.Tensor | None], dict[str, torch.Tensor] | None]
 """Take the due fragment's delta to the host, into the flat fp32 buffer given (or a new one);
@@ -85,9 +86,15 @@ class Outbox:
         outgoing.write(self.store, delta)
         return True
 
-    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> None:
-        """Write a save now (the caller has asked the lease)."""
+    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> bool:
+        """Write a save now (the caller has asked the lease); True: it was written."""
         write(self.store)
+        return True
+
+    @property
+    def saving(self) -> bool:
+        """Whether a save handed over earlier is still being written (never, here)."""
+        return False
 
     def check(self) -> None:
         """Raise a failed background write in the training thread (nothing to raise here)."""
@@ -105,6 +112,7 @@ class BackgroundOutbox(Outbox):
     def __init__(self, store: LearnerStore) -> None:
         super().__init__(store)
         self.writer = BackgroundWriter(store)
+        self.saver = SaveWriter(store, contributions=self.writer)
         self.buffers = BufferPool()
         self.writer.start()
 
@@ -123,20 +131,36 @@ class BackgroundOutbox(Outbox):
                            done=functools.partial(self.buffers.give, buffer))
         return True
 
-    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> None:
-        """Write a save after the contributions submitted before it, guarded by the lease like them."""
-        self.writer.submit(write, guard=guard)
+    def save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None) -> bool:
+        """Write a save once the contributions submitted before it are written, guarded by the
+        lease like them, on a thread of its own (:class:`SaveWriter`): contributions submitted
+        after it are written meanwhile, not held up behind a save of the whole optimizer state.
+        At most one save is in flight: False (nothing taken, nothing queued) while the previous
+        one is still being written."""
+        if self.saver.busy:
+            return False
+        reached = threading.Event()  # set once the writer has passed every contribution submitted before
+        self.writer.submit(_nothing, done=reached.set)
+        self.saver.start_save(write, guard=guard, after=reached)
+        return True
+
+    @property
+    def saving(self) -> bool:
+        return self.saver.busy
 
     def check(self) -> None:
         self.writer.check()
+        self.saver.check()
 
     def flush(self) -> None:
         self.writer.flush()
+        self.saver.flush()
 
 
 class BackgroundWriter(threading.Thread):
-    """Background writer of a learner's contributions and saves: one at a time, in the order
-    submitted (so a save never lands before the contributions submitted ahead of it).
+    """Background writer of a learner's contributions: one at a time, in the order submitted (a
+    save, written by a :class:`SaveWriter`, waits for a marker it submits here, so it never lands
+    before the contributions submitted ahead of it).
 
     The training loop hands over jobs on host tensors and snapshots (nothing it mutates later);
     this thread encodes, hashes and writes them. The queue is bounded (backpressure when the
@@ -175,6 +199,58 @@ class BackgroundWriter(threading.Thread):
     def flush(self) -> None:
         """Wait until everything submitted is written (or failed); raise the failure."""
         self.jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+
+def _nothing(store: LearnerStore) -> None:
+    """A marker in the writer's queue: its ``done`` tells a save that what came before is written."""
+
+
+class SaveWriter:
+    """Writes a learner's periodic saves, one at a time, each on a thread of its own.
+
+    A save waits until the :class:`BackgroundWriter` has passed every contribution submitted before
+    it (a saved step never runs ahead of what the bucket holds from this learner), then writes
+    while later contributions go on being written beside it. It is never queued: while one is in
+    flight :attr:`busy` is true and the learner skips the save that falls due (its pacing, in
+    :mod:`atoll.train.save_pacing`, takes the next one). The first failure is kept and re-raised in
+    the training thread by :meth:`check`; nothing is written after a failed contribution."""
+
+    def __init__(self, store: LearnerStore, *, contributions: BackgroundWriter) -> None:
+        self.store = store.sibling()  # own caches; the object store itself is shared
+        self.contributions = contributions
+        self.failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A save is still being written (or waiting for the contributions ahead of it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start_save(self, write: Callable[[LearnerStore], Any], *, guard: Callable[[], bool] | None,
+                   after: threading.Event) -> None:
+        self.check()
+        self._thread = threading.Thread(target=self._run, args=(write, guard, after), daemon=True, name="atoll-saver")
+        self._thread.start()
+
+    def _run(self, write: Callable[[LearnerStore], Any], guard: Callable[[], bool] | None,
+             after: threading.Event) -> None:
+        try:
+            after.wait()
+            # The guard (the lease is still ours) is asked right before the write, as for contributions.
+            if self.contributions.failed is None and (guard is None or guard()):
+                write(self.store)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by check()
+            self.failed = e
+
+    def flush(self) -> None:
+        """Wait for the save in flight, if any; raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
         self.check()
 
     def check(self) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "smoke_recipe",
     "gpu_recipe",
     "COMPILE_CHOICES",
+    "SAVE_MOMENTS_CHOICES",
     "RECIPE_PRESETS",
 ]
 
@@ -122,6 +123,9 @@ SHARD_CHOICES = ("ddp", "fsdp2")
 
 COMPILE_CHOICES = ("off", "auto", "on")
 """Valid ``LearnerSpec.compile`` settings."""
+
+SAVE_MOMENTS_CHOICES = ("fp32", "bf16")
+"""Valid ``Recipe.save_moments_dtype`` settings."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,8 +296,33 @@ class Recipe:
     checkpoint_every_rounds: int = 0
     """Consolidated checkpoint every this many rounds (0: only at the end)."""
 
-    save_every_steps: int = 50
-    """Each learner saves its inner state (AdamW, step, data cursor) this often, for rejoin."""
+    save_every_steps: int | None = None
+    """An explicit cadence of the saves of each learner's inner state (AdamW moments, step, data
+    cursor) for rejoin: every this many of its own steps; 0: only when it exits. It wins over the
+    budget below, which it then ignores. None (default): the budget paces the saves
+    (:mod:`atoll.train.save_pacing`)."""
+
+    save_uplink_share: float | None = 0.1
+    """The byte budget of saves (``save_every_steps`` None): a learner's saves may send at most
+    this many bytes per byte it otherwise sends up (contributions, records, heartbeats) since its
+    process started; 0.1 keeps saves within 10% of its uplink traffic. A save is taken once it
+    fits, so the first comes after about 1 / share saves' worth of other traffic, and a learner
+    whose saves are large next to its contributions saves rarely (``save_moments_dtype`` halves
+    them). None: no byte budget (``save_every_s`` alone paces saves)."""
+
+    save_every_s: float = 0.0
+    """The time budget of saves (``save_every_steps`` None): at least this many seconds between
+    two periodic saves, and from the learner's start to its first. 0: no time floor. A save is
+    due when the byte budget and this both allow it."""
+
+    save_moments_dtype: str = "fp32"
+    """How the saved AdamW moments are stored: 'fp32' (a resume continues bit for bit) or 'bf16'
+    (half the bytes, so twice the saves in the same budget). With 'bf16' a resume restores the
+    learner's step and token counters, its data cursor, its ``user_state`` and AdamW's step
+    counts exactly (the weights come from the run's global state either way); each moment comes
+    back rounded to the nearest bf16 (a relative error of at most 2^-9), so the steps after the
+    resume differ from an uninterrupted run's in the low bits, a difference that fades as the
+    moments' averages take in new gradients (beta1 0.9: ~10 steps; beta2 0.95: ~20)."""
 
     def __post_init__(self) -> None:
         ids = [s.learner_id for s in self.learners]
@@ -301,6 +330,26 @@ class Recipe:
             raise ConfigError(f"learner ids must be unique, got {ids}")
         if self.max_rounds < 1:
             raise ConfigError(f"max_rounds must be >= 1 (got {self.max_rounds})")
+        self._check_saves()
+
+    def _check_saves(self) -> None:
+        every, share, seconds = self.save_every_steps, self.save_uplink_share, self.save_every_s
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ConfigError("save_every_steps must be None (saves paced by save_uplink_share and save_every_s) "
+                              f"or an int >= 0 (0: save only on exit); got {every!r}")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not (share > 0 and math.isfinite(share))):
+            raise ConfigError("save_uplink_share must be None (no byte budget) or a finite number > 0 "
+                              f"(0.1: saves within 10% of a learner's uplink bytes); got {share!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                seconds >= 0 and math.isfinite(seconds)):
+            raise ConfigError(f"save_every_s must be a finite number of seconds >= 0 (0: no time floor); got {seconds!r}")
+        if every is None and share is None and seconds == 0:
+            raise ConfigError("nothing paces the learners' saves: set save_every_steps (0: only on exit), "
+                              "save_uplink_share or save_every_s")
+        if self.save_moments_dtype not in SAVE_MOMENTS_CHOICES:
+            raise ConfigError(f"save_moments_dtype must be one of {SAVE_MOMENTS_CHOICES} "
+                              f"(got {self.save_moments_dtype!r})")
 
     def check(self, config: DilocoConfig) -> None:
         if len(self.learners) != config.num_learners:
@@ -392,6 +441,11 @@ def demo_recipe(num_learners: int = 4) -> tuple[DilocoConfig, Recipe]:
       corpora (grid 3e-3 / 6e-3 / 1.2e-2); warmup 20 own steps, then a cosine to 10% over the
       run's rounds (``schedule="run"``), so every learner, fast or slow, ends at the floor.
     * Interleaved data shards (the default): every learner samples the whole corpus.
+    * Inner-state saves paced by the default budget, within 10% of a learner's uplink bytes: one
+      save (6.7 MB of fp32 moments) about every 1,000 steps, so over the demo's ~400 steps a
+      learner saves when it exits (or is stopped), not periodically; a learner killed mid-run
+      rejoins from the global state with fresh AdamW moments. (A fixed 50 steps, as before, sent
+      twice the contributions' bytes in saves; docs/benchmarks.md#saves.)
     * 400 rounds: with rounds that keep up with the learners (``record_rounds``, as ``make demo``
       runs it) a learner takes H = 8 steps per fragment per sync, so 400 rounds are ~400 steps per
       fast learner (160 rounds were enough only while a synchronizer that fell behind let each
@@ -456,8 +510,12 @@ def gpu_recipe(num_learners: int = 4, *, train_url: str = "", val_url: str = "",
     * bf16 autocast, ``torch.compile`` on CUDA only (``compile="auto"``: off on a CPU, eager again
       if compiling fails); 16 sequences x 1024 tokens per step and learner; set ``micro_batch`` on
       chips with less memory.
-    * Saves every 2000 steps (an inner state is ~1 GB), evaluation every 200 rounds, a checkpoint
-      every 1000; 8000 rounds are ~64 k steps, ~1 B tokens, per learner.
+    * Inner-state saves paced by the default budget (within 10% of a learner's uplink bytes) with
+      bf16 moments: a save is ~330 MB, taken about every 4,100 steps (~2 min at 30 ms a step; fp32
+      moments would halve that rate and double the host copy each save takes in the step); a
+      resume restores every counter and the data cursor exactly, the moments to bf16
+      (``Recipe.save_moments_dtype``). Evaluation every 200 rounds, a checkpoint every 1000; 8000
+      rounds are ~64 k steps, ~1 B tokens, per learner.
     """
     config = DilocoConfig(num_learners=num_learners, num_fragments=8, inner_steps=64, overlap_steps=2,
                           min_quorum=1, initial_grace_s=0.5, outer_lr=0.7, outer_momentum=0.9,
@@ -480,7 +538,7 @@ def gpu_recipe(num_learners: int = 4, *, train_url: str = "", val_url: str = "",
         eval_every_rounds=200,
         eval_batches=8,
         checkpoint_every_rounds=1000,
-        save_every_steps=2000,
+        save_moments_dtype="bf16",
     )
     return config, recipe
 

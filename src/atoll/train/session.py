@@ -26,6 +26,7 @@ from atoll.train.fetcher import Fetcher
 from atoll.train.learner import Learner, LearnerExit, LearnerOptions, LearnerSummary
 from atoll.train.lease import LeaseKeeper, sigterm_flag
 from atoll.train.publisher import BackgroundOutbox, Outbox
+from atoll.train.save_pacing import SavePacer
 
 __all__ = ["Build", "LearnerSession"]
 
@@ -46,7 +47,8 @@ class LearnerSession:
       stopped, orphaned, SIGTERM, fenced, ``max_steps``, the caller's ``should_stop``);
     * after each step (:meth:`Learner.record_step`, which publishes the due fragment):
       :meth:`after_step` adopts new global versions, waits for the merged version in lock-step
-      mode, saves on schedule and logs progress;
+      mode, saves when its pacing says so (:mod:`atoll.train.save_pacing`: a byte and time
+      budget, or ``save_every_steps``; in the background, never queued) and logs progress;
     * ``__exit__``: stop the fetcher, save the inner state (unless fenced), write the last
       ``exited`` heartbeat with the reason; on an error, the heartbeat names it and it propagates.
 
@@ -65,6 +67,8 @@ class LearnerSession:
         self.keeper: LeaseKeeper | None = None
         self.fetcher: Fetcher | None = None
         self.learner: Learner | None = None
+        self.saves: SavePacer | None = None
+        """When the learner saves its inner state (built with the learner)."""
         self.reason: str | None = None
         """Why the loop stopped (set by exit_reason_now, or by the caller before leaving)."""
 
@@ -105,6 +109,10 @@ class LearnerSession:
                           incarnation=lease.incarnation if lease is not None else 0, loop=loop,
                           outbox=BackgroundOutbox if options.publish_in_background else Outbox)
         self.learner = learner
+        wire = store.store
+        self.saves = SavePacer.for_recipe(learner.recipe, uplink_bytes=lambda: wire.wire_counts().bytes_up,
+                                          save_bytes=learner.save_bytes_estimate())
+        log(f"{learner_id}: {self.saves.describe()}")
         if keeper.lease is not None:
             learner.publish_guard = keeper.still_current  # one LIST per publish: never publish once fenced
         fetcher = Fetcher(store, learner.start_round, options.poll_interval_s, versions=learner.versions,
@@ -153,7 +161,7 @@ class LearnerSession:
 
     def after_step(self) -> None:
         """After a step was recorded: adopt new versions; in lock-step mode wait for the merged
-        version; save on schedule; log progress."""
+        version; save when paced to; log progress."""
         assert self.keeper is not None and self.fetcher is not None and self.learner is not None
         learner, keeper, fetcher = self.learner, self.keeper, self.fetcher
         self.adopt_ready()
@@ -163,14 +171,21 @@ class LearnerSession:
             fetcher.check()
             time.sleep(0.005)
             self.adopt_ready()
-        save_every = learner.recipe.save_every_steps
-        if save_every and learner.step_count % save_every == 0 and keeper.exit_reason != "fenced":
-            if learner.outbox.background:
-                learner.save(background=True)  # the lease is asked right before the write, there
-            elif keeper.still_current():
-                learner.save()
+        self._save_if_due()
         if self.options.log_every_steps and learner.step_count % self.options.log_every_steps == 0:
             self.log(learner.progress_line())
+
+    def _save_if_due(self) -> None:
+        """Save the inner state when the pacing says so (:mod:`atoll.train.save_pacing`): in the
+        background, never queued behind a save still being written."""
+        assert self.keeper is not None and self.learner is not None and self.saves is not None
+        learner, keeper = self.learner, self.keeper
+        if keeper.exit_reason == "fenced" or not self.saves.due(learner.step_count, in_flight=learner.saving):
+            return
+        if learner.outbox.background:
+            self.saves.started(learner.save(background=True))  # the lease is asked right before the write
+        elif keeper.still_current():
+            self.saves.started(learner.save())
 
     # -- leaving --------------------------------------------------------------------------------
     def _stop_fetcher(self) -> None:
@@ -216,8 +231,15 @@ class LearnerSession:
         keeper.final_heartbeat(s.exit_detail)
         self._stack.close()
         self.log(f"{self.learner_id}: exited ({s.exit_detail}) at step {learner.step_count} "
-                 f"({s.published} published, {s.aligned} aligned)")
+                 f"({s.published} published, {s.aligned} aligned{self._saves_note()})")
         return isinstance(exc, LearnerExit)
+
+    def _saves_note(self) -> str:
+        saves = self.saves
+        if saves is None or not (saves.saves or saves.skipped):
+            return ""
+        return (f", {saves.saves} periodic saves of {saves.saved_bytes / 2**20:,.1f} MiB"
+                + (f", {saves.skipped} skipped while one was being written" if saves.skipped else ""))
 
     @property
     def summary(self) -> LearnerSummary:

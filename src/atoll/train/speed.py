@@ -86,6 +86,17 @@ class RateMeter:
             memory = torch.cuda.max_memory_allocated(self.device) / 2**30
         return rate, mfu, memory
 
+    def report(self) -> dict[str, float]:
+        """The reading as a contribution's ``info["speed"]`` (``atoll status``'s learner rows):
+        ``tok_s``, and ``mfu`` and ``peak_mem_gib`` where known."""
+        rate, mfu, memory = self.reading()
+        out = {"tok_s": round(rate, 1)}
+        if mfu is not None:
+            out["mfu"] = round(mfu, 4)
+        if memory is not None:
+            out["peak_mem_gib"] = round(memory, 3)
+        return out
+
     def line(self) -> str:
         """``, 41,230 tok/s, MFU 38.2%, peak mem 11.4 GiB`` (MFU and memory where known)."""
         rate, mfu, memory = self.reading()

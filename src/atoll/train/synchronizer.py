@@ -107,7 +107,7 @@ class Synchronizer(SynchronizerLifecycle):
         self.screen = ContributionScreen(
             store, offsets=self.plan.offsets, inner_steps=self.config.inner_steps,
             num_fragments=self.plan.num_fragments, max_learner_speedup=self.config.max_learner_speedup,
-            token_bounds=self.token_bounds, started_at_s=clock())
+            token_bounds=self.token_bounds, started_at_s=clock(), max_step_share=self.config.max_step_share)
         """The trust checks on contribution records, and what this synchronizer observed of learners."""
         self._weighed: dict[str, Counters] = {}  # this round's counters as weighed (clipped)
         self._load(store.latest_round())
@@ -149,6 +149,7 @@ class Synchronizer(SynchronizerLifecycle):
             if rec is not None:
                 self._consume(rec.round, rec.accepted, rec.rejected)
                 self.merger.remember_norm(rec.fragment, rec.stats.get("update_norm") if rec.updated else None)
+                self.screen.observed.recall(rec.stats.get("observed_step_s"))  # what was observed before
 
     def _load_views(self, state: GlobalState) -> None:
         """The learners' view of every fragment as of ``state`` (a compressed downlink only: the
@@ -233,7 +234,7 @@ class Synchronizer(SynchronizerLifecycle):
         rejected = {**{k: v for k, v in listing.rejected.items() if k not in self.consumed}, **screened.rejected}
         live = self._live_learners(now)
         candidates = screened.candidates
-        self._weighed = {rec.key: self.screen.weighed_counters(rec) for rec in candidates.values()}
+        self._weighed = self.screen.weighed(candidates.values())
         arrivals = [
             Arrival(learner_id=rec.learner_id, arrived_at_s=self.screen.first_seen(rec.key),
                     c_steps=self._weighed[rec.key].c_steps, c_tokens=self._weighed[rec.key].c_tokens, key=rec.key)
@@ -313,6 +314,7 @@ class Synchronizer(SynchronizerLifecycle):
                             sum(encoded_nbytes(e) for e in downlink.update.values()))
         self._wire_mark = sent
         stats["merge_s"] = round(merged_at - poll.polled_at_s, 4)
+        stats["observed_step_s"] = self.screen.observed.observed_stats()  # read back by a restart
         timings = next_timings(self.ema, poll, sync_s=self.clock() - poll.polled_at_s,
                                steady=self._rounds_closed > 0, observed=self.screen.observed.cadences())
         listed, unlisted = recorded_rejections(poll, rejected, stats, self._weighed)

@@ -13,7 +13,16 @@ Counters (they decide a contribution's weight): more tokens than steps x batch x
 recipe, or more steps than are possible since its base version
 (:func:`atoll.core.weights.max_steps_since`), is an ``impossible_counters`` rejection, and the
 record does not count as a sign of life. What passes is weighed with at most the steps its
-observed time could produce (:meth:`ContributionScreen.weighed_counters`).
+observed time could produce (:meth:`ContributionScreen.weighed_counters`): before anything has
+been observed, a prior of ``UNOBSERVED_INTERVALS x H`` steps; with two or more contributors, no
+one of them carries more than ``max_step_share`` of the round's steps
+(:meth:`ContributionScreen.weighed`).
+
+Read back: every commit record names the fastest step times this synchronizer had observed
+(``stats["observed_step_s"]``, :meth:`LearnerObservations.observed_stats`); a restarted
+synchronizer reads them back from the records it loads (:meth:`LearnerObservations.recall`), so
+its bound holds from its first round. Only the synchronizer writes under ``sync/``, and a value
+that is not a positive finite number is ignored.
 
 Reported times: a learner's step time counts only inside its observed cadence
 (:class:`LearnerObservations`), and every reported duration is clipped to [0, one day].
@@ -22,18 +31,27 @@ Reported times: a learner's step time counts only inside its observed cadence
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from atoll.core.quorum import bounded_step_sample, publication_steps
 from atoll.core.rejection import Rejection, RejectionKind
-from atoll.core.weights import Counters, clip_counters, impossible_counters, max_steps_since, plausible_steps
+from atoll.core.weights import (
+    UNOBSERVED_INTERVALS,
+    Counters,
+    cap_step_share,
+    clip_counters,
+    impossible_counters,
+    max_steps_since,
+    plausible_steps,
+)
 from atoll.storage.reader import RunReader
 from atoll.storage.records import ContributionRecord
 from atoll.train.run import TokenBounds, load_recipe
 
-__all__ = ["ContributionScreen", "LearnerObservations", "MAX_TIMING_S", "Screened", "reported_seconds",
-           "token_bounds_of"]
+__all__ = ["ContributionScreen", "LearnerObservations", "MAX_TIMING_S", "OBSERVED_IN_STATS", "Screened",
+           "reported_seconds", "token_bounds_of"]
 
 MAX_TIMING_S = 86_400.0
 """Timings reported by learners are clipped to [0, one day]: a bogus report cannot set a
@@ -77,6 +95,11 @@ class _Sighting:
     """Its reported step time inside that bound (:func:`~atoll.core.quorum.bounded_step_sample`)."""
 
 
+OBSERVED_IN_STATS = 4
+"""Learners whose observed step time a commit record names (the fastest): two would do (the
+fastest other learner of any learner is one of the two fastest), four ride out a departure."""
+
+
 class LearnerObservations:
     """What the synchronizer has seen of each learner itself, on its own clock: when each record
     was first listed and, from two in a row, its cadence (seconds per inner step). A learner's
@@ -89,6 +112,8 @@ class LearnerObservations:
         self.offsets = offsets
         self.inner_steps = inner_steps
         self._by: dict[str, _Sighting] = {}
+        self._recalled: dict[str, float] = {}
+        """Learner -> a step time an earlier synchronizer observed (read back from commit records)."""
 
     def saw(self, learner_id: str, round_: int, fragment: int, at_s: float, reported_s: float | None) -> None:
         """A record of ``learner_id`` for ``fragment`` first listed at ``at_s`` in ``round_``."""
@@ -118,7 +143,32 @@ class LearnerObservations:
         not only live ones: after a stall of the synchronizer nobody has been seen lately)."""
         steps = [s.step_s for lid, s in self._by.items() if lid != learner_id
                  and s.step_s is not None and s.step_s > 0]
+        if not steps:  # nothing seen yet by this process: what an earlier one observed
+            steps = [t for lid, t in self._recalled.items() if lid != learner_id]
         return min(steps) if steps else None
+
+    def observed_stats(self) -> dict[str, float]:
+        """The fastest :data:`OBSERVED_IN_STATS` observed step times (learner -> seconds), for
+        a commit record's ``stats["observed_step_s"]``: what a restarted synchronizer reads back."""
+        steps = {lid: s.step_s for lid, s in self._by.items() if s.step_s is not None and s.step_s > 0
+                 and math.isfinite(s.step_s)}
+        if not steps:
+            steps = dict(self._recalled)
+        fastest = sorted(steps, key=lambda lid: (steps[lid], lid))[:OBSERVED_IN_STATS]
+        return {lid: float(f"{steps[lid]:.6g}") for lid in sorted(fastest)}
+
+    def recall(self, observed: Any) -> None:
+        """Read back a commit record's ``stats["observed_step_s"]`` (newer records after older
+        ones: the newest wins). Anything but learner -> positive finite seconds is ignored."""
+        if not isinstance(observed, dict):
+            return
+        for lid, value in list(observed.items())[:OBSERVED_IN_STATS]:
+            if (isinstance(lid, str) and isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and value > 0):
+                self._recalled.pop(lid, None)
+                self._recalled[lid] = float(value)
+        while len(self._recalled) > 4 * OBSERVED_IN_STATS:
+            self._recalled.pop(next(iter(self._recalled)))
 
 
 @dataclass
@@ -141,11 +191,17 @@ class ContributionScreen:
     """Learners whose newest lease is cached (bounded, like every other cache)."""
 
     def __init__(self, store: RunReader, *, offsets: tuple[int, ...], inner_steps: int, num_fragments: int,
-                 max_learner_speedup: float | None, token_bounds: TokenBounds | None, started_at_s: float) -> None:
+                 max_learner_speedup: float | None, token_bounds: TokenBounds | None, started_at_s: float,
+                 max_step_share: float | None = None, unobserved_intervals: int | None = UNOBSERVED_INTERVALS,
+                 ) -> None:
         self.store = store
         self.inner_steps = inner_steps
         self.num_fragments = num_fragments
         self.max_learner_speedup = max_learner_speedup
+        self.max_step_share = max_step_share
+        self.unobserved_steps = None if unobserved_intervals is None else unobserved_intervals * inner_steps
+        """The prior bound on a contribution's weighed steps before any step time is observed
+        (None: none, as before the prior existed; benchmarks/trust_guards.py compares the two)."""
         self.token_bounds = token_bounds
         self.observed = LearnerObservations(offsets, inner_steps)
         self.last_seen: dict[str, float] = {}
@@ -243,16 +299,25 @@ class ContributionScreen:
         self._first_seen[rec.key] = now
         self.observed.saw(rec.learner_id, round_, rec.fragment, now, reported_seconds(rec.info.get("step_time_s")))
 
+    def weighed(self, records: Iterable[ContributionRecord]) -> dict[str, Counters]:
+        """A round's candidates' counters as their weights may count them (key -> counters): each
+        bounded by observed time (:meth:`weighed_counters`), then none carrying more than
+        ``max_step_share`` of the round's steps (:func:`~atoll.core.weights.cap_step_share`)."""
+        return cap_step_share({rec.key: self.weighed_counters(rec) for rec in records}, self.max_step_share)
+
     def weighed_counters(self, rec: ContributionRecord) -> Counters:
         """``rec``'s counters as its weight may count them: at most the steps its observed time
         could have produced (:func:`~atoll.core.weights.plausible_steps`: the time from its base
         version's commit to its first listing, both on this synchronizer's clock, at up to
-        ``max_learner_speedup`` times the fastest other learner's observed step time)."""
+        ``max_learner_speedup`` times the fastest other learner's observed step time); while no
+        other learner's step time has been observed (or read back), at most the prior
+        ``UNOBSERVED_INTERVALS x H`` steps."""
         claimed = Counters(c_steps=rec.c_steps, c_tokens=rec.c_tokens)
         seen = self._first_seen.get(rec.key)
         if seen is None:
             return claimed
         elapsed = seen - self.base_seen_at_s(rec.base_version)
         bound = plausible_steps(elapsed, min_step_s=self.observed.fastest_other(rec.learner_id),
-                                inner_steps=self.inner_steps, speedup=self.max_learner_speedup)
+                                inner_steps=self.inner_steps, speedup=self.max_learner_speedup,
+                                unobserved_steps=self.unobserved_steps)
         return clip_counters(claimed, bound)
