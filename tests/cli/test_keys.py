@@ -54,18 +54,13 @@ def test_public_keys_env_holds_public_keys_only(tmp_path: Path, capsys) -> None:
         Keyring.from_env({**mine, PUBLIC_KEYS_ENV: json.dumps({"learner-0": json.loads(other)["learner-1"]})})
 
 
-def test_a_run_from_key_files_and_verify_without_keys(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_a_run_from_key_files_and_verify_without_keys(tmp_path: Path, capsys, monkeypatch, committed_run) -> None:
     sync_file, sync_public = _new(tmp_path, SYNCHRONIZER_KEY_ID, capsys)
     _, learner_public = _new(tmp_path, "learner-0", capsys)
     forger_file, _ = _new(tmp_path, "learner-1", capsys)
     monkeypatch.setenv(KEYRING_ENV, sync_file.read_text())
     monkeypatch.setenv(PUBLIC_KEYS_ENV, learner_public)
-    config, recipe = smoke_recipe(2, max_rounds=4)
-    url = to_url(str(tmp_path / "run"))
-    store = create_run(url, config, recipe)
-    for r in (1, 2):
-        p = (r - 1) % store.plan.num_fragments
-        assert store.commit_round(r, p, params=store.read_global_fragment(p)).won
+    url = committed_run()
     monkeypatch.delenv(KEYRING_ENV)
     monkeypatch.delenv(PUBLIC_KEYS_ENV)
     signing = json.loads((tmp_path / "run" / paths.RUN_MANIFEST).read_text())["signing"]

@@ -9,18 +9,10 @@ import pytest
 from atoll.cli import main
 from atoll.storage import RunReader, paths
 from atoll.storage.integrity import IntegrityError
-from atoll.storage.paths import to_url
-from atoll.train.recipe import smoke_recipe
-from atoll.train.run import create_run
 
 
-def test_verify_a_sound_and_a_forged_run(tmp_path: Path, capsys) -> None:
-    config, recipe = smoke_recipe(2, max_rounds=4)
-    url = to_url(str(tmp_path / "run"))
-    store = create_run(url, config, recipe)
-    for r in (1, 2):
-        p = (r - 1) % store.plan.num_fragments
-        assert store.commit_round(r, p, params=store.read_global_fragment(p)).won
+def test_verify_a_sound_and_a_forged_run(tmp_path: Path, capsys, committed_run) -> None:
+    url = committed_run()
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert main(["verify", url]) == 0
     assert "2 of 2 round(s) verified" in capsys.readouterr().out
