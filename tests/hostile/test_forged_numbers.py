@@ -14,7 +14,7 @@ import torch
 from hostile_helpers import HONEST, Backend, HostileRun
 
 from atoll.core.rejection import MAX_RECORDED_PER_LEARNER, RejectionKind
-from atoll.core.weights import MIN_STEP_S, max_steps_since
+from atoll.core.weights import MIN_STEP_S, UNOBSERVED_INTERVALS, max_steps_since
 from atoll.storage import paths
 from atoll.storage.reader import LIST_LIMIT, MAX_LISTED_PER_PREFIX
 from atoll.storage.records import CommitRecord
@@ -182,14 +182,14 @@ def _forgers_share(record: CommitRecord, key: str) -> tuple[int, float, int]:
 
 def test_forged_counters_in_a_new_runs_first_round_count_at_most_the_prior(backend: Backend) -> None:
     """Nothing has been observed yet (a new run): the forger's claim of every step the step bound
-    admits after a 30 s stall counts for at most the prior 2 x H steps, and with honest learners
+    admits after a 30 s stall counts for at most the prior UNOBSERVED_INTERVALS x H steps, and with honest learners
     in the round it carries at most 0.9 of the round's steps (the rules before counted it in
     full: 0.999 of the round)."""
     run = HostileRun(backend)
     s, key, claimed = _forged_alongside_honest(run, stall_s=30.0)
     steps, share, n = _forgers_share(s.record, key)
     h = run.sync.config.inner_steps
-    assert steps <= 2 * h < claimed
+    assert steps <= UNOBSERVED_INTERVALS * h < claimed
     assert s.record.stats["steps_clipped"]["evil"]["claimed"] == claimed
     if n > 1:
         assert share <= 0.9 + 1e-12

@@ -97,15 +97,16 @@ forgeries = st.fixed_dictionaries({
 def test_before_anything_is_observed_a_claim_counts_at_most_the_prior(
         fleet: tuple[int, int, int], forged: dict, honest: int) -> None:
     """A new run's first round: whatever the liar claims inside the step bound, after whatever
-    stall, it is weighed at most 2 x H steps and at most 0.9 of the round's steps; beside honest
-    learners at H steps its share is at most 2 / (M + 1) (the rules before: up to 0.999)."""
+    stall, it is weighed at most UNOBSERVED_INTERVALS x H steps and at most 0.9 of the round's
+    steps; beside honest learners at H steps its share is at most U / (U + M - 1) with U =
+    UNOBSERVED_INTERVALS (the rules before: up to 0.999)."""
     m, h, p = fleet
     run = _Run(m, h, p)
     weighed, share, n = run.play(honest_steps=honest * h, **forged)
     assert weighed.c_steps <= UNOBSERVED_INTERVALS * h
     assert n == m and share <= 0.9 + 1e-12
     if honest == 1:
-        assert share <= 2 / (m + 1) + 1e-12
+        assert share <= UNOBSERVED_INTERVALS / (UNOBSERVED_INTERVALS + m - 1) + 1e-12
 
 
 @given(fleet=fleets, forged=st.lists(forgeries, min_size=1, max_size=6), read_back=st.booleans(),

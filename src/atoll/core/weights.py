@@ -127,10 +127,12 @@ def contribution_weights(counters: Mapping[str, Counters], *, rule: str = "token
     return WeightResult(weights=weights, rejected=rejected)
 
 
-UNOBSERVED_INTERVALS = 2
+UNOBSERVED_INTERVALS = 4
 """The prior before anything has been observed: a contribution's weight counts at most this many
-publication intervals of H inner steps (one of fresh work, one carried from before it aligned),
-until the synchronizer has observed another learner's step time."""
+publication intervals of H inner steps, until the synchronizer has observed another learner's
+step time. Two would hold steady state (one of fresh work, one carried from before it aligned);
+four, because honest learners keep stepping while the synchronizer starts and its first rounds
+are slow, and their first contributions carry more than 2 H steps."""
 
 
 def plausible_steps(elapsed_s: float, *, min_step_s: float | None, inner_steps: int,
