@@ -102,20 +102,26 @@ def test_ages_are_on_the_store_s_clock_whatever_the_writer_s_clock_says(hostile_
     url = hostile_backend.new_url()
     store = hostile_backend.open(url)
     skewed = lambda: time.time() + skew_s  # noqa: E731 - the writer's wall clock
+    # Ages are bounded by the time the write and read took here (plus the store's one-second
+    # resolution), not by a fixed figure: a loaded machine makes them slow.
+    before = time.time()
     lease = lc.take_lease(store.store, "l0", clock=skewed)
     starting = store.learner_liveness("l0")  # no heartbeat yet: the lease's age counts
     now = time.time()
     assert starting.heartbeat is None and starting.lease_stored_at is not None
-    assert 0 <= starting.lease_age_s(now) < 5  # type: ignore[operator]
+    assert 0 <= starting.lease_age_s(now) <= now - before + 1  # type: ignore[operator]
     assert starting.lease_age_s(now + 90) == pytest.approx(now + 90 - starting.lease_stored_at)
-    assert starting.lease.started_at == pytest.approx(now + skew_s, abs=5)  # type: ignore[union-attr]
+    assert starting.lease.started_at == pytest.approx(before + skew_s, abs=now - before + 1)  # type: ignore[union-attr]
+    before = time.time()
     lc.write_heartbeat(store.store, lease, step=1, clock=skewed)
     live = store.learner_liveness("l0")
     now = time.time()
-    assert live.heartbeat is not None and live.heartbeat.time == pytest.approx(now + skew_s, abs=5)
-    assert 0 <= live.heartbeat_age_s(now) < 5 and live.is_alive(now, 30)  # type: ignore[operator]
+    took_s = now - before + 1
+    assert live.heartbeat is not None and live.heartbeat.time == pytest.approx(before + skew_s, abs=took_s)
+    age_s = live.heartbeat_age_s(now)
+    assert age_s is not None and 0 <= age_s <= took_s and live.is_alive(now, 30 + took_s)
     # Dead a heartbeat timeout after its last heartbeat, not ten minutes early or late.
-    assert not live.is_alive(now + 31, 30) and live.is_alive(now + 25, 30)
+    assert not live.is_alive(now + 31, 30) and live.is_alive(now + 29 - age_s, 30)
     assert live.lease_stored_at is None  # read only while there is no heartbeat
 
 
