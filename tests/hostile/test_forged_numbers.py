@@ -121,6 +121,25 @@ def test_a_lone_forged_update_far_above_the_fragments_history_is_an_outlier(back
     drive(run, 3)
 
 
+def test_a_lone_forged_update_on_a_fragment_without_history_is_an_outlier_against_the_run(backend: Backend) -> None:
+    """The same forger on a fragment merged only once: its own history is too short, so the guard
+    compares with the run's recent update norms (other fragments', scaled to its size)."""
+    run = HostileRun(backend)
+    drive(run, 3)  # P = 2: the run has merged 3 rounds, the next fragment only once
+    p, v = run.next_fragment()
+    assert sum(1 for s in run.reader().history(1, run.sync.round) if s.fragment == p and s.updated) < 3
+    before = {n: t.clone() for n, t in run.sync.fragments[p].items()}
+    key = run.contribution(fill=-50.0)
+    for _ in range(5):
+        run.clock.t += DT
+        if isinstance(s := run.sync.tick(), RoundSummary):
+            break
+    assert isinstance(s, RoundSummary)
+    why = s.record.rejected[key]
+    assert why.kind is RejectionKind.OUTLIER and "the run's scaled to its size" in why.detail, why
+    assert all(torch.equal(before[n], t) for n, t in run.sync.fragments[p].items())
+
+
 def _junk(run: HostileRun, count: int) -> str:
     p, v = run.next_fragment()
     prefix = paths.contributions_prefix(p, v, "evil")

@@ -1,6 +1,7 @@
 """The synchronizer's own numbers (docs/threat-model.md): step samples bounded by observation,
 weights bounded by observed time and by a share cap, the outlier guard with K = 1, and commit
-records whose rejection lists are capped. Pure: core only, hand-computed expectations."""
+records whose rejection lists are capped. Pure (core, and the merger's norm reference), with
+hand-computed expectations."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from atoll.core.rejection import (
     summarize_rejections,
 )
 from atoll.core.weights import cap_weight_share, clip_counters, contribution_weights, plausible_steps
+from atoll.train.merge_device import FragmentMerger
 
 
 # -- step time: a report counts only inside what was observed ------------------------------------
@@ -139,6 +141,25 @@ def test_the_history_guard_names_its_reference_and_needs_enough_history() -> Non
     short = synchronize_fragment(current=cur, bases={0: cur}, contributions=[big], optimizer=NesterovOuterOptimizer(),
                                  policy=MergePolicy(outlier_norm_ratio=100.0), norm_history=(0.02, 0.02))
     assert short is not None  # two past norms are not a history yet
+
+
+def test_a_fragment_without_history_is_compared_with_the_runs_norms_scaled_to_its_size() -> None:
+    """Fragment 1 (400 parameters) has merged once; fragments 0 (100) and 2 (1,600) have merged
+    twice. Fragment 1's reference is the run's last norms, each times sqrt(400 / its fragment's
+    size); a fragment with its own 3 norms keeps them; nothing before the run's third merge."""
+    merger = FragmentMerger(torch.device("cpu"), MergePolicy(outlier_norm_ratio=100.0),
+                            fragment_numel=[100, 400, 1600], outer_lr=0.7, outer_momentum=0.0)
+    merger.remember_norm(0, 1.0)
+    merger.remember_norm(1, 3.0)
+    assert merger.norm_reference(2) == ()  # two merged rounds in the whole run: no reference yet
+    for p, norm in ((2, 8.0), (0, 1.5), (2, 6.0)):
+        merger.remember_norm(p, norm)
+    assert merger.norm_reference(1) == pytest.approx((2.0, 3.0, 4.0, 3.0, 3.0))
+    merger.remember_norm(1, 2.5)
+    merger.remember_norm(1, 3.5)
+    assert merger.norm_reference(1) == (3.0, 2.5, 3.5)  # its own history once it has one
+    merger.remember_norm(0, float("nan"))  # not a norm: not remembered
+    assert merger.norm_reference(0) == pytest.approx((1.0, 1.5, 2.0, 1.5, 1.5, 1.25, 1.75))
 
 
 def test_two_learners_over_the_history_are_a_change_of_scale_not_an_attack() -> None:

@@ -396,7 +396,8 @@ def _history_outliers(measured: Sequence[_Measured], ratio: float | None,
     if len({m.contribution.learner_id for m in over}) >= 2:
         return {}
     return {m.contribution.key: Rejection(
-        RejectionKind.OUTLIER, f"norm {m.norm:.3g} > {ratio:g} x the fragment's recent median update norm {median:.3g}")
+        RejectionKind.OUTLIER, f"norm {m.norm:.3g} > {ratio:g} x the recent median update norm {median:.3g} "
+                               "(the fragment's, or the run's scaled to its size)")
         for m in over}
 
 

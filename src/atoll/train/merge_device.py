@@ -21,6 +21,7 @@ import torch
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.rejection import Rejection
 from atoll.core.synchronize import (
+    MIN_NORM_HISTORY,
     FragmentContribution,
     FragmentRoundResult,
     MergePolicy,
@@ -34,8 +35,9 @@ from atoll.train.device import fragment_to_device, fragment_to_host
 __all__ = ["FragmentMerger", "NORM_HISTORY", "fragment_bases", "merge_on_device"]
 
 NORM_HISTORY = 8
-"""Merged update norms kept per fragment: the outlier guard compares each contribution with
-their median (:func:`~atoll.core.synchronize.synchronize_fragment`'s ``norm_history``)."""
+"""Merged update norms kept per fragment, and across the run: the outlier guard compares each
+contribution with their median (:func:`~atoll.core.synchronize.synchronize_fragment`'s
+``norm_history``, :meth:`FragmentMerger.norm_reference`)."""
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -101,7 +103,7 @@ class FragmentMerger:
     this process allocated are recycled (not ones decoded from the bucket).
     """
 
-    def __init__(self, device: torch.device, policy: MergePolicy, *, num_fragments: int,
+    def __init__(self, device: torch.device, policy: MergePolicy, *, fragment_numel: Sequence[int],
                  outer_lr: float, outer_momentum: float) -> None:
         self.device = device
         self.policy = policy
@@ -111,12 +113,29 @@ class FragmentMerger:
         self._spare_params: dict[int, dict[str, torch.Tensor]] = {}
         self._spare_momentum: dict[int, dict[str, torch.Tensor]] = {}
         self._merged_here: set[int] = set()
-        self._norms: dict[int, deque[float]] = {p: deque(maxlen=NORM_HISTORY) for p in range(num_fragments)}
+        self._numel = list(fragment_numel)
+        self._norms: dict[int, deque[float]] = {p: deque(maxlen=NORM_HISTORY) for p in range(len(self._numel))}
+        self._recent: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)
+        """(fragment, norm) of the run's last merged rounds, whichever fragment each updated."""
 
     def remember_norm(self, fragment: int, norm: Any) -> None:
-        """The fragment's recent merged update norms: the outlier guard's reference with K = 1."""
+        """A merged round's update norm (rounds in order): the outlier guard's reference with K = 1."""
         if isinstance(norm, int | float) and not isinstance(norm, bool) and math.isfinite(norm) and norm > 0:
             self._norms[fragment].append(float(norm))
+            self._recent.append((fragment, float(norm)))
+
+    def norm_reference(self, p: int) -> tuple[float, ...]:
+        """What fragment ``p``'s outlier guard compares a lone contribution with: its own recent
+        merged update norms once it has :data:`~atoll.core.synchronize.MIN_NORM_HISTORY` of them;
+        before that the run's recent ones (other fragments'), each rescaled to ``p``'s size by
+        sqrt(numel_p / numel_q). Fragments of one model move by similar amounts per parameter, so
+        a lone liar is bounded from the run's third merged round on, not from the fragment's
+        third (3P rounds later); the run's first rounds have no reference at all."""
+        own = tuple(self._norms[p])
+        if len(own) >= MIN_NORM_HISTORY:
+            return own
+        scaled = tuple(n * math.sqrt(self._numel[p] / self._numel[q]) for q, n in self._recent)
+        return scaled if len(scaled) >= MIN_NORM_HISTORY else own
 
     def optimizer_copy(self, p: int, optimizer: NesterovOuterOptimizer) -> NesterovOuterOptimizer:
         """A copy of fragment ``p``'s outer optimizer for one round (if another synchronizer wins the
@@ -133,7 +152,7 @@ class FragmentMerger:
         return merge_on_device(
             self.device, current=current, bases=bases, contributions=contributions, optimizer=optimizer,
             policy=self.policy, workspace=self.workspace, out=self._spare_params.pop(p, None),
-            norm_history=tuple(self._norms[p]), reasons=reasons,
+            norm_history=self.norm_reference(p), reasons=reasons,
         )
 
     def retire(self, p: int, params: dict[str, torch.Tensor], optimizer: NesterovOuterOptimizer) -> None:

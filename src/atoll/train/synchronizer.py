@@ -127,7 +127,8 @@ class Synchronizer(SynchronizerLifecycle):
         self.round = state.round
         self.versions = list(state.versions)
         self.fragments = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
-        self.merger = FragmentMerger(self.device, self.merge_policy, num_fragments=self.plan.num_fragments,
+        sizes = [self.plan.fragment_numel(p) for p in range(self.plan.num_fragments)]
+        self.merger = FragmentMerger(self.device, self.merge_policy, fragment_numel=sizes,
                                      outer_lr=self.config.outer_lr, outer_momentum=self.config.outer_momentum)
         """Merges on this synchronizer's device, with the buffers they recycle and the norm history."""
         self.optimizers = []
