@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from atoll.runs.manage import prepare_run
 from atoll.runs.options import FleetOptions, TrainingRunOptions
-from atoll.storage import LearnerStore, RunReader
+from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage.paths import to_url
 from atoll.storage.validation import RoundOrderError, TransientStorageError
 from atoll.tasks.context import RunContext
-from atoll.tasks.rounds import await_quorum, merge_and_commit
+from atoll.tasks.rounds import await_quorum, hand_over, landed_rounds, merge_and_commit
 from atoll.train.inner import run_learner
 from atoll.train.learner import LearnerOptions
 from atoll.train.synchronizer import RoundPoll
@@ -110,3 +114,52 @@ def test_prepare_run_errors(tmp_path: Path) -> None:
         prepare_run(None)
     with pytest.raises(ValueError, match="unknown preset"):
         prepare_run(to_url(str(tmp_path / "x")), preset="nope")
+
+
+def test_hand_over_merges_the_next_round_while_a_commit_is_written_and_lands_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipelined rounds through the tasks: round 1's record is held back; round 2 (the other
+    fragment) still polls, merges and is handed over. Released, both land in order, and the
+    bucket holds what committing each round before the next one opens writes, bit for bit."""
+    url = to_url(str(tmp_path / "run"))
+    prepare_run(url, preset="smoke", rounds=4)
+    store = LearnerStore.open(url)
+    for lid in ("learner-0", "learner-1"):
+        run_learner(store, lid, options=LearnerOptions(max_steps=4), log=lambda s: None)
+    shutil.copytree(tmp_path / "run", tmp_path / "sequential")
+    sequential = _context(to_url(str(tmp_path / "sequential")), evaluate=False)
+    for r in (1, 2):
+        merge_and_commit.fn(sequential, await_quorum.fn(sequential, r, budget_s=30.0))
+
+    release, created = threading.Event(), []
+    original = SynchronizerStore._create_commit
+
+    def held(self: SynchronizerStore, record: Any, void: bool) -> Any:
+        if record.round == 1:
+            assert release.wait(60), "round 1's record was never released"
+        created.append(record.round)
+        return original(self, record, void)
+
+    monkeypatch.setattr(SynchronizerStore, "_create_commit", held)
+    ctx = _context(url, evaluate=False)
+    told: list[Any] = []
+    ctx.on_landed = told.append  # the recorder's hook: told on the pipeline's thread as each round lands
+    assert hand_over(ctx, await_quorum.fn(ctx, 1, budget_s=30.0)) == []
+    assert ctx.next_round == 2 and ctx.synchronizer().in_flight()
+    assert hand_over(ctx, await_quorum.fn(ctx, 2, budget_s=30.0)) == []  # merged while round 1 is written
+    assert RunReader.open(url).latest_round() == 0 and created == [] and told == []
+    release.set()
+    landed = landed_rounds(ctx, drain=True)
+    assert [s.record.round for s in told] == [1, 2]
+    assert all(s.won and s.info["phases"]["committed_at_s"] >= s.info["phases"]["merged_at_s"] for s in told)
+    assert [s["round"] for s in landed] == [1, 2] and all(s["won"] for s in landed) and created == [1, 2]
+    assert [name for name, _, _ in landed[0]["phases"]][-1] == "commit"
+    reader, expected = RunReader.open(url), RunReader.open(to_url(str(tmp_path / "sequential")))
+    assert reader.verify().ok
+    for r in (1, 2):
+        assert reader.read_commit(r).accepted == expected.read_commit(r).accepted  # type: ignore[union-attr]
+    got, want = reader.read_global_state(2), expected.read_global_state(2)
+    assert got.versions == want.versions
+    assert all(torch.equal(got.params[n], want.params[n]) for n in want.params)
+    ctx.release()
+    sequential.release()

@@ -21,12 +21,13 @@ slot before it starts, one more call per task that atoll never needs.
 
 If another synchronizer committed the round first, its commit is adopted and only recorded.
 
-**Recorded rounds** (``TrainingRunOptions.record_rounds``, the default): :func:`recorded_round` runs the same
-loop inline in the training-run process, calling the two tasks' functions directly (no task
-runs), so a round never waits for the Prefect API; the recorder's thread creates the round's flow
-run Running when the round opens and completes it when it commits (so its duration is the
-round's), with a task run per phase (await-quorum, grace, merge, evaluate, commit) at its real
-times, its log lines and its artifact.
+**Recorded rounds** (``TrainingRunOptions.record_rounds``, the default): :class:`RecordedRounds` runs the same
+loop inline in the training-run process, calling the tasks' functions directly (no task runs), so
+a round never waits for the Prefect API; the recorder's thread creates the round's flow run
+Running when the round opens and completes it once it commits (its duration is the round's, from
+opening to the commit's end), with a task run per phase (await-quorum, grace, merge, commit) at
+its real times, its log lines and its artifact. With ``pipeline_commits`` (the default) a round's
+commit is written while the next round polls and merges.
 """
 
 from __future__ import annotations
@@ -40,10 +41,18 @@ from prefect.runtime import flow_run as prefect_flow_run
 from atoll.tasks.context import RunContext
 from atoll.tasks.events import ROUND_STALLED, emit, run_resource
 from atoll.tasks.prefect_private import without_tags
-from atoll.tasks.rounds import await_quorum, merge_and_commit, summary_dict, watch_learners
+from atoll.tasks.rounds import (
+    await_quorum,
+    hand_over,
+    landed_rounds,
+    merge_and_commit,
+    round_phases,
+    summary_dict,
+    watch_learners,
+)
 from atoll.train.synchronizer import RoundSummary
 
-__all__ = ["outer_round", "recorded_round", "ROUND_FLOW"]
+__all__ = ["outer_round", "RecordedRounds", "ROUND_FLOW"]
 
 
 @flow(name="atoll-round", flow_run_name="round-{round_number:06d}", persist_result=False, log_prints=False)
@@ -63,20 +72,58 @@ def outer_round(ctx: RunContext, round_number: int, run_id: str | None = None) -
     return summary
 
 
-def recorded_round(ctx: RunContext, round_number: int, log: Any) -> dict[str, Any]:
-    """The same round, run inline in the training-run process with no Prefect call on its path;
-    the run's recorder records its flow run as it opens and commits (``record_rounds``: named
-    ``round-000017``, tagged like a round flow run, with the same artifacts and event)."""
-    t0 = time.time()
-    recorder = ctx.round_recorder()
-    recorder.open(round_number)  # its flow run is Running from now on, on the server's clock
-    summary = _round(ctx, round_number, log, await_quorum.fn, merge_and_commit.fn, None)
-    recorder.submit(round_number, None, seconds=time.time() - t0, phases=summary.get("phases", ()))
-    return summary
+class RecordedRounds:
+    """Rounds run inline in the training-run process with no Prefect call on their path; the run's
+    recorder records each one's flow run as it opens and commits (``record_rounds``: named
+    ``round-000017``, tagged like a round flow run, with the same artifacts and event).
+
+    ``pipelined`` (``TrainingRunOptions.pipeline_commits``): a closed round is merged and handed to
+    the synchronizer's commit pipeline, and the next round opens while its payloads and record are
+    written (:meth:`~atoll.train.synchronizer.Synchronizer.hand_over`). Each round is recorded
+    from the pipeline's thread as it lands (:attr:`RunContext.on_landed`), so its flow run ends
+    when its commit does; the loop learns of it at its next call."""
+
+    def __init__(self, ctx: RunContext, log: Any, *, pipelined: bool) -> None:
+        self.ctx, self.log, self.pipelined = ctx, log, pipelined
+        self._opened: dict[int, float] = {}
+        if pipelined:
+            # The context's synchronizer notes its phases on time.monotonic, round_phases' default.
+            ctx.on_landed = lambda summary: self._record(summary_dict(summary), round_phases(summary))
+
+    def run(self, round_number: int) -> list[dict[str, Any]]:
+        """Run round ``round_number`` until it closes (sequential: until it commits); the summaries
+        of the rounds that landed meanwhile, in order."""
+        landed = landed_rounds(self.ctx) if self.pipelined else []  # an earlier failure raises here
+        if self.ctx.next_round != round_number:  # a commit in flight lost its race: the state is the winner's now
+            return self._adopted(landed)
+        self._opened[round_number] = time.time()
+        self.ctx.round_recorder().open(round_number)  # its flow run is Running from now on, on the server's clock
+        commit_fn = hand_over if self.pipelined else merge_and_commit.fn
+        out = _round(self.ctx, round_number, self.log, await_quorum.fn, commit_fn, None)
+        return self._adopted(landed + (out if isinstance(out, list) else [out]))
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Wait for the rounds still in flight (the segment ends, or the run stops)."""
+        return self._adopted(landed_rounds(self.ctx, drain=True)) if self.pipelined else []
+
+    def _adopted(self, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``summaries``, each recorded unless the pipeline's hook already did (a round it won)."""
+        for s in summaries:
+            if not (self.pipelined and s["won"]):
+                self._record(s, s.get("phases", ()))
+        return summaries
+
+    def _record(self, summary: dict[str, Any], phases: Any) -> None:
+        opened = self._opened.pop(summary["round"], None)
+        ended = phases[-1][2] if phases else time.time()  # the commit's end
+        self.ctx.round_recorder().submit(summary["round"], None, phases=phases,
+                                         seconds=None if opened is None else max(0.0, ended - opened))
 
 
 def _round(ctx: RunContext, round_number: int, log: Any, await_fn: Any, commit_fn: Any,
-           flow_run_id: Any) -> dict[str, Any]:
+           flow_run_id: Any) -> Any:
+    """Await the quorum (looking after the learners while the round stays open), then
+    ``commit_fn``'s answer; an adopted round's summary if another synchronizer committed it."""
     watch_every_s = ctx.options.fleet.watch_every_s
     while True:
         polled = await_fn(ctx, round_number, budget_s=watch_every_s)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from prefect import flow, get_run_logger, tags
@@ -47,7 +47,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, 
 
 from atoll.core.retry import ROUND_RETRY
 from atoll.flows.credentials import export_secret_env
-from atoll.flows.round import ROUND_FLOW, outer_round, recorded_round
+from atoll.flows.round import ROUND_FLOW, RecordedRounds, outer_round
 from atoll.runs.manage import RunInfo, prepare_run
 from atoll.runs.names import round_flow_name
 from atoll.runs.options import WATCH_EVERY_ROUNDS, TrainingRunOptions
@@ -116,8 +116,27 @@ def training_run(options: TrainingRunOptions) -> dict[str, Any]:
         ctx.release(drain=not fenced)
 
 
-RoundRunner = Callable[[int], dict[str, Any]]
-"""Runs round ``r`` of the run to its commit and returns the round's summary."""
+class RoundRunner(Protocol):
+    """How a segment runs its rounds."""
+
+    def run(self, round_number: int) -> list[dict[str, Any]]:
+        """Run round ``round_number`` until it closes; the summaries of the rounds that landed."""
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Wait for rounds still being committed; their summaries."""
+
+
+@dataclass
+class _RoundFlowRuns:
+    """Each round a flow run of its own (a subflow, or launched): it commits before the next opens."""
+
+    run_one: Callable[[int], dict[str, Any]]
+
+    def run(self, round_number: int) -> list[dict[str, Any]]:
+        return [self.run_one(round_number)]
+
+    def drain(self) -> list[dict[str, Any]]:
+        return []
 
 
 @dataclass
@@ -142,8 +161,8 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
     """Open the segment, run its rounds one of three ways, then finish the run or hand it over."""
     seg = _open_segment(ctx, info, keys, log)
     launcher: RoundLauncher | None = None
-    if seg.recorded:
-        run_round = _recorded_rounds(ctx, log)
+    if seg.recorded:  # rounds inline, in this process: no round waits for the Prefect API
+        run_round: RoundRunner = RecordedRounds(ctx, log, pipelined=ctx.options.pipeline_commits)
     elif ctx.options.nest_rounds or not prefect_flow_run.id:
         run_round = _subflow_rounds(ctx, info.run_id)
     else:
@@ -157,19 +176,9 @@ def _train(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> di
     return _close_segment(ctx, info, keys, seg, log)
 
 
-def _recorded_rounds(ctx: RunContext, log: Any) -> RoundRunner:
-    """Rounds inline, in this process: no round waits for the Prefect API (``record_rounds``)."""
-
-    def run(r: int) -> dict[str, Any]:
-        with without_tags():  # the recorder tags the round's flow run itself
-            return recorded_round(ctx, r, log)
-
-    return run
-
-
 def _subflow_rounds(ctx: RunContext, run_id: str) -> RoundRunner:
     """Each round a subflow of the training run (``nest_rounds``, or a flow called outside a flow run)."""
-    return lambda r: outer_round(ctx, r, run_id=run_id)
+    return _RoundFlowRuns(lambda r: outer_round(ctx, r, run_id=run_id))
 
 
 def _open_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any) -> _Segment:
@@ -210,24 +219,28 @@ def _open_segment(ctx: RunContext, info: RunInfo, keys: dict[str, str], log: Any
 
 
 def _run_rounds(ctx: RunContext, info: RunInfo, seg: _Segment, run_round: RoundRunner, log: Any) -> None:
-    """Run rounds until the run is finished, stopped, or this segment's limit: a failed round is
-    retried from the bucket's state under ROUND_RETRY; a fenced training run leaves at once."""
+    """Run rounds until the run's last round is closed, the run is stopped, or this segment's
+    limit; then wait for the rounds still being committed. A failed round is retried from the
+    bucket's state under ROUND_RETRY; a fenced training run leaves at once."""
     failures = 0
     seg.started_at = time.monotonic()
     # Round flow runs are short and many: no heartbeat thread (a sync flow waits ~1 s for it). The
     # settings are entered once for the loop: building a Settings object costs ~0.1-0.6 s.
     no_heartbeat = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(no_heartbeat), tags(run_tag(info.run_id), ROUND_TAG):
-        while not ctx.finished and len(seg.summaries) < seg.limit:
+        while True:
             r = ctx.next_round
             try:
-                out = run_round(r)
+                if seg.stopped or ctx.last_round_closed or r - 1 - seg.start_round >= seg.limit:
+                    seg.summaries += run_round.drain()
+                    return
+                seg.summaries += run_round.run(r)
             except Fenced:  # a newer training run of this run holds the lease: this one is superseded
                 raise
             except RunStopped as e:  # atoll stop: end now, Completed; learners exit by themselves
                 log.warning(f"run {info.run_id} stopped at round {r - 1}: {e}")
-                seg.stopped = True
-                return
+                seg.stopped = True  # the rounds already merged are still committed (drained above)
+                continue
             except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state
                 failures += 1
                 log.warning(f"round {r} failed ({failures} in a row): {e!r}; retrying from the bucket")
@@ -237,7 +250,6 @@ def _run_rounds(ctx: RunContext, info: RunInfo, seg: _Segment, run_round: RoundR
                 ctx.reload()
                 continue
             failures = 0
-            seg.summaries.append(out)
             if ctx.fleet is not None and not ctx.finished and r % WATCH_EVERY_ROUNDS == 0:
                 with without_tags():  # the loop's tags are for round flow runs only
                     watch_learners(ctx)
@@ -305,7 +317,7 @@ class RoundLauncher:
 
     def bind(self, ctx: RunContext) -> RoundRunner:
         """This launcher as the way the segment runs its rounds."""
-        return lambda r: self.run(ctx, r)
+        return _RoundFlowRuns(lambda r: self.run(ctx, r))
 
     def run(self, ctx: RunContext, round_: int) -> dict[str, Any]:
         from prefect.client.schemas.actions import FlowRunCreate

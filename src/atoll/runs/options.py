@@ -158,6 +158,11 @@ class TrainingRunOptions(BaseModel):
         "synchronizer keeps up with fast learners (small H). False: each round is a flow run executed by "
         "Prefect's engine, at ~0.6 s of API calls per round on the round's path: fine when rounds are seconds "
         "apart (large H), or to debug a round. Ignored with nest_rounds (docs/prefect.md, 'What a round costs').")
+    pipeline_commits: bool = Field(
+        default=True,
+        description="Recorded rounds: hand each merged round's commit (its payload writes and record) to a "
+        "background pipeline and open the next round at once, as `run_synchronizer` does; records stay in round "
+        "order and create-once (docs/training.md). False: each round commits before the next one opens.")
     segment_rounds: int = Field(
         default=DEFAULT_SEGMENT_ROUNDS, ge=1,
         description="Rounds per training-run flow run: after this many, the run continues in a new flow run "

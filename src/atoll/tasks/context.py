@@ -28,6 +28,8 @@ it use ``cache_policy=NO_CACHE``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from atoll.runs.goodput import GoodputTracker
 from atoll.runs.manage import RunInfo
 from atoll.runs.options import TrainingRunOptions
@@ -39,7 +41,7 @@ from atoll.tasks.logs import task_logger
 from atoll.tasks.recorder import RoundRecorder
 from atoll.train.evaluator import Evaluator, EvaluatorOptions
 from atoll.train.lease import LeaseKeeper
-from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
+from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
 __all__ = ["RunContext"]
 
@@ -50,8 +52,8 @@ STALL_TIMEOUT_S = 300.0
 class RunContext:
     """One run's live state in the training-run process (see the module docstring)."""
 
-    __slots__ = ("info", "options", "store", "tracker", "fleet", "recorder", "evaluator", "_sync", "_lease",
-                 "_keeper")
+    __slots__ = ("info", "options", "store", "tracker", "fleet", "recorder", "evaluator", "on_landed", "_sync",
+                 "_lease", "_keeper")
 
     def __init__(self, info: RunInfo, options: TrainingRunOptions, *, evaluate: bool = True) -> None:
         """``evaluate=False``: no evaluator in this process (tests, benchmarks)."""
@@ -73,6 +75,9 @@ class RunContext:
         if evaluate and eval_options.enabled:
             log = task_logger("atoll.evaluator")  # the training run's logger: a line per evaluation in its logs
             self.evaluator = Evaluator(self.store, options=eval_options, log=log.info)
+        self.on_landed: Callable[[RoundSummary], None] | None = None
+        """Told of each round the synchronizer's commit pipeline lands, on its thread, as it lands
+        (recorded rounds stamp the round's end with it); kept across reloads."""
         self._sync: Synchronizer | None = None
         self._lease: Lease | None = None
         self._keeper: LeaseKeeper | None = None
@@ -101,12 +106,19 @@ class RunContext:
     def reload(self) -> Synchronizer:
         """Rebuild the synchronizer from the bucket's latest commit (after a failed round); it keeps
         holding this process's synchronizer lease, if one was taken."""
+        if self._sync is not None:  # its rounds still in flight are dropped: merged on a state the bucket may not hold
+            self._sync.shutdown()
         sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
                                                                     device=self.options.merge_device))
+        sync.on_landed = self._tell_landed
         if self._lease is not None:
             sync.hold_lease(lease=self._lease)
         self._sync = sync
         return sync
+
+    def _tell_landed(self, summary: RoundSummary) -> None:
+        if self.on_landed is not None:
+            self.on_landed(summary)
 
     def hold_lease(self, flow_run_id: str | None = None) -> Lease:
         """Take the run's next synchronizer lease (fencing any older training run of the run): from
@@ -162,6 +174,8 @@ class RunContext:
         if self._keeper is not None:
             self._keeper.close()
             self._keeper = None
+        if self._sync is not None:  # a segment drains its rounds first; a fenced one drops them
+            self._sync.shutdown()
 
     @property
     def finished(self) -> bool:
@@ -170,3 +184,9 @@ class RunContext:
     @property
     def next_round(self) -> int:
         return self.synchronizer().round + 1
+
+    @property
+    def last_round_closed(self) -> bool:
+        """The schedule's last round is merged: committed, or handed to the commit pipeline."""
+        sync = self.synchronizer()
+        return sync.schedule.is_last(sync.round)

@@ -32,6 +32,8 @@ __all__ = [
     "watch_learners",
     "await_quorum",
     "merge_and_commit",
+    "hand_over",
+    "landed_rounds",
     "artifact_keys",
     "summary_dict",
     "round_phases",
@@ -106,10 +108,36 @@ def merge_and_commit(ctx: RunContext, poll: RoundPoll) -> dict[str, Any]:
     round create-once; the commit publishes the fragment's next global version (and a
     consolidated checkpoint on the recipe's cadence). Returns the round's small summary."""
     sync = ctx.synchronizer(next_round=poll.round)
-    summary = sync.close(poll)
-    ctx.committed(summary.record.round)  # the run's evaluator measures it on its own time, if scheduled
+    return _landed(ctx, sync.close(poll), sync.clock)
+
+
+def hand_over(ctx: RunContext, poll: RoundPoll) -> list[dict[str, Any]]:
+    """:func:`merge_and_commit` without waiting for the commit (pipelined rounds): merge, and hand
+    the round to the synchronizer's commit pipeline, which writes it while the next round polls
+    and merges (:meth:`~atoll.train.synchronizer.Synchronizer.hand_over`). Returns the summaries
+    of the rounds that landed meanwhile (usually the round before), each told to the evaluator."""
+    sync = ctx.synchronizer(next_round=poll.round)
+    sync.hand_over(poll)
+    return [_landed(ctx, s, sync.clock) for s in sync.landed()]
+
+
+def landed_rounds(ctx: RunContext, *, drain: bool = False) -> list[dict[str, Any]]:
+    """The summaries of handed-over rounds that landed since the last look (``drain``: after
+    waiting for every one in flight), each told to the evaluator. A commit that failed raises
+    here, after the rounds before it were reported."""
+    sync = ctx.synchronizer()
+    landed = sync.landed()
+    if drain:
+        landed += sync.drain()
+    return [_landed(ctx, s, sync.clock) for s in landed]
+
+
+def _landed(ctx: RunContext, summary: RoundSummary, clock: Any) -> dict[str, Any]:
+    """A round that landed: the run's evaluator measures it on its own time (if scheduled), its
+    line goes to the log; its small summary, with its phases."""
+    ctx.committed(summary.record.round)
     task_logger("atoll.rounds").info(summary.line())
-    return {**summary_dict(summary), "phases": round_phases(summary, sync.clock)}
+    return {**summary_dict(summary), "phases": round_phases(summary, clock)}
 
 
 @task(name="watch-learners", cache_policy=NO_CACHE, persist_result=False)

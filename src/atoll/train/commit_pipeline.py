@@ -127,8 +127,11 @@ class CommitPipeline:
     """A writer pool for payloads and one committer thread for records (the module's rules)."""
 
     def __init__(self, store: SynchronizerStore, *, depth: int = PIPELINE_DEPTH,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_landed: Callable[[Landed], None] | None = None) -> None:
         self.store, self.depth, self.clock = store, max(1, depth), clock
+        self.on_landed = on_landed
+        """Called on the committer thread as each round lands (before :meth:`take` returns it)."""
         self._writer = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="atoll-payloads")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -155,6 +158,11 @@ class CommitPipeline:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             landed = None if self._broken else self._commit(job)
+            if landed is not None and self.on_landed is not None:
+                try:
+                    self.on_landed(landed)
+                except Exception:  # noqa: BLE001 - a listener's failure must not stop the commits
+                    pass
             with self._cond:
                 self._in_flight.remove(job.closed.round)
                 if landed is not None:

@@ -26,12 +26,13 @@ within one quantization error of the master). The views are read back from the b
 
 Pipelined commits (``SynchronizerOptions.pipeline_commits``, on by default): the loop of
 :func:`run_synchronizer` calls :meth:`Synchronizer.step`, which hands each merged round to a
-:class:`~atoll.train.commit_pipeline.CommitPipeline` and goes on to the next round (another
-fragment) while the round's payloads and record are written; records stay strictly ordered and
-create-once, and a crash at any point resumes as an uninterrupted run would (the rules are in
-that module). :meth:`Synchronizer.tick` and :meth:`Synchronizer.close` commit before they
-return, for drivers that read the bucket between rounds (the training run's round flows, the
-virtual run, tests).
+:class:`~atoll.train.commit_pipeline.CommitPipeline` (:meth:`Synchronizer.hand_over`) and goes on
+to the next round (another fragment) while the round's payloads and record are written; records
+stay strictly ordered and create-once, and a crash at any point resumes as an uninterrupted run
+would (the rules are in that module). The training run's recorded rounds hand over the same way
+(``TrainingRunOptions.pipeline_commits``) and report rounds as they land (:meth:`Synchronizer.landed`).
+:meth:`Synchronizer.tick` and :meth:`Synchronizer.close` commit before they return, for drivers
+that read the bucket between rounds (round flow runs of their own, the virtual run, tests).
 
 Once it holds a lease (:meth:`Synchronizer.hold_lease`, which :func:`run_synchronizer` does),
 every :meth:`Synchronizer.poll` also heartbeats (at most every ``heartbeat_interval_s``) and
@@ -63,7 +64,7 @@ from atoll.storage.records import AcceptedContribution, CommitRecord, Contributi
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.storage.validation import InvalidInput, RoundOrderError, TransientStorageError
 from atoll.storage.wire import WireCounts
-from atoll.train.commit_pipeline import ClosedRound, CommitPipeline
+from atoll.train.commit_pipeline import ClosedRound, CommitPipeline, Landed
 from atoll.train.device import resolve_device
 from atoll.train.evaluator import Evaluator
 from atoll.train.lease import Fenced, RunStopped
@@ -117,8 +118,12 @@ class Synchronizer(SynchronizerLifecycle):
         self._wire_mark = store.store.wire_counts()
         self._commits: CommitPipeline | None = None
         """The committer of :meth:`step` (started by its first hand-over)."""
+        self.on_landed: Callable[[RoundSummary], None] | None = None
+        """Told of each handed-over round this synchronizer won, on the commit pipeline's thread as
+        it lands (:meth:`landed` reports it later, on the loop's): for a recorder that stamps the
+        round's end as it happens. It must not block or raise."""
         self._failed: BaseException | None = None
-        """A pipelined commit's error, raised at the next :meth:`step` (after the rounds before it were reported)."""
+        """A pipelined commit's error, raised at the next :meth:`step` or :meth:`landed` (after the rounds before it were reported)."""
 
     # -- state -------------------------------------------------------------------------------
     def _load(self, round_: int) -> None:
@@ -202,7 +207,7 @@ class Synchronizer(SynchronizerLifecycle):
     @property
     def finished(self) -> bool:
         """The schedule's last round is committed (and no handed-over round is still in flight)."""
-        return self.schedule.is_last(self.round) and (self._commits is None or not self._commits.in_flight())
+        return self.schedule.is_last(self.round) and not self.in_flight()
 
     def fragment_of_round(self, round_: int) -> int:
         return (round_ - 1) % self.plan.num_fragments
@@ -225,6 +230,8 @@ class Synchronizer(SynchronizerLifecycle):
         self.check_lifecycle()
         r = self.round + 1
         p = self.fragment_of_round(r)
+        if self._commits is not None:  # the fragment's version must be committed before it is listed against
+            self._commits.wait_landed(r - self.plan.num_fragments)
         now = self.clock()
         opened_at = self._open_round(r, now)
         existing = self._committed(r)
@@ -272,7 +279,7 @@ class Synchronizer(SynchronizerLifecycle):
     # -- one close ---------------------------------------------------------------------------
     def close(self, poll: RoundPoll) -> RoundSummary:
         """Merge the accepted contributions of a closing poll, take the outer step and commit
-        (before returning; rounds handed to :meth:`step`'s pipeline are drained first).
+        (before returning; rounds handed to the pipeline are drained first).
 
         Reads top to bottom: merge and account (:meth:`_closing`), commit; then either advance to
         the committed state or adopt the winner's. Validation loss is measured off this path, by
@@ -347,7 +354,7 @@ class Synchronizer(SynchronizerLifecycle):
     def step(self) -> tuple[list[RoundSummary], QuorumDecision | None]:
         """The pipelined loop's step: report the rounds that landed, wait until the next round's
         fragment has no round in flight, poll once, and if the round closes, merge it and hand
-        its commit to the pipeline (:mod:`atoll.train.commit_pipeline`) without waiting for it.
+        its commit to the pipeline (:meth:`hand_over`) without waiting for it.
 
         This synchronizer's state moves on at the hand-over (the next round merges on it); if
         the commit then fails or loses a race, the loop learns it here and the state is reloaded
@@ -355,16 +362,10 @@ class Synchronizer(SynchronizerLifecycle):
         rounds that landed before it). Returns the landed rounds, in order, and the open round's
         decision (None once it closed). Once the schedule's last round is handed over, it waits
         for everything in flight."""
-        if self._failed is not None:
-            failed, self._failed = self._failed, None
-            raise failed
-        landed = self._collect()
-        pipeline = self._commits or CommitPipeline(self.store, clock=self.clock)
-        self._commits = pipeline
+        landed = self.landed()
         if self.schedule.is_last(self.round):
             return landed + self.drain(), None
-        pipeline.wait_landed(self.round + 1 - self.plan.num_fragments)  # the fragment's base has landed
-        landed += self._collect()
+        landed += self._wait_for_base()
         if self._failed is not None:
             return landed, None
         polled = self.poll()
@@ -372,10 +373,46 @@ class Synchronizer(SynchronizerLifecycle):
             return landed + [polled], None
         if not polled.decision.close:
             return landed, polled.decision
-        closed = self._closing(polled)
-        self._advance(closed)
-        pipeline.submit(closed)
+        self.hand_over(polled)
         return landed, None
+
+    def hand_over(self, poll: RoundPoll) -> None:
+        """:meth:`close` without waiting for the commit: merge a closing poll, make its state this
+        synchronizer's and hand the commit to the pipeline (:mod:`atoll.train.commit_pipeline`),
+        whose threads write it while the next round polls and merges. :meth:`landed` reports it
+        once its record is created; a failed or lost commit reloads the state there."""
+        closed = self._closing(poll)
+        self._advance(closed)
+        if self._commits is None:
+            self._commits = CommitPipeline(self.store, clock=self.clock, on_landed=self._tell_landed)
+        self._commits.submit(closed)
+
+    def _tell_landed(self, landed: Landed) -> None:
+        """The commit pipeline's hook: a won round, as :meth:`landed` will report it, to ``on_landed``."""
+        if self.on_landed is not None and landed.result is not None and landed.result.won:
+            landed.closed.phases["committed_at_s"] = landed.at_s
+            self.on_landed(_summary(landed.closed, landed.result.record))
+
+    def landed(self) -> list[RoundSummary]:
+        """The handed-over rounds whose commits landed since the last look, in order. A commit that
+        failed after them is raised on the next call (after they were reported)."""
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        return self._collect()
+
+    def in_flight(self) -> bool:
+        """Whether a handed-over round has not landed yet."""
+        return self._commits is not None and self._commits.in_flight() > 0
+
+    def _wait_for_base(self) -> list[RoundSummary]:
+        """Wait until every handed-over round up to the next round's fragment's previous round has
+        landed (the pipeline's rule 3: a round merges on its fragment's committed version); the
+        rounds that landed meanwhile."""
+        if self._commits is None:
+            return []
+        self._commits.wait_landed(self.round + 1 - self.plan.num_fragments)
+        return self._collect()
 
     def drain(self) -> list[RoundSummary]:
         """Wait for every round handed over by :meth:`step`; the ones that landed, in order (a
@@ -437,7 +474,7 @@ class Synchronizer(SynchronizerLifecycle):
 
     def _advance(self, closed: ClosedRound) -> None:
         """Make a closed round's state ours: once its commit won (:meth:`close`), or at its
-        hand-over to the pipeline (:meth:`step`: undone by a reload if the commit does not land)."""
+        hand-over to the pipeline (:meth:`hand_over`: undone by a reload if the commit does not land)."""
         self.round = closed.round
         self._rounds_closed += 1
         result, p = closed.result, closed.fragment
