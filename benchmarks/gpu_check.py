@@ -128,7 +128,8 @@ def fleet(root: Path, device: torch.device, say: Progress, *, seconds: float, le
     from atoll.storage.paths import to_url
     from atoll.train.local import LocalRun
     from atoll.train.run import create_run
-    from atoll.train.synchronizer import SynchronizerOptions, run_synchronizer
+    from atoll.train.sync_loop import run_synchronizer
+    from atoll.train.synchronizer import SynchronizerOptions
 
     config, recipe = fleet_recipe(learners, quick=quick)
     url = to_url(str(root / "fleet"))

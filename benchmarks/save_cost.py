@@ -49,7 +49,7 @@ from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import DataSpec, InnerOptimConfig, LearnerSpec, Recipe, demo_recipe
 from atoll.train.run import create_run
 from atoll.train.save_costs import FIXED_CADENCE, preset_save_costs, save_cost_lines
-from atoll.train.synchronizer import run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
 
 RUNS = ("demo", "paper", "demo-fixed-50")
 """The measured runs: the demo's and the paper's config at the default cadence, the demo's at 50 steps."""

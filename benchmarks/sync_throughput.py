@@ -32,7 +32,7 @@ Per configuration, three measurements on one run:
   ``--step-ms`` per inner step (GPU-like, 60 ms), publish each fragment when the schedule says
   (t mod H = t_p, backing off as atoll's learner does when the base does not move), adopt every
   new version they see (resetting that fragment's counters; they never download it), while
-  :func:`~atoll.train.synchronizer.run_synchronizer` runs its loop. Effective H is what
+  :func:`~atoll.train.sync_loop.run_synchronizer` runs its loop. Effective H is what
   ``atoll status`` reports (:func:`atoll.runs.contributions.effective_h`: inner steps per merged
   contribution), over the rounds after the first pass over the fragments. A synchronizer that
   keeps up needs P / (H x step) rounds per second.
@@ -77,7 +77,8 @@ from atoll.train.learner import publish_due
 from atoll.train.model import GPT, GPTConfig, micro, mini, small
 from atoll.train.recipe import DataSpec, LearnerSpec, Recipe
 from atoll.train.run import create_run
-from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
 SIZES: dict[str, GPTConfig] = {
     "0.1M": micro(),  # the unit test's size

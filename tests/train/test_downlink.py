@@ -24,7 +24,8 @@ from atoll.train.learner import Learner, LearnerOptions
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run, make_evaluator
 from atoll.train.session import LearnerSession
-from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
 
 Tensors = dict[str, torch.Tensor]
 

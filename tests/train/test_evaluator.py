@@ -21,7 +21,8 @@ from atoll.train.evaluator import Evaluator, EvaluatorOptions
 from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import EVAL_BATCH_SIZE, RoundSchedule, create_run
-from atoll.train.synchronizer import RoundSummary, SynchronizerOptions, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import RoundSummary, SynchronizerOptions
 
 
 def new_run(*, max_rounds: int, eval_every_rounds: int) -> tuple[str, list[RecipeLearner]]:

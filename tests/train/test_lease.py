@@ -28,7 +28,8 @@ from atoll.train.lease import Fenced, LeaseKeeper, RunStopped, sigterm_flag
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
-from atoll.train.synchronizer import RoundPoll, RoundSummary, Synchronizer, SynchronizerOptions, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import RoundPoll, RoundSummary, Synchronizer, SynchronizerOptions
 
 L0, L1 = "learner-0", "learner-1"
 

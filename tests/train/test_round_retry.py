@@ -12,11 +12,12 @@ import pytest
 from atoll.core.retry import ROUND_RETRY
 from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage.validation import TransientStorageError
-from atoll.train import synchronizer as sync_module
+from atoll.train import sync_loop as sync_module
 from atoll.train.inner import RecipeLearner
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
-from atoll.train.synchronizer import Synchronizer, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import Synchronizer
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ artifacts and the run's plots read the loss from there, tagged with the round it
 (:mod:`atoll.runs.losses`; runs from before this record read it from the commit's stats).
 
 **Where it runs.** By default it is a thread of the synchronizer process (:func:`run_synchronizer
-<atoll.train.synchronizer.run_synchronizer>` and the training run's
+<atoll.train.sync_loop.run_synchronizer>` and the training run's
 :class:`~atoll.tasks.context.RunContext` start and stop it). A thread needs nothing deployed,
 shares the process's bucket credentials and recipe, and hears of each commit at once
 (:meth:`Evaluator.committed`, which only sets a number); the forward passes run in torch kernels

@@ -32,7 +32,8 @@ from atoll.train.learner import LearnerOptions
 from atoll.train.recipe import RECIPE_PRESETS, Recipe
 from atoll.train.run import create_run, load_recipe
 from atoll.train.speed import PEAK_TFLOPS_ENV
-from atoll.train.synchronizer import SynchronizerOptions, run_synchronizer
+from atoll.train.sync_loop import run_synchronizer
+from atoll.train.synchronizer import SynchronizerOptions
 
 __all__ = ["LearnerRestarts", "LocalRun", "main"]
 
