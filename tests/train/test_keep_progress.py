@@ -103,3 +103,35 @@ def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_
     delta = reader.load_contribution(rec).delta
     for n in names:
         assert torch.equal(delta[n], torch.full_like(delta[n], -1.25)), n
+
+
+def test_a_kept_share_of_one_half_moves_the_fragment_half_way_and_counts_half_the_steps(tmp_path: Path) -> None:
+    """kept_progress_share 0.5 on the real Learner: aligned to 1, three steps to 1.75 and a
+    publish, two more (7 tokens each) to 2.75; adopting 4 leaves 4 + 0.5 x (2.75 - 1.75) = 4.5
+    and carries 1 of the 2 steps, with its 7 tokens."""
+    config, recipe = smoke_recipe(2, max_rounds=10)
+    config = config.replace(keep_local_progress=True, kept_progress_share=0.5)
+    store = create_run(to_url(str(tmp_path / "run")), config, recipe)
+    assert RunReader.open(store.url, read_only=True).manifest.config.kept_progress_share == 0.5
+    learner = RecipeLearner(LearnerStore.beside(store), "learner-0", log=lambda s: None)
+    names = learner.plan.fragments[0]
+
+    def fill(value: float) -> None:
+        with torch.no_grad():
+            for n in names:
+                learner.params[n].fill_(value)
+
+    assert learner.adopt(1, 0, {n: torch.full_like(learner.params[n], 1.0) for n in names})
+    for _ in range(3):
+        learner.counters.record_step(10)
+    fill(1.75)
+    learner.publish(0)
+    for _ in range(2):
+        learner.counters.record_step(7)
+    fill(2.75)
+    assert learner.adopt(5, 0, {n: torch.full_like(learner.params[n], 4.0) for n in names})
+    for n in names:
+        assert torch.equal(learner.params[n].detach(), torch.full_like(learner.params[n], 4.5)), n
+    fc = learner.counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 1, 7, 1)
+    learner.flush()

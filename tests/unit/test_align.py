@@ -132,3 +132,21 @@ def test_keep_local_progress_by_hand() -> None:
     # Without keep_local_progress an alignment resets everything, kept steps included.
     align_fragment(params, {"w": torch.tensor([0.0, 0.0])}, counters=counters, fragment=0, version=9)
     assert counters.fragments[0] == type(counters.fragments[0])(base_version=9)
+
+
+def test_keeping_half_of_the_local_progress_by_hand() -> None:
+    """kept_progress_share 0.5: base (1, 2), three steps of 10 tokens to (2, 1), no publish;
+    adopting (4, -1) gives (4, -1) + 0.5 x (1, -1) = (4.5, -1.5), and the counters carry 1 of
+    the 3 steps (rounded down) with its 10 tokens."""
+    params, counters, marks = {"w": torch.tensor([1.0, 2.0])}, LearnerCounters.fresh(1, base_version=3), PublishMarks(1)
+    base = {"w": params["w"].clone()}
+    for _ in range(3):
+        counters.record_step(10)
+        params["w"] += torch.tensor([1.0, -1.0]) / 3
+    kept = marks.unpublished(0, params, base, counters.fragments[0])
+    assert kept is not None and (kept.c_steps, kept.c_tokens) == (3, 30)
+    align_fragment(params, {"w": torch.tensor([4.0, -1.0])}, counters=counters, fragment=0, version=5)
+    carry(params, counters.fragments[0], kept, share=0.5)
+    assert torch.allclose(params["w"], torch.tensor([4.5, -1.5]))
+    fc = counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 1, 10, 1)

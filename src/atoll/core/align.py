@@ -147,10 +147,19 @@ class PublishMarks:
 
 
 @torch.no_grad()
-def carry(params: Mapping[str, torch.Tensor], counters: FragmentCounters, unpublished: Unpublished) -> None:
+def carry(params: Mapping[str, torch.Tensor], counters: FragmentCounters, unpublished: Unpublished, *,
+          share: float = 1.0) -> None:
     """Right after an alignment: add the progress to the new values and carry its counters (the
-    next delta, against the new version, holds that work, and its counters say so)."""
+    next delta, against the new version, holds that work, and its counters say so).
+
+    ``share`` < 1 (``DilocoConfig.kept_progress_share``) adds that share of the progress and
+    carries that share of its steps (rounded down) and of its tokens (tokens per step kept)."""
     for name, d in unpublished.progress.items():
-        params[name].add_(d.to(dtype=params[name].dtype, device=params[name].device))
-    counters.c_steps, counters.c_tokens = unpublished.c_steps, unpublished.c_tokens
-    counters.kept_steps = unpublished.c_steps
+        d = d.to(dtype=params[name].dtype, device=params[name].device)
+        if share == 1.0:
+            params[name].add_(d)
+        else:
+            params[name].add_(d, alpha=share)
+    steps = unpublished.c_steps if share == 1.0 else int(unpublished.c_steps * share)
+    counters.c_steps, counters.c_tokens = steps, unpublished.c_tokens * steps // unpublished.c_steps
+    counters.kept_steps = steps

@@ -133,6 +133,14 @@ class DilocoConfig:
     to one-process learners and DDP islands (FSDP2 islands overwrite). A run whose manifest has no
     such field reads as False."""
 
+    kept_progress_share: float = 1.0
+    """With keep_local_progress: the part of that progress an adoption keeps, in (0, 1]; the
+    counters carry the same share of its steps and tokens. 1 keeps all of it (exact: the next
+    contribution delivers that work). Below 1 the fragment lands between the new version and the
+    learner's own values, as Streaming DiLoCo mixes an arriving fragment with the local one: the
+    learners drift apart less, and that share of the steps counts as kept. A run whose manifest
+    has no such field reads as 1."""
+
     max_weight_share: float | None = None
     """Largest normalised weight one contribution may get in a round with two or more (at least
     1/n with n contributions): a heavier one is capped and the others scaled up in proportion.
@@ -248,6 +256,8 @@ class DilocoConfig:
             "must be a fraction of H in [0, 1] (0: off)",
         )
         need(isinstance(self.keep_local_progress, bool), "keep_local_progress", "must be True or False")
+        need(isinstance(self.kept_progress_share, int | float) and not isinstance(self.kept_progress_share, bool)
+             and 0.0 < self.kept_progress_share <= 1.0, "kept_progress_share", "must be a share in (0, 1]")
         need(self.max_weight_share is None or (isinstance(self.max_weight_share, int | float)
                                                and 0.0 < self.max_weight_share <= 1.0),
              "max_weight_share", "must be None or a share in (0, 1]")

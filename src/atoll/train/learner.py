@@ -422,7 +422,7 @@ class Learner:
         self.weights.adopt(self, fragment, round_, tensors)
         self.marks.clear(fragment)
         if kept is not None:
-            carry(self.params, self.counters.fragments[fragment], kept)
+            carry(self.params, self.counters.fragments[fragment], kept, share=self.config.kept_progress_share)
         self.versions[fragment] = round_
         self.summary.aligned += 1
         return True
