@@ -6,6 +6,7 @@ model instead of being overwritten, which the merged-work share counts."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,14 +59,13 @@ def test_work_after_a_publish_is_merged_instead_of_overwritten(tmp_path: Path) -
     assert dropped < 0.7 and kept > 0.8 and kept > dropped + 0.2, (dropped, kept)
 
 
-def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_hand(tmp_path: Path) -> None:
-    """The real Learner on a real bucket, fragment 0 set to numbers exact in fp32: aligned to 1
-    everywhere, three steps (30 tokens) to 1.75 and a publish, two more (14 tokens) to 2.75;
-    adopting a version of 4 everywhere leaves 4 + (2.75 - 1.75) = 5, with 2 steps and 14 tokens
-    carried; one more step (9 tokens) to 5.25 and the next contribution is against the new
-    version, with delta 4 - 5.25 = -1.25, 3 steps, 23 tokens, 2 of them kept through the adoption."""
+def _published_then_stepped(tmp_path: Path, **changes: Any) -> tuple[Any, RecipeLearner, list[str], Any, Any]:
+    """A real Learner on a new run (``changes`` to the smoke config), fragment 0 at numbers exact
+    in fp32: aligned to version 1 (1 everywhere), three steps of 10 tokens to 1.75 and a publish,
+    two more of 7 tokens to 2.75. Returns (store, learner, fragment 0's names, fill(value),
+    version(value): a fragment of that value)."""
     config, recipe = smoke_recipe(2, max_rounds=10)
-    store = create_run(to_url(str(tmp_path / "run")), config.replace(keep_local_progress=True), recipe)
+    store = create_run(to_url(str(tmp_path / "run")), config.replace(**changes), recipe)
     learner = RecipeLearner(LearnerStore.beside(store), "learner-0", log=lambda s: None)
     names = learner.plan.fragments[0]
 
@@ -85,6 +85,16 @@ def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_
     for _ in range(2):
         learner.counters.record_step(7)
     fill(2.75)
+    return store, learner, names, fill, version
+
+
+def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_hand(tmp_path: Path) -> None:
+    """The real Learner on a real bucket, fragment 0 set to numbers exact in fp32: aligned to 1
+    everywhere, three steps (30 tokens) to 1.75 and a publish, two more (14 tokens) to 2.75;
+    adopting a version of 4 everywhere leaves 4 + (2.75 - 1.75) = 5, with 2 steps and 14 tokens
+    carried; one more step (9 tokens) to 5.25 and the next contribution is against the new
+    version, with delta 4 - 5.25 = -1.25, 3 steps, 23 tokens, 2 of them kept through the adoption."""
+    store, learner, names, fill, version = _published_then_stepped(tmp_path, keep_local_progress=True)
     assert learner.adopt(5, 0, version(4.0))
     for n in names:
         assert torch.equal(learner.params[n].detach(), torch.full_like(learner.params[n], 5.0)), n
@@ -109,27 +119,10 @@ def test_a_kept_share_of_one_half_moves_the_fragment_half_way_and_counts_half_th
     """kept_progress_share 0.5 on the real Learner: aligned to 1, three steps to 1.75 and a
     publish, two more (7 tokens each) to 2.75; adopting 4 leaves 4 + 0.5 x (2.75 - 1.75) = 4.5
     and carries 1 of the 2 steps, with its 7 tokens."""
-    config, recipe = smoke_recipe(2, max_rounds=10)
-    config = config.replace(keep_local_progress=True, kept_progress_share=0.5)
-    store = create_run(to_url(str(tmp_path / "run")), config, recipe)
+    store, learner, names, _, version = _published_then_stepped(tmp_path, keep_local_progress=True,
+                                                                kept_progress_share=0.5)
     assert RunReader.open(store.url, read_only=True).manifest.config.kept_progress_share == 0.5
-    learner = RecipeLearner(LearnerStore.beside(store), "learner-0", log=lambda s: None)
-    names = learner.plan.fragments[0]
-
-    def fill(value: float) -> None:
-        with torch.no_grad():
-            for n in names:
-                learner.params[n].fill_(value)
-
-    assert learner.adopt(1, 0, {n: torch.full_like(learner.params[n], 1.0) for n in names})
-    for _ in range(3):
-        learner.counters.record_step(10)
-    fill(1.75)
-    learner.publish(0)
-    for _ in range(2):
-        learner.counters.record_step(7)
-    fill(2.75)
-    assert learner.adopt(5, 0, {n: torch.full_like(learner.params[n], 4.0) for n in names})
+    assert learner.adopt(5, 0, version(4.0))
     for n in names:
         assert torch.equal(learner.params[n].detach(), torch.full_like(learner.params[n], 4.5)), n
     fc = learner.counters.fragments[0]
