@@ -95,18 +95,19 @@ class RecordedRounds:
         of the rounds that landed meanwhile, in order."""
         landed = landed_rounds(self.ctx) if self.pipelined else []  # an earlier failure raises here
         if self.ctx.next_round != round_number:  # a commit in flight lost its race: the state is the winner's now
-            return self._adopted(landed)
+            return self._recorded(landed)
         self._opened[round_number] = time.time()
         self.ctx.round_recorder().open(round_number)  # its flow run is Running from now on, on the server's clock
         commit_fn = hand_over if self.pipelined else merge_and_commit.fn
-        out = _round(self.ctx, round_number, self.log, await_quorum.fn, commit_fn, None)
-        return self._adopted(landed + (out if isinstance(out, list) else [out]))
+        with without_tags():  # the recorder tags the round's flow run itself
+            out = _round(self.ctx, round_number, self.log, await_quorum.fn, commit_fn, None)
+        return self._recorded(landed + (out if isinstance(out, list) else [out]))
 
     def drain(self) -> list[dict[str, Any]]:
         """Wait for the rounds still in flight (the segment ends, or the run stops)."""
-        return self._adopted(landed_rounds(self.ctx, drain=True)) if self.pipelined else []
+        return self._recorded(landed_rounds(self.ctx, drain=True)) if self.pipelined else []
 
-    def _adopted(self, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _recorded(self, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``summaries``, each recorded unless the pipeline's hook already did (a round it won)."""
         for s in summaries:
             if not (self.pipelined and s["won"]):

@@ -239,7 +239,7 @@ def _run_rounds(ctx: RunContext, info: RunInfo, seg: _Segment, run_round: RoundR
                 raise
             except RunStopped as e:  # atoll stop: end now, Completed; learners exit by themselves
                 log.warning(f"run {info.run_id} stopped at round {r - 1}: {e}")
-                seg.stopped = True  # the rounds already merged are still committed (drained above)
+                seg.stopped = True  # the rounds already merged are still committed: drained next turn
                 continue
             except Exception as e:  # noqa: BLE001 - a failed round is retried from the bucket's state
                 failures += 1
