@@ -179,7 +179,9 @@ class CommitPipeline:
                 self.store.write_checkpoint(closed.round)
         except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
             return Landed(closed, None, e, self.clock())
-        return Landed(closed, result, None, self.clock())
+        landed = Landed(closed, result, None, self.clock())
+        closed.phases["committed_at_s"] = landed.at_s
+        return landed
 
     def in_flight(self) -> int:
         with self._cond:

@@ -385,7 +385,6 @@ class Synchronizer(SynchronizerLifecycle):
     def _tell_landed(self, landed: Landed) -> None:
         """The commit pipeline's hook: a won round, as :meth:`landed` will report it, to ``on_landed``."""
         if self.on_landed is not None and landed.result is not None and landed.result.won:
-            landed.closed.phases["committed_at_s"] = landed.at_s
             self.on_landed(_summary(landed.closed, landed.result.record))
 
     def landed(self) -> list[RoundSummary]:
@@ -434,7 +433,6 @@ class Synchronizer(SynchronizerLifecycle):
         for landed in self._commits.take() if self._commits is not None else []:
             if landed.result is not None and landed.result.won:
                 self.screen.saw_commit(landed.closed.round, landed.at_s)
-                landed.closed.phases["committed_at_s"] = landed.at_s
                 out.append(_summary(landed.closed, landed.result.record))
             elif landed.result is not None:
                 out.append(self._adopt(landed.result.record))
