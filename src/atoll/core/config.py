@@ -107,6 +107,18 @@ class DilocoConfig:
     with bf16 (2 bytes an update) 2 to 4 keeps that read near two views. 1 writes the view with
     every version. Learners and the master are the same for every value."""
 
+    master_snapshot_every: int = 1
+    """Write a fragment's fp32 master (and its outer momentum) on two consecutive versions out of
+    every this many; the versions between name the master's sha256 but write no object, and
+    readers (a restarted synchronizer, the evaluator, checkpoints) rebuild it by replaying those
+    rounds' merges from the contributions their records name, bit for bit, checked against that
+    sha256 (docs/protocol.md, "Masters by replay"). Two, because a round re-anchors contributions
+    computed against the version before the current one. 1 or 2 write the master with every
+    version. Needs a compressed downlink (with 'fp32' learners read the master itself); at 16
+    with int4 the masters cost 0.5 bytes a parameter per version instead of 4, and a rebuild
+    replays at most 14 rounds of the fragment. A synchronizer merging off the CPU writes every
+    master whatever this says: its merges are not bit-reproducible on another device."""
+
     max_wait_s: float | None = None
     """Close a round below quorum (with >= 1 valid contribution) once it has been open this long;
     None waits for the quorum K indefinitely (the paper's rule)."""
@@ -228,6 +240,11 @@ class DilocoConfig:
              "choose 'fp32', 'bf16' or 'int4'")
         need(_is_int(self.downlink_snapshot_every) and self.downlink_snapshot_every >= 1,
              "downlink_snapshot_every", "must be an integer >= 1 (versions between two views)")
+        need(_is_int(self.master_snapshot_every) and self.master_snapshot_every >= 1,
+             "master_snapshot_every", "must be an integer >= 1 (versions between two written masters)")
+        need(self.master_snapshot_every <= 2 or self.downlink_compression != "fp32", "master_snapshot_every",
+             "needs a compressed downlink (downlink_compression 'int4' or 'bf16'): with 'fp32' learners read "
+             "the master of every version; set it to 1")
         need(
             _is_int(self.compression_block_size)
             and self.compression_block_size >= 2

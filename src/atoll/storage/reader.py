@@ -44,6 +44,7 @@ from atoll.storage.records import (
     LearnerStateRecord,
     PruneRecord,
 )
+from atoll.storage.replay import replay_master
 from atoll.storage.store import io_map
 from atoll.storage.validation import (
     InvalidInput,
@@ -291,12 +292,30 @@ class RunReader(CommitChain):
         return st
 
     def read_global_fragment(self, fragment: int, version: int | None = None) -> dict[str, torch.Tensor]:
-        """Fragment values at ``version`` (the round that wrote it; 0 = initial; None = latest)."""
+        """Fragment values at ``version`` (the round that wrote it; 0 = initial; None = latest):
+        its master, read, or rebuilt by replay where the version writes none (:mod:`atoll.storage.replay`)."""
         self._check_fragment(fragment)
         if version is None:
             version = self._state_table(self.latest_round())[fragment].version
-        ref = self.fragment_state(fragment, version).params
-        return self._read_fp32_blob(ref, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{version}")
+        st = self.fragment_state(fragment, version)
+        return self.read_master_object(fragment, st) if st.master_written else replay_master(self, fragment, version)[0]
+
+    def read_master_object(self, fragment: int, st: FragmentState) -> dict[str, torch.Tensor]:
+        """The fp32 master object of a version that writes one."""
+        return self._read_fp32_blob(st.params, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{st.version}")
+
+    def read_momentum_object(self, fragment: int, st: FragmentState) -> dict[str, torch.Tensor]:
+        """The outer momentum object of a version that writes one (empty buffers where it names none)."""
+        if st.momentum is None:
+            return {}
+        mshapes = {f"momentum.{n}": s for n, s in self.manifest.fragment_shapes(fragment).items()}
+        got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
+        check_tensor_layout(got, mshapes, what=f"fragment {fragment} momentum", dtype=torch.float32, allow_missing=True)
+        return got
+
+    def contribution_record(self, key: str) -> ContributionRecord | Rejection:
+        """A contribution record by its key (checked as a listing checks it), or why it is unusable."""
+        return self._read_contribution_record(key)
 
     def view_chain(self, fragment: int, version: int) -> ViewChain:
         """The objects that rebuild what learners hold of ``fragment`` at ``version``
@@ -353,7 +372,6 @@ class RunReader(CommitChain):
         moments: dict[int, dict[str, torch.Tensor]] = {}
         restored: dict[int, str] = {}
         for p, st in enumerate(table):
-            shapes = self.manifest.fragment_shapes(p)
             moments[p] = {}
             if view and st.downlink is not None:
                 try:
@@ -362,18 +380,19 @@ class RunReader(CommitChain):
                 except InvalidInput as e:  # the master is within one quantization error of it
                     restored[p] = f"view of v{st.version} unreadable ({e.kind.value}); using the master"
             try:
-                params.update(self._read_fp32_blob(st.params, shapes, f"fragment {p} v{st.version}"))
+                if st.master_written:
+                    params.update(self.read_master_object(p, st))
+                else:  # rebuilt by replay, with its momentum
+                    values, moments[p] = replay_master(self, p, st.version)
+                    params.update(values)
+                    moments[p] = moments[p] if momentum else {}
             except InvalidInput as e:
                 values, used = self._fallback_fragment(round_, p, st, e)
                 params.update(values)
                 restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
             if momentum and st.momentum is not None and p not in restored:
                 try:
-                    mshapes = {f"momentum.{n}": s for n, s in shapes.items()}
-                    got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
-                    check_tensor_layout(got, mshapes, what=f"fragment {p} momentum", dtype=torch.float32,
-                                        allow_missing=True)
-                    moments[p] = got
+                    moments[p] = self.read_momentum_object(p, st)
                 except InvalidInput as e:
                     restored[p] = f"momentum of v{st.version} unreadable ({e.kind.value}); reset to zero"
         rec = self.read_commit(round_) if round_ else None
@@ -407,7 +426,7 @@ class RunReader(CommitChain):
             if r < 1:
                 break
             rec = self._readable(r)
-            if rec is not None and rec.fragment == p and rec.updated:
+            if rec is not None and rec.fragment == p and rec.updated and rec.state[p].master_written:
                 try:
                     return self._read_fp32_blob(rec.state[p].params, shapes, f"fragment {p} v{r}"), r
                 except InvalidInput:

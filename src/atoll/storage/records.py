@@ -293,6 +293,18 @@ class FragmentState:
     downlink: DownlinkState | None = None
     """The compressed downlink of that version; None: learners hold ``params`` itself (an fp32
     downlink, version 0, and records written before compressed downlinks: the key is omitted)."""
+    master_depth: int = 0
+    """Versions of the fragment since the newest one that starts a pair of written masters
+    (``DilocoConfig.master_snapshot_every``): 0 or 1 when this version's ``params`` (and
+    ``momentum``) objects are written; 2 or more when ``params`` names the master's sha256 but no
+    object, and ``momentum`` is None: rebuild both by replaying the rounds after the newest
+    version at depth 1 (:mod:`atoll.storage.replay`). Omitted (0) in records written with a master
+    on every version."""
+
+    @property
+    def master_written(self) -> bool:
+        """Whether this version's master (and momentum) objects are in the bucket."""
+        return self.master_depth <= 1
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -302,11 +314,14 @@ class FragmentState:
         }
         if self.downlink is not None:
             out["downlink"] = self.downlink.to_dict()
+        if self.master_depth:
+            out["master_depth"] = self.master_depth
         return out
 
     def refs(self) -> list[BlobRef]:
-        """Every payload this entry names (what retention keeps and ``atoll verify`` checks)."""
-        refs = [self.params] + ([self.momentum] if self.momentum is not None else [])
+        """Every payload this entry names and writes (what retention keeps and ``atoll verify``
+        checks): a master rebuilt by replay names an object that is never written."""
+        refs = [] if not self.master_written else [self.params] + ([self.momentum] if self.momentum is not None else [])
         if self.downlink is not None:
             refs += [ref for ref in (self.downlink.view, self.downlink.update) if ref is not None]
         return refs
@@ -320,9 +335,12 @@ class FragmentState:
             params=BlobRef.from_body(body.get("params"), "state[].params"),
             momentum=None if m is None else BlobRef.from_body(m, "state[].momentum"),
             downlink=None if d is None else DownlinkState.from_body(d),
+            master_depth=_int(body, "master_depth") if "master_depth" in body else 0,
         )
         _need(out.downlink is None or out.downlink.base < out.version,
               f"state[].downlink.base must be below the version {out.version}")
+        _need(out.master_written or (out.momentum is None and out.downlink is not None and out.version > 0),
+              "state[]: a master rebuilt by replay has a compressed downlink and no momentum object")
         return out
 
 

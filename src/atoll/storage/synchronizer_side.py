@@ -127,6 +127,7 @@ class SynchronizerStore(LeaseHolder):
         downlink: DownlinkStep | None = None,
         downlink_chained: bool = True,
         payloads: RoundPayloads | None = None,
+        replay_masters: bool = True,
     ) -> CommitResult:
         """Commit round ``round_`` for ``fragment``: new fragment values (None: no update), the
         outer optimizer's ``state_dict()`` for that fragment, who was in and out, timings and
@@ -158,7 +159,7 @@ class SynchronizerStore(LeaseHolder):
         outcome = _RoundOutcome.of(accepted, rejected, timings, stats)
         if payloads is None and params is not None:
             payloads = RoundPayloads(round_, fragment, state[fragment], self._write_fragment_state(
-                round_, fragment, state[fragment], params, momentum, downlink, downlink_chained))
+                round_, fragment, state[fragment], params, momentum, downlink, downlink_chained, replay_masters))
         elif downlink is not None:
             raise ValueError("a downlink is published with a new version (params) only")
         if payloads is not None:
@@ -173,7 +174,7 @@ class SynchronizerStore(LeaseHolder):
 
     def write_round_payloads(self, round_: int, fragment: int, *, params: Tensors, momentum: Tensors | None = None,
                              downlink: DownlinkStep | None = None, downlink_chained: bool = True,
-                             after: int | None = None) -> RoundPayloads:
+                             after: int | None = None, replay_masters: bool = True) -> RoundPayloads:
         """The first half of :meth:`commit_round`: check and write a new version's payloads
         (nothing names them yet), so that a later ``commit_round(..., payloads=...)`` only creates
         the record. ``after``: a committed round whose state table holds the fragment's current
@@ -183,7 +184,7 @@ class SynchronizerStore(LeaseHolder):
         self._check_fragment(fragment)
         base = self._state_table(round_ - 1 if after is None else after)[fragment]
         return RoundPayloads(round_, fragment, base, self._write_fragment_state(
-            round_, fragment, base, params, momentum, downlink, downlink_chained))
+            round_, fragment, base, params, momentum, downlink, downlink_chained, replay_masters))
 
     def _slot(self, round_: int) -> tuple[CommitRecord | None, bool]:
         """(the round's verified record, or None; whether its slot is void). Into a void slot
@@ -214,14 +215,15 @@ class SynchronizerStore(LeaseHolder):
 
     def _write_fragment_state(self, round_: int, fragment: int, prev: FragmentState, params: Tensors,
                               momentum: Tensors | None, downlink: DownlinkStep | None,
-                              chained: bool) -> FragmentState:
+                              chained: bool, replay_masters: bool = True) -> FragmentState:
         """Write a new version's payloads (fp32 master, momentum, compressed downlink); its entry.
 
         No momentum with outer momentum 0: the outer step never reads its buffer, so an exact
         resume needs none (the entry names none; a reader restores empty buffers).
         The payloads are written at once (:func:`~atoll.storage.io_pool.io_map`: each one's
         serialization, sha256 and PUT on its own thread); the caller names them in a record only
-        after all of them are written."""
+        after all of them are written. ``replay_masters=False`` writes the master whatever
+        ``DilocoConfig.master_snapshot_every`` says (a merge that only its own device reproduces)."""
         expected = self.manifest.fragment_shapes(fragment)
         check_tensor_layout(params, expected, what=f"round {round_} params for fragment {fragment}")
         check_finite(params, what=f"round {round_} params")
@@ -237,9 +239,26 @@ class SynchronizerStore(LeaseHolder):
                      else self._write_blob({n: t.float() for n, t in momentum.items()})),
             lambda: None if downlink is None else self._write_downlink(round_, fragment, prev, downlink, chained),
         ]
+        depth = self._master_depth(prev, replay_masters)
+        if depth > 1:  # named, not written: readers replay the rounds since the newest depth-1 version
+            writes[:2] = [lambda: self._blob_ref({n: params[n].float() for n in expected}), lambda: None]
         params_ref, momentum_ref, dl = io_map(lambda write: write(), writes)
         return FragmentState(version=round_, params=cast(BlobRef, params_ref), momentum=cast(BlobRef | None, momentum_ref),
-                             downlink=cast(DownlinkState | None, dl))
+                             downlink=cast(DownlinkState | None, dl), master_depth=depth)
+
+    def _master_depth(self, prev: FragmentState, replay_masters: bool) -> int:
+        """The new version's ``master_depth``: its master is written at 0 and 1 (a pair: the replay
+        starts at the version at 1 and re-anchors against the one before it), replayed above."""
+        every = self.config.master_snapshot_every
+        if every <= 2 or not replay_masters or self.config.downlink_compression == "fp32":
+            return 0
+        return (prev.master_depth + 1) % every
+
+    @staticmethod
+    def _blob_ref(tensors: Tensors) -> BlobRef:
+        """The ref a payload of ``tensors`` would have, without writing it."""
+        data = tensors_to_bytes(tensors)
+        return BlobRef(sha256_hex(data), len(data))
 
     def _write_downlink(self, round_: int, fragment: int, prev: FragmentState, step: DownlinkStep,
                         chained: bool) -> DownlinkState:

@@ -85,6 +85,9 @@ class ClosedRound:
     decision: QuorumDecision
     phases: dict[str, float | None] = field(default_factory=dict)
     """The round's phases on the synchronizer's clock (``committed_at_s`` set when it lands)."""
+    replay_masters: bool = True
+    """Whether readers may rebuild this version's master by replaying the merge (a CPU merge):
+    else it is written whatever ``DilocoConfig.master_snapshot_every`` says."""
 
     def commit(self, store: SynchronizerStore, payloads: RoundPayloads | None = None) -> CommitResult:
         """Commit this round: with ``payloads`` already written, only the record; else all of it."""
@@ -95,7 +98,8 @@ class ClosedRound:
             return store.commit_round(self.round, self.fragment, params=None, payloads=payloads, **fields)
         return store.commit_round(self.round, self.fragment, params=self.result.new_params,
                                   momentum=self.optimizer.state_dict(), downlink=self.downlink,
-                                  downlink_chained=self.downlink_chained, **fields)
+                                  downlink_chained=self.downlink_chained, replay_masters=self.replay_masters,
+                                  **fields)
 
     def write_payloads(self, store: SynchronizerStore) -> RoundPayloads | None:
         """The new version's payloads, written and not yet named (None: no new version)."""
@@ -103,7 +107,8 @@ class ClosedRound:
             return None
         return store.write_round_payloads(self.round, self.fragment, params=self.result.new_params,
                                           momentum=self.optimizer.state_dict(), downlink=self.downlink,
-                                          downlink_chained=self.downlink_chained, after=self.after)
+                                          downlink_chained=self.downlink_chained, after=self.after,
+                                          replay_masters=self.replay_masters)
 
 
 @dataclass(frozen=True)

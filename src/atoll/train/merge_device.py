@@ -76,10 +76,11 @@ def merge_on_device(device: torch.device, *, current: Tensors, bases: Mapping[in
 
 
 def fragment_bases(store: RunReader, p: int, *, version: int, current: dict[str, torch.Tensor],
-                   contributions: list[FragmentContribution]) -> dict[int, dict[str, torch.Tensor]]:
+                   contributions: list[FragmentContribution],
+                   previous: tuple[int, dict[str, torch.Tensor]] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Fragment ``p`` at every base version the contributions name: ``current`` (in memory) for
-    its own ``version``, the others read from the bucket; a version whose object is gone is left
-    out (its contributions get UNKNOWN_BASE)."""
+    its own ``version``, ``previous`` (version, values) where held in memory, the others read
+    from the bucket; a version whose object is gone is left out (its contributions get UNKNOWN_BASE)."""
     bases: dict[int, dict[str, torch.Tensor]] = {}
     missing: set[int] = set()
     for c in contributions:
@@ -87,6 +88,9 @@ def fragment_bases(store: RunReader, p: int, *, version: int, current: dict[str,
             continue
         if c.base_version == version:
             bases[c.base_version] = current
+            continue
+        if previous is not None and c.base_version == previous[0]:
+            bases[c.base_version] = previous[1]
             continue
         try:
             bases[c.base_version] = store.read_global_fragment(p, c.base_version)
@@ -104,8 +108,12 @@ class FragmentMerger:
     """
 
     def __init__(self, device: torch.device, policy: MergePolicy, *, fragment_numel: Sequence[int],
-                 outer_lr: float, outer_momentum: float) -> None:
+                 outer_lr: float, outer_momentum: float, keep_previous: bool = False) -> None:
         self.device = device
+        self.keep_previous = keep_previous
+        """Hold each fragment's previous version in memory (:meth:`previous`): with masters rebuilt
+        by replay, reading it from the bucket would replay."""
+        self._previous: dict[int, tuple[int, dict[str, torch.Tensor], bool]] = {}
         self.policy = policy
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
@@ -155,12 +163,29 @@ class FragmentMerger:
             norm_history=self.norm_reference(p), reasons=reasons,
         )
 
-    def retire(self, p: int, params: dict[str, torch.Tensor], optimizer: NesterovOuterOptimizer) -> None:
-        """Fragment ``p`` has a new version: its old one and its old optimizer's momentum are free.
+    def retire(self, p: int, params: dict[str, torch.Tensor], optimizer: NesterovOuterOptimizer, *,
+               version: int) -> None:
+        """Fragment ``p`` has a new version: its old one (``version``) and its old optimizer's
+        momentum are free.
 
-        The retired version is nobody's base in memory (older bases are read from the bucket): the
-        next round of this fragment writes into it, if this process allocated it."""
-        if p in self._merged_here:
-            self._spare_params[p] = params
+        Without ``keep_previous`` the retired version is nobody's base in memory (older bases are
+        read from the bucket): the next round of this fragment writes into it, if this process
+        allocated it. With it, the retired version stays as the base of the next round's
+        re-anchored contributions (:meth:`previous`; its master may be written nowhere), and the
+        version it replaces there is the one written into."""
+        recyclable = p in self._merged_here
         self._merged_here.add(p)
         self._spare_momentum[p] = optimizer.buffers
+        if self.keep_previous:
+            held = self._previous.get(p)
+            self._previous[p] = (version, params, recyclable)
+            if held is None:
+                return
+            _, params, recyclable = held
+        if recyclable:
+            self._spare_params[p] = params
+
+    def previous(self, p: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """(version, values) of fragment ``p``'s version before its current one, when kept."""
+        held = self._previous.get(p)
+        return None if held is None else (held[0], held[1])

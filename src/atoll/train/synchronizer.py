@@ -129,7 +129,8 @@ class Synchronizer(SynchronizerLifecycle):
         self.fragments = [self.plan.select(state.params, p) for p in range(self.plan.num_fragments)]
         sizes = [self.plan.fragment_numel(p) for p in range(self.plan.num_fragments)]
         self.merger = FragmentMerger(self.device, self.merge_policy, fragment_numel=sizes,
-                                     outer_lr=self.config.outer_lr, outer_momentum=self.config.outer_momentum)
+                                     outer_lr=self.config.outer_lr, outer_momentum=self.config.outer_momentum,
+                                     keep_previous=self.config.master_snapshot_every > 2)
         """Merges on this synchronizer's device, with the buffers they recycle and the norm history."""
         self.optimizers = []
         for p in range(self.plan.num_fragments):
@@ -328,7 +329,8 @@ class Synchronizer(SynchronizerLifecycle):
             round=r, fragment=p, after=self.versions[p], result=result, optimizer=opt, downlink=downlink,
             downlink_chained=p not in self._unchained, accepted=accepted, rejected=listed, unlisted=unlisted,
             timings=timings, stats=stats, committed_by=self.options.synchronizer_id,
-            checkpoint=self.schedule.checkpoints(r), decision=poll.decision, phases=phases)
+            checkpoint=self.schedule.checkpoints(r), decision=poll.decision, phases=phases,
+            replay_masters=self.device.type == "cpu")
 
     def round_wire(self) -> WireCounts:
         """What this synchronizer's store sent since its previous commit (or since it started):
@@ -458,7 +460,7 @@ class Synchronizer(SynchronizerLifecycle):
         if not contributions:
             return None, opt
         bases = fragment_bases(self.store, p, version=self.versions[p], current=self.fragments[p],
-                               contributions=contributions)
+                               contributions=contributions, previous=self.merger.previous(p))
         result = self.merger.merge(p, current=self.fragments[p], bases=bases, contributions=contributions,
                                    optimizer=opt, reasons=rejected)
         if result is not None:
@@ -473,7 +475,7 @@ class Synchronizer(SynchronizerLifecycle):
         result, p = closed.result, closed.fragment
         if result is not None:
             # The retired version is p's previous one, whose round has landed (the pipeline's rule 3).
-            self.merger.retire(p, self.fragments[p], self.optimizers[p])
+            self.merger.retire(p, self.fragments[p], self.optimizers[p], version=self.versions[p])
             self.versions[p] = closed.round
             self.fragments[p] = {n: t.float() for n, t in result.new_params.items()}
             self.optimizers[p] = closed.optimizer
