@@ -8,6 +8,7 @@ fragment's previous version so that rounds re-anchor; on a local folder and on S
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from atoll.core.weights import Counters
-from atoll.storage import LearnerStore, RunReader, SynchronizerStore
+from atoll.storage import LearnerStore, OperatorStore, RunReader, SynchronizerStore
 from atoll.storage import paths as P
+from atoll.storage.retention import GLOBAL_STATE, RetentionPolicy, apply_prune, plan_prune
 from atoll.storage.validation import InvalidInput
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import TokenBounds, create_run
@@ -140,3 +142,35 @@ def test_a_replay_that_does_not_reproduce_its_master_is_refused_and_the_reader_f
     st = fresh.read_global_state(5)
     assert st.restored[0].startswith("v5 unreadable") and "using v1" in st.restored[0]
     assert not torch.equal(st.params[next(iter(good))], good[next(iter(good))])
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+def test_retention_keeps_what_a_replay_needs_and_the_run_resumes_after_a_prune(backend: Backend) -> None:
+    every, sparse = new_run(backend, every=1, momentum=0.9), new_run(backend, every=4, momentum=0.9)
+    drive(every, synchronizer(every), ROUNDS + 2)
+    drive(sparse, synchronizer(sparse), ROUNDS)
+    reader = RunReader.open(sparse.url, sparse.options)
+    # The window is rounds 11-14: the versions current before it are v9 (fragment 0, depth 1) and
+    # v10 (fragment 1, depth 1); v11 and v13 replay from the pair (v7, v9), v12 and v14 from (v8, v10).
+    plan = plan_prune(reader, RetentionPolicy(keep_rounds=4, min_age_s=60), now=time.time() + 7200)
+    assert plan.floors == (7, 8)
+    apply_prune(OperatorStore.beside(reader), plan)
+    assert plan.deleted(GLOBAL_STATE)[0] > 0
+    fresh = RunReader.open(sparse.url, sparse.options)
+    expected = RunReader.open(every.url, every.options)
+    for r in range(11, ROUNDS + 1):
+        assert_identical(state_of(fresh, r), state_of(expected, r))
+    assert fresh.verify().ok
+    drive(sparse, synchronizer(sparse), ROUNDS + 2)  # a restarted synchronizer after the prune
+    assert_identical(state_of(RunReader.open(sparse.url, sparse.options), ROUNDS + 2), state_of(expected, ROUNDS + 2))
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_verify_reports_a_latest_master_that_cannot_be_rebuilt(backend: Backend) -> None:
+    run = new_run(backend, every=4, momentum=0.0)
+    drive(run, synchronizer(run), 5)
+    reader = RunReader.open(run.url, run.options)
+    reader.store.delete(reader.read_commit(5).accepted[0].key)
+    report = RunReader.open(run.url, run.options).verify()
+    assert not report.ok
+    assert any("fragment 0 v5's master cannot be rebuilt by replay" in p for p in report.problems), report.problems

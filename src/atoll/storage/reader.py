@@ -44,7 +44,7 @@ from atoll.storage.records import (
     LearnerStateRecord,
     PruneRecord,
 )
-from atoll.storage.replay import replay_master
+from atoll.storage.replay import ReplayChain, replay_chain, replay_master
 from atoll.storage.store import io_map
 from atoll.storage.validation import (
     InvalidInput,
@@ -313,6 +313,10 @@ class RunReader(CommitChain):
         check_tensor_layout(got, mshapes, what=f"fragment {fragment} momentum", dtype=torch.float32, allow_missing=True)
         return got
 
+    def replay_chain(self, fragment: int, version: int) -> ReplayChain:
+        """What rebuilds a master the bucket only names (:func:`atoll.storage.replay.replay_chain`)."""
+        return replay_chain(self, fragment, version)
+
     def contribution_record(self, key: str) -> ContributionRecord | Rejection:
         """A contribution record by its key (checked as a listing checks it), or why it is unusable."""
         return self._read_contribution_record(key)
@@ -578,4 +582,12 @@ class RunReader(CommitChain):
             r += 1
         report.latest = r - 1
         verify_slots(fresh, report)
+        if report.latest and report.latest not in report.void:  # what a resume reads must rebuild
+            for p, st in enumerate(fresh.read_commit(report.latest).state):  # type: ignore[union-attr]
+                if not st.master_written:
+                    try:
+                        replay_master(fresh, p, st.version)
+                    except InvalidInput as e:
+                        report.problems.append(f"round {report.latest} state: fragment {p} v{st.version}'s master "
+                                               f"cannot be rebuilt by replay: {e}")
         return report

@@ -223,7 +223,7 @@ class _Planner:
         # The versions current when the window began are kept too; they and every version the
         # window's rounds wrote are what stays readable.
         before = self.state_table(through)
-        floors = tuple(st.version for st in before)
+        floors = [st.version for st in before]
         kept_shas = {b.sha256 for b in run.manifest.initial}
         kept = {(p, st.version): st for p, st in enumerate(before)}
         for i, r in enumerate(range(start, latest + 1)):
@@ -233,10 +233,16 @@ class _Planner:
             kept.update(((p, st.version), st) for p, st in enumerate(rec.state))
             if i and i % 500 == 0:
                 self.log(f"  read {i} of {latest - start + 1} commit records in the window")
+        # A master rebuilt by replay needs the written pair its chain starts from and the
+        # contributions merged since: the fragment's floor goes down to the older of that pair.
+        for (p, _), st in list(kept.items()):
+            for held in self.replay_start(p, st):
+                kept[(p, held.version)] = held
+                floors[p] = min(floors[p], held.version)
         for (p, version), st in kept.items():
             kept_shas.update(ref.sha256 for ref in st.refs())
             kept_shas.update(ref.sha256 for ref in self.view_chain_refs(p, version, st))
-        plan = PrunePlan(latest=latest, through_round=through, floors=floors)
+        plan = PrunePlan(latest=latest, through_round=through, floors=tuple(floors))
         self.global_state(plan, kept_shas)
         self.checkpoints(plan)
         for prefix in (paths.SYNC_PREFIX, f"{paths.SYNC_PREFIX}blobs/"):
@@ -262,6 +268,18 @@ class _Planner:
         except IntegrityError as e:
             raise RetentionRefused(f"round {round_}'s commit slot is void ({e.what}); retention cannot prove what "
                                    f"it referenced: run atoll verify, and prune once the slot is repaired") from None
+
+    def replay_start(self, p: int, st: FragmentState) -> tuple[FragmentState, ...]:
+        """For a version whose master is rebuilt by replay: the written pair its chain starts
+        from (the version before the start, and the start); else nothing."""
+        if st.master_written:
+            return ()
+        try:
+            chain = self.run.replay_chain(p, st.version)
+        except InvalidInput as e:
+            raise RetentionRefused(f"fragment {p} v{st.version}'s master does not chain to a written pair ({e}); "
+                                   f"retention cannot prove what it needs: run atoll verify") from None
+        return chain.before, chain.start
 
     def view_chain_refs(self, p: int, version: int, st: FragmentState) -> list[BlobRef]:
         """The objects that rebuild the view of a kept version that publishes none of its own:
