@@ -200,6 +200,9 @@ class WirePlan:
     view_every: int = 1
     """``DilocoConfig.downlink_snapshot_every``: a fragment's view is written every this many
     versions (amortized here)."""
+    master_every: int = 1
+    """``DilocoConfig.master_snapshot_every``: a fragment's master (and momentum) is written on 2
+    versions out of this many when it is above 2, else on every one (amortized here)."""
 
     @property
     def up_bytes_per_round(self) -> int:
@@ -224,12 +227,14 @@ class WirePlan:
 
     @property
     def sync_up_bytes_per_round(self) -> int:
-        """The synchronizer's uplink per round: the new fp32 fragment, its momentum (mu > 0), with
-        a compressed downlink the update and the view (amortized over ``view_every`` versions),
-        commit record, head (docs/protocol.md, what a round writes)."""
+        """The synchronizer's uplink per round: the new fp32 fragment and its momentum (mu > 0),
+        amortized over ``master_every`` versions; with a compressed downlink the update and the
+        view (amortized over ``view_every`` versions); commit record, head (docs/protocol.md,
+        what a round writes)."""
         downlink = self.momentum_bytes / self.view_every + self.fragment_bytes if self.downlink_compressed else 0
-        momentum = self.momentum_bytes if self.momentum_written else 0
-        return round(self.momentum_bytes + momentum + downlink + self.commit_record_bytes + HEAD_BYTES)
+        share = 2 / self.master_every if self.master_every > 2 else 1.0
+        master = self.momentum_bytes * (2 if self.momentum_written else 1) * share
+        return round(master + downlink + self.commit_record_bytes + HEAD_BYTES)
 
     @property
     def sync_down_bytes_per_round(self) -> int:
@@ -337,4 +342,5 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         downlink_compressed=compressed,
         momentum_written=config.outer_momentum > 0,
         view_every=config.downlink_snapshot_every,
+        master_every=config.master_snapshot_every,
     )

@@ -44,7 +44,7 @@ from atoll.storage.records import (
     LearnerStateRecord,
     PruneRecord,
 )
-from atoll.storage.replay import ReplayChain, replay_chain, replay_master
+from atoll.storage.replay import read_written_master, read_written_momentum, replay_master
 from atoll.storage.store import io_map
 from atoll.storage.validation import (
     InvalidInput,
@@ -298,28 +298,7 @@ class RunReader(CommitChain):
         if version is None:
             version = self._state_table(self.latest_round())[fragment].version
         st = self.fragment_state(fragment, version)
-        return self.read_master_object(fragment, st) if st.master_written else replay_master(self, fragment, version)[0]
-
-    def read_master_object(self, fragment: int, st: FragmentState) -> dict[str, torch.Tensor]:
-        """The fp32 master object of a version that writes one."""
-        return self._read_fp32_blob(st.params, self.manifest.fragment_shapes(fragment), f"fragment {fragment} v{st.version}")
-
-    def read_momentum_object(self, fragment: int, st: FragmentState) -> dict[str, torch.Tensor]:
-        """The outer momentum object of a version that writes one (empty buffers where it names none)."""
-        if st.momentum is None:
-            return {}
-        mshapes = {f"momentum.{n}": s for n, s in self.manifest.fragment_shapes(fragment).items()}
-        got = bytes_to_tensors(self._read_blob_bytes(st.momentum))
-        check_tensor_layout(got, mshapes, what=f"fragment {fragment} momentum", dtype=torch.float32, allow_missing=True)
-        return got
-
-    def replay_chain(self, fragment: int, version: int) -> ReplayChain:
-        """What rebuilds a master the bucket only names (:func:`atoll.storage.replay.replay_chain`)."""
-        return replay_chain(self, fragment, version)
-
-    def contribution_record(self, key: str) -> ContributionRecord | Rejection:
-        """A contribution record by its key (checked as a listing checks it), or why it is unusable."""
-        return self._read_contribution_record(key)
+        return read_written_master(self, fragment, st) if st.master_written else replay_master(self, fragment, version)[0]
 
     def view_chain(self, fragment: int, version: int) -> ViewChain:
         """The objects that rebuild what learners hold of ``fragment`` at ``version``
@@ -385,7 +364,7 @@ class RunReader(CommitChain):
                     restored[p] = f"view of v{st.version} unreadable ({e.kind.value}); using the master"
             try:
                 if st.master_written:
-                    params.update(self.read_master_object(p, st))
+                    params.update(read_written_master(self, p, st))
                 else:  # rebuilt by replay, with its momentum
                     values, moments[p] = replay_master(self, p, st.version)
                     params.update(values)
@@ -396,7 +375,7 @@ class RunReader(CommitChain):
                 restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
             if momentum and st.momentum is not None and p not in restored:
                 try:
-                    moments[p] = self.read_momentum_object(p, st)
+                    moments[p] = read_written_momentum(self, p, st)
                 except InvalidInput as e:
                     restored[p] = f"momentum of v{st.version} unreadable ({e.kind.value}); reset to zero"
         rec = self.read_commit(round_) if round_ else None

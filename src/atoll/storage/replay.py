@@ -16,23 +16,42 @@ numerical library, raises InvalidInput and the reader falls back as for a lost o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from atoll.core.config import DilocoConfig
+from atoll.core.fragments import FragmentPlan
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.rejection import Rejection
 from atoll.core.synchronize import FragmentContribution, MergePolicy, MergeWorkspace, synchronize_fragment
 from atoll.core.weights import Counters
-from atoll.storage.codec import sha256_hex, tensors_to_bytes
-from atoll.storage.records import CommitRecord, ContributionRecord, FragmentState
-from atoll.storage.validation import InvalidInput
+from atoll.storage.codec import bytes_to_tensors, sha256_hex, tensors_to_bytes
+from atoll.storage.records import BlobRef, CommitRecord, ContributionRecord, FragmentState, RunManifest
+from atoll.storage.validation import InvalidInput, check_tensor_layout
 
-if TYPE_CHECKING:
-    from atoll.storage.reader import RunReader
 
-__all__ = ["ReplayChain", "replay_chain", "replay_master"]
+class ReplaySource(Protocol):
+    """What a replay reads (:class:`atoll.storage.reader.RunReader` is one)."""
+
+    @property
+    def config(self) -> DilocoConfig: ...
+    @property
+    def plan(self) -> FragmentPlan: ...
+    @property
+    def manifest(self) -> RunManifest: ...
+
+    def fragment_state(self, fragment: int, version: int) -> FragmentState: ...
+    def read_commit(self, round_: int) -> CommitRecord | None: ...
+    def _read_fp32_blob(self, ref: BlobRef, shapes: Mapping[str, tuple[int, ...]], what: str) -> Tensors: ...
+    def _read_blob_bytes(self, ref: BlobRef) -> bytes: ...
+    def _read_contribution_record(self, key: str) -> ContributionRecord | Rejection: ...
+    def load_contributions(self, records: Iterable[ContributionRecord]
+                           ) -> tuple[list[FragmentContribution], dict[str, Rejection]]: ...
+
+__all__ = ["ReplayChain", "replay_chain", "replay_master", "read_written_master", "read_written_momentum"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -50,7 +69,7 @@ class ReplayChain:
     rounds: tuple[int, ...]
 
 
-def replay_chain(reader: RunReader, fragment: int, version: int) -> ReplayChain:
+def replay_chain(reader: ReplaySource, fragment: int, version: int) -> ReplayChain:
     """The chain that rebuilds ``version`` of ``fragment``; InvalidInput("corrupt") if the
     depths on the way do not count down by one to a version at depth 1."""
     st = reader.fragment_state(fragment, version)
@@ -72,15 +91,30 @@ def replay_chain(reader: RunReader, fragment: int, version: int) -> ReplayChain:
                                   f"(master_depth counts down to {st.master_depth} at v{st.version})")
 
 
-def replay_master(reader: RunReader, fragment: int, version: int) -> tuple[Tensors, Tensors]:
+def read_written_master(reader: ReplaySource, fragment: int, st: FragmentState) -> Tensors:
+    """The fp32 master object of a version that writes one."""
+    return reader._read_fp32_blob(st.params, reader.manifest.fragment_shapes(fragment), f"fragment {fragment} v{st.version}")
+
+
+def read_written_momentum(reader: ReplaySource, fragment: int, st: FragmentState) -> Tensors:
+    """The outer momentum object of a version that writes one (empty buffers where it names none)."""
+    if st.momentum is None:
+        return {}
+    shapes = {f"momentum.{n}": s for n, s in reader.manifest.fragment_shapes(fragment).items()}
+    got = bytes_to_tensors(reader._read_blob_bytes(st.momentum))
+    check_tensor_layout(got, shapes, what=f"fragment {fragment} momentum", dtype=torch.float32, allow_missing=True)
+    return got
+
+
+def replay_master(reader: ReplaySource, fragment: int, version: int) -> tuple[Tensors, Tensors]:
     """(master, outer momentum state) of ``fragment`` at ``version``, rebuilt by replay and
     checked against the sha256 each record names; a written version is simply read."""
     chain = replay_chain(reader, fragment, version)
-    current = reader.read_master_object(fragment, chain.start)
-    momentum = reader.read_momentum_object(fragment, chain.start)
+    current = read_written_master(reader, fragment, chain.start)
+    momentum = read_written_momentum(reader, fragment, chain.start)
     if not chain.rounds:
         return current, momentum
-    before = reader.read_master_object(fragment, chain.before)
+    before = read_written_master(reader, fragment, chain.before)
     config = reader.config
     policy = dataclasses.replace(MergePolicy.from_config(config, embedding_names=reader.plan.embedding_names),
                                  outlier_norm_ratio=None)  # the record already says who was in
@@ -108,12 +142,12 @@ def replay_master(reader: RunReader, fragment: int, version: int) -> tuple[Tenso
     return current, momentum
 
 
-def _merged(reader: RunReader, record: CommitRecord) -> list[FragmentContribution]:
+def _merged(reader: ReplaySource, record: CommitRecord) -> list[FragmentContribution]:
     """The contributions ``record`` merged, loaded, with the counters it weighed them by, in the
     synchronizer's merge order."""
     records: list[ContributionRecord] = []
     for a in record.accepted:
-        got = reader.contribution_record(a.key)
+        got = reader._read_contribution_record(a.key)  # checked as a listing checks it
         if isinstance(got, Rejection):
             raise InvalidInput("missing_payload", f"round {record.round} replay: contribution {a.key} does not "
                                                   f"read ({got.kind.value}: {got.detail})")
@@ -129,7 +163,7 @@ def _merged(reader: RunReader, record: CommitRecord) -> list[FragmentContributio
     return out
 
 
-def _previous_version(reader: RunReader, fragment: int, version: int) -> int:
+def _previous_version(reader: ReplaySource, fragment: int, version: int) -> int:
     """The version of ``fragment`` before ``version`` (0 for the first)."""
     if version <= 1:
         return 0

@@ -45,6 +45,7 @@ from atoll.storage.operator_side import OperatorStore
 from atoll.storage.reader import RunReader
 from atoll.storage.reading import MAX_WHY_CHARS, Skipped
 from atoll.storage.records import BlobRef, CommitRecord, FragmentState, PruneRecord
+from atoll.storage.replay import replay_chain
 from atoll.storage.store import NotPlainObjectError, ObjectInfo, io_map
 from atoll.storage.validation import InvalidInput, StorageError, TransientStorageError, validate_learner_id
 
@@ -250,7 +251,7 @@ class _Planner:
         learners = run.learner_ids()
         self.log(f"  global state: {plan.deleted(GLOBAL_STATE)[0]} objects to delete; "
                  f"looking at {len(learners)} learner(s)")
-        for part in io_map(lambda lid: self.learner_or_skip(lid, floors), learners):
+        for part in io_map(lambda lid: self.learner_or_skip(lid, plan.floors), learners):
             plan.deletes.extend(part.deletes)
             plan.kept.update(part.kept)
             plan.kept_bytes.update(part.kept_bytes)
@@ -275,7 +276,7 @@ class _Planner:
         if st.master_written:
             return ()
         try:
-            chain = self.run.replay_chain(p, st.version)
+            chain = replay_chain(self.run, p, st.version)
         except InvalidInput as e:
             raise RetentionRefused(f"fragment {p} v{st.version}'s master does not chain to a written pair ({e}); "
                                    f"retention cannot prove what it needs: run atoll verify") from None
