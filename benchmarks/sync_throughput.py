@@ -156,10 +156,13 @@ class Setup:
     fragments: int
     learners: int
     codec: str
+    masters: int = 1
+    """``DilocoConfig.master_snapshot_every``: above 2, masters written on 2 versions out of this many."""
 
     @property
     def name(self) -> str:
-        return f"{self.size} P={self.fragments} M={self.learners} {self.codec}"
+        return f"{self.size} P={self.fragments} M={self.learners} {self.codec}" + (
+            f" m{self.masters}" if self.masters > 2 else "")
 
 
 def random_model(cfg: GPTConfig, seed: int = 0) -> torch.nn.Module:
@@ -184,7 +187,7 @@ def run_config(setup: Setup) -> tuple[DilocoConfig, Recipe]:
     codec = setup.codec
     config = DilocoConfig(num_learners=setup.learners, num_fragments=setup.fragments, inner_steps=setup.fragments,
                           overlap_steps=2, min_quorum=1, compression=codec,  # type: ignore[arg-type]
-                          downlink_compression=codec)  # type: ignore[arg-type]
+                          downlink_compression=codec, master_snapshot_every=setup.masters)  # type: ignore[arg-type]
     recipe = Recipe(
         model=SIZES[setup.size].to_dict(), data=DataSpec(max_corpus_mb=1.0),
         learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(setup.learners)),
@@ -343,7 +346,9 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
         record = summary.record
         assert summary.won and record.updated, f"round {r} did not merge: {summary.line()}"
         inputs = [published[a.key] for a in record.accepted]
-        sizes = [4 * plan.fragment_numel(p)]
+        # What the round must write: the master where its version writes one (every version, or
+        # 2 out of every master_snapshot_every), and the learners' update.
+        sizes = [4 * plan.fragment_numel(p)] if record.state[p].master_written else []
         if setup.codec != "fp32":  # learners read the compressed update; the fp32 master is the resume truth
             sizes.append(int(record.stats["bytes_out_per_learner"]))
         bound = io_bound_s(store, inputs, [junk[:n] if store.store.is_local else bytes(junk[:n]) for n in sizes])
@@ -577,7 +582,7 @@ def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[
         row["skipped"] = f"needs ~{need:.1f} GB of memory, {have:.1f} GB available"
         progress.say(f"{setup.name}: skipped: {row['skipped']}")
         return row
-    url = f"{root}/{setup.size}-p{setup.fragments}-m{setup.learners}-{setup.codec}-{uuid.uuid4().hex[:6]}"
+    url = f"{root}/{setup.size}-p{setup.fragments}-m{setup.learners}-{setup.codec}-k{setup.masters}-{uuid.uuid4().hex[:6]}"
     step_s = args.step_ms / 1e3
     try:
         with progress.phase(f"{setup.name}: creating the run ({params / 1e6:.1f} M parameters, "
@@ -587,6 +592,8 @@ def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[
             create_run(url, config, recipe, model=model, storage_options=options)
             del model
             gc.collect()
+        if setup.masters > 2:  # measure past the first pass, whose versions all write their master (depth 1)
+            measure_rounds(url, options, setup, setup.fragments, step_s, progress)
         rounds, peak = measure_rounds(url, options, setup, args.rounds, step_s, progress)
         row.update(summarize(rounds))
         row["rss_gb"] = round(peak, 2)
@@ -745,6 +752,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fragments", default="8,24", help="P values (H = P)")
     p.add_argument("--learners", default="4,8", help="M values")
     p.add_argument("--codecs", default="int4,fp32", help="uplink = downlink codec: int4, bf16, fp32")
+    p.add_argument("--master-every", default="1,16", help="master_snapshot_every values (fp32 runs: 1 only)")
     p.add_argument("--rounds", type=int, default=5, help="rounds per configuration, the first one a warm-up")
     p.add_argument("--emulate-s", type=float, default=60.0, help="seconds of the emulated run (0: none)")
     p.add_argument("--step-ms", type=float, default=60.0, help="the replay learners' step time")
@@ -766,8 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    setups = [Setup(s, int(pf), int(m), c) for s in args.sizes.split(",") for pf in args.fragments.split(",")
-              for m in args.learners.split(",") for c in args.codecs.split(",")]
+    setups = [Setup(s, int(pf), int(m), c, int(k)) for s in args.sizes.split(",") for pf in args.fragments.split(",")
+              for m in args.learners.split(",") for c in args.codecs.split(",")
+              for k in args.master_every.split(",") if c != "fp32" or int(k) <= 2]
     progress = Progress()
     moto = MotoProcess() if args.s3 else None
     tmp = None if args.s3 or args.work_dir else tempfile.mkdtemp(prefix="atoll-sync-throughput-")
@@ -800,9 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         print("* fewer emulated rounds than one pass over the fragments: effective H over all of them")
     print(f"plot: {plot(rows, out, args.step_ms / 1e3)}")
     print(f"table: {out / 'sync_throughput.json'}")
-    at86 = next((r for r in rows if r["size"] == "86M" and "skipped" not in r), None)
-    if at86 is not None:
-        print(f"round time / I/O bound at 86M: {at86['ratio']:.1f}")
+    at86 = [r for r in rows if r["size"] == "86M" and "skipped" not in r]
+    if at86:  # the run's masters by replay where it measured them
+        print(f"round time / I/O bound at 86M: {at86[-1]['ratio']:.1f}")
     return 0
 
 
