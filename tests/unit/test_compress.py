@@ -93,6 +93,16 @@ def test_safetensors_bytes_are_written_without_copies_and_read_by_safetensors() 
             assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
 
 
+def test_the_sha256_of_a_payload_not_built_is_that_of_its_bytes() -> None:
+    from atoll.storage.codec import sha256_hex, tensors_sha256, tensors_to_bytes
+
+    flat = torch.randn(300)
+    for tensors in ({"a": flat[:100].view(10, 10), "b": flat[100:], "t": torch.randn(4, 6).t()},
+                    {"c": torch.randn(5, dtype=torch.float64)}, {}):
+        data = tensors_to_bytes(tensors)
+        assert tensors_sha256(tensors) == (sha256_hex(data), len(data))
+
+
 def test_all_finite_finds_nan_and_inf_anywhere() -> None:
     from atoll.core.compress import all_finite
 

@@ -88,9 +88,25 @@ def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str,
     and joins the tensors' raw bytes into the output once. The format is safetensors' own (an
     8-byte little-endian header length, the JSON header, the data at the header's offsets), read
     by ``safetensors.torch.load`` (:func:`bytes_to_tensors`) and by any safetensors reader."""
+    return b"".join(_safetensors_parts(tensors, metadata))
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """(sha256, size) of :func:`tensors_to_bytes`' output, without building it: a payload named
+    and not written (a master rebuilt by replay) costs one pass of hashing, no copy."""
+    h, n = hashlib.sha256(), 0
+    for part in _safetensors_parts(tensors, None):
+        h.update(part)
+        n += len(part)
+    return h.hexdigest(), n
+
+
+def _safetensors_parts(tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str] | None) -> list[bytes | memoryview]:
+    """The pieces of a safetensors file of ``tensors``, in order (the tensors' own bytes where they can be)."""
     if sys.byteorder != "little" or any(t.dtype not in _ST_DTYPES for t in tensors.values()):
         plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
-        return safetensors.torch.save(plain, metadata=dict(metadata) if metadata else None)
+        return [safetensors.torch.save(plain, metadata=dict(metadata) if metadata else None)]
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -105,7 +121,7 @@ def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str,
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
-    return b"".join([len(head).to_bytes(8, "little"), head, *chunks])
+    return [len(head).to_bytes(8, "little"), head, *chunks]
 
 
 def bytes_to_tensors(data: bytes, *, url: str | None = None) -> dict[str, torch.Tensor]:

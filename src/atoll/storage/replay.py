@@ -28,7 +28,7 @@ from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.rejection import Rejection
 from atoll.core.synchronize import FragmentContribution, MergePolicy, MergeWorkspace, synchronize_fragment
 from atoll.core.weights import Counters
-from atoll.storage.codec import bytes_to_tensors, sha256_hex, tensors_to_bytes
+from atoll.storage.codec import bytes_to_tensors, tensors_sha256
 from atoll.storage.records import BlobRef, CommitRecord, ContributionRecord, FragmentState, RunManifest
 from atoll.storage.validation import InvalidInput, check_tensor_layout
 
@@ -133,7 +133,7 @@ def replay_master(reader: ReplaySource, fragment: int, version: int) -> tuple[Te
         if result is None or set(result.weights) != {a.key for a in record.accepted}:
             raise InvalidInput("corrupt", f"fragment {fragment} v{r}: the replay does not merge what its record lists")
         named = record.state[fragment].params.sha256
-        if sha256_hex(tensors_to_bytes({n: result.new_params[n] for n in shapes})) != named:  # as written
+        if tensors_sha256({n: result.new_params[n] for n in shapes})[0] != named:  # as it would be written
             raise InvalidInput("corrupt", f"fragment {fragment} v{r}: the replayed master does not hash to the "
                                           f"sha256 its record names ({named[:12]}...)")
         before, current = current, {n: t.clone() for n, t in result.new_params.items()}

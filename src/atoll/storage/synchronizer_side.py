@@ -13,7 +13,7 @@ from typing import Any, cast
 from atoll.core.downlink import DownlinkStep
 from atoll.core.rejection import Rejection
 from atoll.storage import liveness, paths
-from atoll.storage.codec import dump_record, encoded_to_bytes, finite_json, sha256_hex, tensors_to_bytes
+from atoll.storage.codec import dump_record, encoded_to_bytes, finite_json, sha256_hex, tensors_sha256, tensors_to_bytes
 from atoll.storage.handle import Tensors
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, seal
 from atoll.storage.io_pool import io_map
@@ -256,9 +256,8 @@ class SynchronizerStore(LeaseHolder):
 
     @staticmethod
     def _blob_ref(tensors: Tensors) -> BlobRef:
-        """The ref a payload of ``tensors`` would have, without writing it."""
-        data = tensors_to_bytes(tensors)
-        return BlobRef(sha256_hex(data), len(data))
+        """The ref a payload of ``tensors`` would have, without writing (or building) it."""
+        return BlobRef(*tensors_sha256(tensors))
 
     def _write_downlink(self, round_: int, fragment: int, prev: FragmentState, step: DownlinkStep,
                         chained: bool) -> DownlinkState:
