@@ -59,10 +59,11 @@ class Run:
                                           delta, info={"step_time_s": 1.0})
 
 
-def new_run(base_url: str, options: dict[str, Any] | None) -> Run:
+def new_run(base_url: str, options: dict[str, Any] | None, masters: int = 1) -> Run:
     config, recipe = smoke_recipe(len(LEARNERS), max_rounds=1000)
     url = P.join_url(base_url, f"run-{uuid.uuid4().hex[:8]}")
-    create_run(url, config.replace(initial_grace_s=0.0, downlink_compression="int4"), recipe, storage_options=options)
+    create_run(url, config.replace(initial_grace_s=0.0, downlink_compression="int4", master_snapshot_every=masters),
+               recipe, storage_options=options)
     bounds = TokenBounds.of_recipe(recipe)
     assert bounds is not None
     return Run(url, options, bounds.of(LEARNERS[0]))
@@ -195,11 +196,11 @@ POINTS = ["payloads-written-record-not", "next-payloads-written-record-not", "re
           "some-payloads-written", "record-written-head-not"]
 
 
-def killed_and_resumed(base_url: str, options: dict[str, Any] | None, point: str) -> None:
-    reference = new_run(base_url, options)
+def killed_and_resumed(base_url: str, options: dict[str, Any] | None, point: str, masters: int = 1) -> str:
+    reference = new_run(base_url, options, masters)
     drive(reference, Synchronizer(reference.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9)), ROUNDS)
 
-    run = new_run(base_url, options)
+    run = new_run(base_url, options, masters)
     store = run.sync_store()
     switch = KillSwitch(store)
     expected = arm(switch, point)
@@ -237,6 +238,7 @@ def killed_and_resumed(base_url: str, options: dict[str, Any] | None, point: str
         assert a is not None and b is not None
         assert [x.key.rsplit("/", 1)[-1] for x in a.accepted] != [] and b.versions == a.versions
         assert [(x.learner_id, x.weight) for x in a.accepted] == [(x.learner_id, x.weight) for x in b.accepted]
+    return run.url
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -257,6 +259,20 @@ def test_a_synchronizer_killed_between_steps_resumes_bit_identical_on_s3(moto_en
     options = {"key": "testing", "secret": "testing",
                "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}
     killed_and_resumed(f"s3://atoll-test/{uuid.uuid4().hex[:8]}", options, point)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_synchronizer_killed_between_steps_resumes_bit_identical_with_masters_by_replay(tmp_path, point: str) -> None:
+    # M = 4: at round K = 4 both fragments stand at depth 2 (versions 3 and 4 name their masters,
+    # write none), so the resumed synchronizer rebuilds them by replay.
+    url = killed_and_resumed(str(tmp_path), None, point, masters=4)
+    assert [st.master_depth for st in RunReader.open(url).read_commit(KILL_ROUND).state] == [2, 2]
+
+
+def test_masters_by_replay_survive_a_kill_on_s3(moto_endpoint: str) -> None:
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}
+    killed_and_resumed(f"s3://atoll-test/{uuid.uuid4().hex[:8]}", options, "next-payloads-written-record-not", masters=4)
 
 
 def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path) -> None:
