@@ -141,3 +141,35 @@ def test_the_recipe_evaluator_measures_the_last_round_with_a_stated_cost() -> No
     assert abs(rec.val_loss - math.log(256)) < 0.5  # untrained: about uniform over 256 bytes
     assert any(f"{rec.tokens:,} tokens per evaluation" in line for line in lines)
     assert any(line.startswith("evaluator: round 1 val_loss=") and "tokens on cpu" in line for line in lines)
+
+
+def test_the_synchronizer_offers_its_state_and_the_evaluator_reads_no_master_from_the_bucket() -> None:
+    # Masters by replay (M = 4): read from the bucket, an evaluated round's masters would be
+    # rebuilt; offered by the synchronizer of the process, they are only hashed against the record.
+    url = f"memory://atoll-eval-{uuid.uuid4().hex[:8]}/run"
+    config, recipe = smoke_recipe(2, max_rounds=10)
+    config = config.replace(initial_grace_s=0.0, downlink_compression="int4", master_snapshot_every=4)
+    store = LearnerStore.beside(create_run(url, config, recipe.replace(eval_every_rounds=2)))
+    learners = [RecipeLearner(store, s.learner_id, log=lambda _: None) for s in recipe.learners]
+    evaluated: list[dict] = []
+    sync_store = SynchronizerStore.open(url)
+    evaluator = Evaluator(sync_store, evaluate=lambda params: evaluated.append(dict(params)) or 2.0, tokens=1,
+                          options=EvaluatorOptions(poll_interval_s=0.05))
+    from_bucket: list[int] = []
+    read = evaluator.store.read_global_state
+    evaluator.store.read_global_state = lambda r, **kw: from_bucket.append(r) or read(r, **kw)  # type: ignore[method-assign]
+    assert run_synchronizer(sync_store, evaluator=evaluator, should_stop=feeder(url, learners), log=lambda _: None,
+                            options=SynchronizerOptions(poll_interval_s=0.01)) == 10
+    reader = RunReader.open(url)
+    rounds = sorted(reader.read_evals(reader.eval_rounds()))
+    assert 10 in rounds and len(evaluated) == len(rounds)
+    assert any(st.master_depth > 1 for r in rounds for st in reader.read_commit(r).state)  # masters not held
+    for r, params in zip(rounds, evaluated, strict=True):  # each one the round's committed state, bit for bit
+        expected = reader.read_global_state(r, momentum=False).params
+        assert params.keys() == expected.keys() and all(params[n].equal(expected[n]) for n in params)
+    assert from_bucket == [], from_bucket
+    # A copy that is not what the record names (another synchronizer won the round) is not used.
+    evaluator.offer(10, lambda: {n: t + 1 for n, t in reader.read_global_state(10).params.items()})
+    assert evaluator._offered_state(10) is None
+    evaluator.offer(9, lambda: reader.read_global_state(9).params)  # not a scheduled round: not kept
+    assert evaluator._offered is None

@@ -111,6 +111,8 @@ class RunContext:
         sync = Synchronizer(self.store, options=SynchronizerOptions(poll_interval_s=self.options.poll_interval_s,
                                                                     device=self.options.merge_device))
         sync.on_landed = self._tell_landed
+        if self.evaluator is not None:
+            sync.on_state = self.evaluator.offer
         if self._lease is not None:
             sync.hold_lease(lease=self._lease)
         self._sync = sync

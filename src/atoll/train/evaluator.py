@@ -27,7 +27,9 @@ missed, straight to the newest, and its log line says how many it skipped.
 
 **Cost.** One evaluation predicts ``min(eval_batches x 16, windows in the split)`` windows of the
 recipe's context, the same every time: ``tokens`` in each log line and record. Reading the state
-is one fp32 copy of the model from the bucket.
+is one fp32 copy of the model from the bucket (with masters by replay, a rebuild of the masters
+it names and does not hold), unless the synchronizer of this process offered its own copy of the
+round (:meth:`Evaluator.offer`): then it only hashes it against the round's record.
 
 **The end of a run.** :meth:`Evaluator.close` with ``final_round`` waits until that round (the
 schedule always evaluates the last) is evaluated, at most ``final_wait_s``, so a run's final
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll.storage.codec import tensors_sha256
 from atoll.storage.records import EvalRecord
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.train.device import check_autocast, resolve_device
@@ -117,6 +120,8 @@ class Evaluator:
         self.skipped = 0
         """Scheduled evaluations skipped because a newer round was committed meanwhile."""
         self.failures = 0
+        self._offered: tuple[int, dict[str, torch.Tensor]] | None = None
+        """(round, a copy of its state) from the synchronizer of this process (:meth:`offer`)."""
 
     # -- the synchronizer's side: nothing here waits on an evaluation ----------------------
     def committed(self, round_: int) -> None:
@@ -125,6 +130,31 @@ class Evaluator:
             if round_ > self._known:
                 self._known = round_
                 self._cv.notify_all()
+
+    def offer(self, round_: int, copy: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """The synchronizer of this process made round ``round_``'s state (its commit may still be
+        in flight): if the schedule evaluates that round, keep ``copy()`` (the whole model), so that
+        its evaluation does not read the state from the bucket (with masters by replay, rebuild it),
+        once the copy proves to be what the round's record names (every fragment's sha256)."""
+        if self.options.enabled and self.schedule.evaluates(round_):
+            params = copy()
+            with self._cv:
+                self._offered = (round_, params)
+
+    def _offered_state(self, round_: int) -> dict[str, torch.Tensor] | None:
+        """The offered copy of committed round ``round_``, if every fragment of it hashes to what the
+        round's record names (another synchronizer may have won the round); else None."""
+        with self._cv:
+            offered, self._offered = self._offered, None
+        record = self.store.read_commit(round_)
+        if offered is None or offered[0] != round_ or record is None:
+            return None
+        params = offered[1]
+        for p, st in enumerate(record.state):
+            names = self.store.manifest.fragment_shapes(p)
+            if tensors_sha256({n: params[n] for n in names})[0] != st.params.sha256:
+                return None
+        return params
 
     def after(self, on_round: Callable[[RoundSummary], None] | None) -> Callable[[RoundSummary], None]:
         """``on_round`` that also announces each committed round to this evaluator, first."""
@@ -260,8 +290,10 @@ class Evaluator:
                 return
             assert self._evaluate is not None and self.device is not None
             t0 = time.monotonic()
-            state = self.store.read_global_state(round_, momentum=False)
-            loss = float(self._evaluate(state.params))
+            params = self._offered_state(round_)
+            if params is None:
+                params = self.store.read_global_state(round_, momentum=False).params
+            loss = float(self._evaluate(params))
             eval_s = time.monotonic() - t0
             note = (f"; {skipped} scheduled evaluation(s) skipped to catch up" if skipped else "") + (
                 f"; {behind} round(s) committed since" if behind else "")

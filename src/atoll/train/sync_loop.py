@@ -53,6 +53,7 @@ def run_synchronizer(
     sync = Synchronizer(store, options=options)
     if evaluator is not None:
         on_round = evaluator.start().after(on_round)
+        sync.on_state = evaluator.offer
     log(f"synchronizer: {store.url} at round {sync.round}; P={sync.plan.num_fragments} K={sync.config.min_quorum}")
     lease: Lease | None = None
     reason = "finished"
@@ -111,6 +112,7 @@ def _after_failed_round(sync: Synchronizer, error: Exception, failures: int, *, 
     sync.shutdown()
     time.sleep(ROUND_RETRY.delay_s(failures - 1))
     rebuilt = Synchronizer(sync.store, options=sync.options, clock=sync.clock)
+    rebuilt.on_state = sync.on_state
     if lease is not None:
         rebuilt.hold_lease(lease=lease)
     return rebuilt

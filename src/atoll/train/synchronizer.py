@@ -117,6 +117,11 @@ class Synchronizer(SynchronizerLifecycle):
         """Told of each handed-over round this synchronizer won, on the commit pipeline's thread as
         it lands (:meth:`landed` reports it later, on the loop's): for a recorder that stamps the
         round's end as it happens. It must not block or raise."""
+        self.on_state: Callable[[int, Callable[[], dict[str, torch.Tensor]]], None] | None = None
+        """Told of each round as this synchronizer's state becomes that round's (at its merge; the
+        commit may still be in flight), with a function that copies the whole model as of then:
+        for an evaluator in this process (:meth:`~atoll.train.evaluator.Evaluator.offer`). Called on
+        the loop's thread; it must not block."""
         self._failed: BaseException | None = None
         """A pipelined commit's error, raised at the next :meth:`step` or :meth:`landed` (after the rounds before it were reported)."""
 
@@ -486,6 +491,8 @@ class Synchronizer(SynchronizerLifecycle):
         self._consume(closed.round, closed.accepted, {**closed.rejected, **closed.unlisted})
         if result is not None:
             self.merger.remember_norm(p, result.update_norm)
+        if self.on_state is not None:
+            self.on_state(closed.round, lambda: {n: t.clone() for f in self.fragments for n, t in f.items()})
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours.
