@@ -117,7 +117,9 @@ class DilocoConfig:
     version. Needs a compressed downlink (with 'fp32' learners read the master itself); at 16
     with int4 the masters cost 0.5 bytes a parameter per version instead of 4, and a rebuild
     replays at most 14 rounds of the fragment. A synchronizer merging off the CPU writes every
-    master whatever this says: its merges are not bit-reproducible on another device."""
+    master whatever this says: its merges are not bit-reproducible on another device. Keep the
+    processes that rebuild masters on one CPU family and torch version (AVX2 and AVX-512 hosts
+    reproduce each other): a replay that does not reproduce is refused, never used."""
 
     max_wait_s: float | None = None
     """Close a round below quorum (with >= 1 valid contribution) once it has been open this long;

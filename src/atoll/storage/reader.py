@@ -372,7 +372,8 @@ class RunReader(CommitChain):
             except InvalidInput as e:
                 values, used = self._fallback_fragment(round_, p, st, e)
                 params.update(values)
-                restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}"
+                restored[p] = f"v{st.version} unreadable ({e.kind.value}); using v{used}" + (
+                    "" if st.master_written else f": {e}"[:400])
             if momentum and st.momentum is not None and p not in restored:
                 try:
                     moments[p] = read_written_momentum(self, p, st)

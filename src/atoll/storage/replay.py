@@ -135,7 +135,9 @@ def replay_master(reader: ReplaySource, fragment: int, version: int) -> tuple[Te
         named = record.state[fragment].params.sha256
         if tensors_sha256({n: result.new_params[n] for n in shapes})[0] != named:  # as it would be written
             raise InvalidInput("corrupt", f"fragment {fragment} v{r}: the replayed master does not hash to the "
-                                          f"sha256 its record names ({named[:12]}...)")
+                                          f"sha256 its record names ({named[:12]}...): an input changed since, or "
+                                          "this CPU family or torch version rounds differently from the "
+                                          "synchronizer's (docs/protocol.md, Masters by replay)")
         before, current = current, {n: t.clone() for n, t in result.new_params.items()}
         momentum = {n: t.clone() for n, t in optimizer.state_dict().items()} if config.outer_momentum else {}
         versions = (versions[1], r)
