@@ -174,3 +174,22 @@ def test_verify_reports_a_latest_master_that_cannot_be_rebuilt(backend: Backend)
     report = RunReader.open(run.url, run.options).verify()
     assert not report.ok
     assert any("fragment 0 v5's master cannot be rebuilt by replay" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_checkpoint_writes_the_synchronizers_copy_when_it_is_the_rounds_state(backend: Backend) -> None:
+    run = new_run(backend, every=4, momentum=0.0)
+    drive(run, synchronizer(run), 8)  # round 8: both fragments at depth 3, their masters not written
+    store = SynchronizerStore.open(run.url, run.options)
+    state = RunReader.open(run.url, run.options).read_global_state(8).params
+    reads: list[object] = []
+    read = store.read_global_state
+    store.read_global_state = lambda *a, **kw: reads.append(a) or read(*a, **kw)  # type: ignore[method-assign]
+    held = dict(reversed(list(state.items())))  # another order: the file keeps the bucket's
+    info = store.write_checkpoint(8, params=held)
+    assert reads == [] and info.round == 8
+    saved = RunReader.open(run.url, run.options).load_checkpoint(8)
+    assert saved.keys() == state.keys() and all(saved[n].equal(state[n]) for n in state)
+    # A copy that is not the round's state is not written: the bucket's is, the same file.
+    again = store.write_checkpoint(8, params={n: t + 1 for n, t in state.items()})
+    assert len(reads) == 1 and again.sha256 == info.sha256

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
+
 from atoll.core.downlink import DownlinkStep
 from atoll.core.rejection import Rejection
 from atoll.storage import liveness, paths
@@ -317,22 +319,43 @@ class SynchronizerStore(LeaseHolder):
         data = dump_record(KIND_EVAL, self._operator_seal("the evaluation record")(KIND_EVAL, record.to_dict()))
         return self.store.create(paths.eval_key(record.round), data)
 
-    def write_checkpoint(self, round_: int | None = None) -> CheckpointInfo:
+    def write_checkpoint(self, round_: int | None = None, *, params: Tensors | None = None) -> CheckpointInfo:
         """Write ``checkpoints/<round>/model.safetensors`` (whole model, fp32, plain safetensors)
-        and then ``config.json`` (run config, plan, versions, the model's sha256)."""
+        and then ``config.json`` (run config, plan, versions, the model's sha256). ``params``: the
+        whole model as of ``round_`` already in memory (the synchronizer's copy), used where every
+        fragment of it hashes to what the round's record names; else the state is read from the
+        bucket (rebuilding masters by replay where need be)."""
         self._check_writable()
-        state = self.read_global_state(round_)
+        held = None if params is None or round_ is None else self._held_state(round_, params)
+        if held is None:
+            state = self.read_global_state(round_)
+            held = (state.round, state.versions, state.params)
+        round_, versions, values = held
         m = self.manifest
-        data = tensors_to_bytes(state.params, metadata={"format": "atoll-checkpoint", "run_id": m.run_id,
-                                                        "round": str(state.round)})
-        model_key, config_key = paths.checkpoint_model_key(state.round), paths.checkpoint_config_key(state.round)
+        data = tensors_to_bytes({n: values[n] for n in m.shapes},  # the model's order, however it was read
+                                metadata={"format": "atoll-checkpoint", "run_id": m.run_id, "round": str(round_)})
+        model_key, config_key = paths.checkpoint_model_key(round_), paths.checkpoint_config_key(round_)
         self.store.put(model_key, data)
         sha = sha256_hex(data)
-        body = {"run_id": m.run_id, "round": state.round, "versions": list(state.versions),
+        body = {"run_id": m.run_id, "round": round_, "versions": list(versions),
                 "config": m.config.to_dict(), "plan": m.plan.to_dict(),
                 "shapes": {n: list(s) for n, s in m.shapes.items()},
                 "model": {"file": "model.safetensors", "sha256": sha, "nbytes": len(data)},
                 "created_at": time.time()}
         self.store.put(config_key, dump_record(KIND_CHECKPOINT, seal(KIND_CHECKPOINT, body,
                                                                      self._signer(SYNCHRONIZER_KEY_ID))))
-        return CheckpointInfo(state.round, self.store.key_url(model_key), self.store.key_url(config_key), sha)
+        return CheckpointInfo(round_, self.store.key_url(model_key), self.store.key_url(config_key), sha)
+
+    def _held_state(self, round_: int, params: Tensors) -> tuple[int, tuple[int, ...], dict[str, torch.Tensor]] | None:
+        """(round, versions, the model) if ``params`` is committed round ``round_``'s state,
+        fragment by fragment by sha256; else None."""
+        record = self.read_commit(round_)
+        if record is None:
+            return None
+        ordered: dict[str, torch.Tensor] = {}
+        for p, st in enumerate(record.state):
+            fragment = {n: params[n] for n in self.manifest.fragment_shapes(p) if n in params}
+            if len(fragment) != len(self.manifest.fragment_shapes(p)) or tensors_sha256(fragment)[0] != st.params.sha256:
+                return None
+            ordered.update(fragment)
+        return round_, record.versions, ordered

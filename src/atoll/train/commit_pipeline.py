@@ -85,6 +85,9 @@ class ClosedRound:
     decision: QuorumDecision
     phases: dict[str, float | None] = field(default_factory=dict)
     """The round's phases on the synchronizer's clock (``committed_at_s`` set when it lands)."""
+    state_copy: dict[str, Any] | None = None
+    """The whole model after this round, copied at its merge, for its checkpoint (None: read
+    from the bucket); used only if it hashes to what the record names."""
     replay_masters: bool = True
     """Whether readers may rebuild this version's master by replaying the merge (a CPU merge):
     else it is written whatever ``DilocoConfig.master_snapshot_every`` says."""
@@ -181,7 +184,7 @@ class CommitPipeline:
             payloads = job.payloads.result()
             result = closed.commit(self.store, payloads)
             if result.won and closed.checkpoint:
-                self.store.write_checkpoint(closed.round)
+                self.store.write_checkpoint(closed.round, params=closed.state_copy)
         except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
             return Landed(closed, None, e, self.clock())
         landed = Landed(closed, result, None, self.clock())

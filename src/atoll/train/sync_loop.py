@@ -45,10 +45,9 @@ def run_synchronizer(
     overlaps the next round (:meth:`Synchronizer.step`); a stop first commits the rounds already
     merged, a fenced or failing synchronizer drops them (a restart merges them again).
 
-    ``evaluator`` (:mod:`atoll.train.evaluator`): started here and told of every committed round;
-    it measures validation loss on its own thread, so no round waits for it. When the run's last
-    round is committed, the return waits for that round's evaluation (bounded by its
-    ``final_wait_s``); any other exit leaves at once.
+    ``evaluator`` (:mod:`atoll.train.evaluator`): started here, told of every committed round and offered
+    this synchronizer's copy of each evaluated round; no round waits for it. When the run's last round is
+    committed, the return waits for its evaluation (bounded by ``final_wait_s``); any other exit leaves at once.
     """
     sync = Synchronizer(store, options=options)
     if evaluator is not None:

@@ -295,7 +295,7 @@ class Synchronizer(SynchronizerLifecycle):
         self._advance(closed)
         self.screen.saw_commit(closed.round, self.clock())
         if closed.checkpoint:
-            self.store.write_checkpoint(closed.round)
+            self.store.write_checkpoint(closed.round, params=closed.state_copy)
         closed.phases["committed_at_s"] = self.clock()
         return _summary(closed, commit.record)
 
@@ -335,7 +335,13 @@ class Synchronizer(SynchronizerLifecycle):
             downlink_chained=p not in self._unchained, accepted=accepted, rejected=listed, unlisted=unlisted,
             timings=timings, stats=stats, committed_by=self.options.synchronizer_id,
             checkpoint=self.schedule.checkpoints(r), decision=poll.decision, phases=phases,
+            state_copy=self._copy_after(p, result) if self.schedule.checkpoints(r) else None,
             replay_masters=self.device.type == "cpu")
+
+    def _copy_after(self, p: int, result: FragmentRoundResult | None) -> dict[str, torch.Tensor]:
+        """A copy of the whole model as a round that merged ``result`` into fragment ``p`` leaves it."""
+        return {n: t.clone() for q, f in enumerate(self.fragments)
+                for n, t in (result.new_params if q == p and result is not None else f).items()}
 
     def round_wire(self) -> WireCounts:
         """What this synchronizer's store sent since its previous commit (or since it started):
@@ -492,7 +498,7 @@ class Synchronizer(SynchronizerLifecycle):
         if result is not None:
             self.merger.remember_norm(p, result.update_norm)
         if self.on_state is not None:
-            self.on_state(closed.round, lambda: {n: t.clone() for f in self.fragments for n, t in f.items()})
+            self.on_state(closed.round, lambda: self._copy_after(p, None))
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours.
