@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from atoll.core.downlink import downlink_step
 from atoll.core.weights import Counters
 from atoll.storage import LearnerStore, OperatorStore, RunReader, SynchronizerStore
 from atoll.storage import paths as P
@@ -193,3 +194,22 @@ def test_a_checkpoint_writes_the_synchronizers_copy_when_it_is_the_rounds_state(
     # A copy that is not the round's state is not written: the bucket's is, the same file.
     again = store.write_checkpoint(8, params={n: t + 1 for n, t in state.items()})
     assert len(reads) == 1 and again.sha256 == info.sha256
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_with_an_fp32_downlink_or_a_gpu_merge_every_master_is_written(backend: Backend) -> None:
+    config, recipe = smoke_recipe(len(LEARNERS), max_rounds=1000)
+    url = P.join_url(backend.new_url(), "fp32-down")
+    create_run(url, config.replace(initial_grace_s=0.0, master_snapshot_every=16), recipe)  # learners read masters
+    run = Run(url, None, TokenBounds.of_recipe(recipe).of(LEARNERS[0]))  # type: ignore[union-attr]
+    drive(run, synchronizer(run), 6)
+    reader = RunReader.open(url)
+    assert all(st.master_depth == 0 for r in range(1, 7) for st in reader.read_commit(r).state)
+    # A merge off the CPU names and writes its master whatever the config says (replay_masters=False).
+    store = SynchronizerStore.open(new_run(backend, every=16, momentum=0.0).url)
+    params = store.read_global_fragment(0, 0)
+    for r in (1, 2, 3):
+        new = {n: t + r for n, t in params.items()}
+        step = downlink_step(new, params, "int4", block_size=store.config.compression_block_size)
+        store.commit_round(r, 0, params=new, downlink=step, downlink_chained=False, replay_masters=False)
+    assert [store.read_commit(r).state[0].master_depth for r in (1, 2, 3)] == [0, 0, 0]

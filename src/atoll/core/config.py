@@ -114,10 +114,11 @@ class DilocoConfig:
     rounds' merges from the contributions their records name, bit for bit, checked against that
     sha256 (docs/protocol.md, "Masters by replay"). Two, because a round re-anchors contributions
     computed against the version before the current one. 1 or 2 write the master with every
-    version. Needs a compressed downlink (with 'fp32' learners read the master itself); at 16
-    with int4 the masters cost 0.5 bytes a parameter per version instead of 4, and a rebuild
-    replays at most 14 rounds of the fragment. A synchronizer merging off the CPU writes every
-    master whatever this says: its merges are not bit-reproducible on another device. Keep the
+    version. Only with a compressed downlink: with 'fp32' learners read the master itself, and
+    every master is written whatever this says. At 16 with int4 the masters cost 0.5 bytes a
+    parameter per version instead of 4, and a rebuild replays at most 14 rounds of the fragment.
+    A synchronizer merging off the CPU writes every master too: its merges are not
+    bit-reproducible on another device. Keep the
     processes that rebuild masters on one CPU family and torch version (AVX2 and AVX-512 hosts
     reproduce each other): a replay that does not reproduce is refused, never used."""
 
@@ -244,9 +245,6 @@ class DilocoConfig:
              "downlink_snapshot_every", "must be an integer >= 1 (versions between two views)")
         need(_is_int(self.master_snapshot_every) and self.master_snapshot_every >= 1,
              "master_snapshot_every", "must be an integer >= 1 (versions between two written masters)")
-        need(self.master_snapshot_every <= 2 or self.downlink_compression != "fp32", "master_snapshot_every",
-             "needs a compressed downlink (downlink_compression 'int4' or 'bf16'): with 'fp32' learners read "
-             "the master of every version; set it to 1")
         need(
             _is_int(self.compression_block_size)
             and self.compression_block_size >= 2

@@ -342,5 +342,5 @@ def plan_wire(config: DilocoConfig, *, params: int, tokens_per_step: int, tensor
         downlink_compressed=compressed,
         momentum_written=config.outer_momentum > 0,
         view_every=config.downlink_snapshot_every,
-        master_every=config.master_snapshot_every,
+        master_every=config.master_snapshot_every if compressed else 1,  # learners read every fp32 master
     )
