@@ -105,9 +105,13 @@ def test_replayed_masters_read_back_bit_for_bit_and_resume_exactly(backend: Back
     every, sparse = new_run(backend, every=1, momentum=momentum), new_run(backend, every=4, momentum=momentum)
     drive(every, synchronizer(every), ROUNDS)
     first = synchronizer(sparse)
-    drive(sparse, first, 9)  # fragment 0 at v9: depth 1... the restart below reads v7 (depth 0)/v9
+    drive(sparse, first, 11)  # fragment 0 at v11 (depth 2), fragment 1 at v10 (depth 1)
     first.shutdown()
-    drive(sparse, synchronizer(sparse), ROUNDS)  # a restarted synchronizer replays what it needs
+    restarted = synchronizer(sparse)  # rebuilds v11 by replaying round 11 from the pair (v7, v9)
+    held = restarted.merger.previous(0)
+    assert held is not None and held[0] == 9 and restarted.merger.previous(1) is None
+    assert_identical(held[1], RunReader.open(sparse.url, sparse.options).read_global_fragment(0, 9))
+    drive(sparse, restarted, ROUNDS)  # and re-anchors round 13's contribution against that v9
     a, b = RunReader.open(every.url, every.options), RunReader.open(sparse.url, sparse.options)
     depths = [b.fragment_state(0, v).master_depth for v in range(1, ROUNDS, 2)]
     assert depths == [1, 2, 3, 0, 1, 2, 3]

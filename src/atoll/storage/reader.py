@@ -103,6 +103,9 @@ class GlobalState:
     restored: dict[int, str] = field(default_factory=dict)
     """Fragments whose published state object did not verify, and what was used instead (an
     older version of the fragment, or its version 0); empty when everything verified."""
+    previous: dict[int, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """Per fragment whose master was rebuilt by replay: (version, master) of its version before,
+    which the replay rebuilt on the way (a restarted synchronizer's next re-anchoring base)."""
 
 
 @dataclass
@@ -298,7 +301,7 @@ class RunReader(CommitChain):
         if version is None:
             version = self._state_table(self.latest_round())[fragment].version
         st = self.fragment_state(fragment, version)
-        return read_written_master(self, fragment, st) if st.master_written else replay_master(self, fragment, version)[0]
+        return read_written_master(self, fragment, st) if st.master_written else replay_master(self, fragment, version).params
 
     def view_chain(self, fragment: int, version: int) -> ViewChain:
         """The objects that rebuild what learners hold of ``fragment`` at ``version``
@@ -354,6 +357,7 @@ class RunReader(CommitChain):
         params: dict[str, torch.Tensor] = {}
         moments: dict[int, dict[str, torch.Tensor]] = {}
         restored: dict[int, str] = {}
+        previous: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         for p, st in enumerate(table):
             moments[p] = {}
             if view and st.downlink is not None:
@@ -366,9 +370,11 @@ class RunReader(CommitChain):
                 if st.master_written:
                     params.update(read_written_master(self, p, st))
                 else:  # rebuilt by replay, with its momentum
-                    values, moments[p] = replay_master(self, p, st.version)
-                    params.update(values)
-                    moments[p] = moments[p] if momentum else {}
+                    rebuilt = replay_master(self, p, st.version)
+                    params.update(rebuilt.params)
+                    moments[p] = rebuilt.momentum if momentum else {}
+                    if rebuilt.previous is not None:
+                        previous[p] = rebuilt.previous
             except InvalidInput as e:
                 values, used = self._fallback_fragment(round_, p, st, e)
                 params.update(values)
@@ -382,7 +388,7 @@ class RunReader(CommitChain):
         rec = self.read_commit(round_) if round_ else None
         return GlobalState(round=round_, versions=tuple(s.version for s in table), params=params,
                            momentum=moments, timings=dict(rec.timings) if rec else {}, record=rec,
-                           restored=restored)
+                           restored=restored, previous=previous)
 
     def _fallback_fragment(self, round_: int, p: int, st: FragmentState,
                            e: InvalidInput) -> tuple[dict[str, torch.Tensor], int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -51,7 +51,7 @@ class ReplaySource(Protocol):
     def load_contributions(self, records: Iterable[ContributionRecord]
                            ) -> tuple[list[FragmentContribution], dict[str, Rejection]]: ...
 
-__all__ = ["ReplayChain", "replay_chain", "replay_master", "read_written_master", "read_written_momentum"]
+__all__ = ["ReplayChain", "Replayed", "replay_chain", "replay_master", "read_written_master", "read_written_momentum"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -106,14 +106,25 @@ def read_written_momentum(reader: ReplaySource, fragment: int, st: FragmentState
     return got
 
 
-def replay_master(reader: ReplaySource, fragment: int, version: int) -> tuple[Tensors, Tensors]:
-    """(master, outer momentum state) of ``fragment`` at ``version``, rebuilt by replay and
+class Replayed(NamedTuple):
+    """A rebuilt master: what :func:`replay_master` returns."""
+
+    params: Tensors
+    momentum: Tensors
+    """The outer optimizer's state (empty at outer momentum 0)."""
+    previous: tuple[int, Tensors] | None
+    """(version, master) of the fragment's version before it, rebuilt or read on the way (the
+    base a next round re-anchors against); None when nothing was replayed."""
+
+
+def replay_master(reader: ReplaySource, fragment: int, version: int) -> Replayed:
+    """Master and outer momentum state of ``fragment`` at ``version``, rebuilt by replay and
     checked against the sha256 each record names; a written version is simply read."""
     chain = replay_chain(reader, fragment, version)
     current = read_written_master(reader, fragment, chain.start)
     momentum = read_written_momentum(reader, fragment, chain.start)
     if not chain.rounds:
-        return current, momentum
+        return Replayed(current, momentum, None)
     before = read_written_master(reader, fragment, chain.before)
     config = reader.config
     policy = dataclasses.replace(MergePolicy.from_config(config, embedding_names=reader.plan.embedding_names),
@@ -141,7 +152,7 @@ def replay_master(reader: ReplaySource, fragment: int, version: int) -> tuple[Te
         before, current = current, {n: t.clone() for n, t in result.new_params.items()}
         momentum = {n: t.clone() for n, t in optimizer.state_dict().items()} if config.outer_momentum else {}
         versions = (versions[1], r)
-    return current, momentum
+    return Replayed(current, momentum, (versions[0], before))
 
 
 def _merged(reader: ReplaySource, record: CommitRecord) -> list[FragmentContribution]:

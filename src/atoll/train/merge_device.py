@@ -185,6 +185,11 @@ class FragmentMerger:
         if recyclable:
             self._spare_params[p] = params
 
+    def hold_previous(self, p: int, version: int, params: dict[str, torch.Tensor]) -> None:
+        """Fragment ``p``'s version before its current one, known already (a replay rebuilt it)."""
+        if self.keep_previous:
+            self._previous[p] = (version, params, False)
+
     def previous(self, p: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(version, values) of fragment ``p``'s version before its current one, when kept."""
         held = self._previous.get(p)

@@ -137,6 +137,8 @@ class Synchronizer(SynchronizerLifecycle):
                                      outer_lr=self.config.outer_lr, outer_momentum=self.config.outer_momentum,
                                      keep_previous=self.config.master_snapshot_every > 2)
         """Merges on this synchronizer's device, with the buffers they recycle and the norm history."""
+        for p, (version, values) in state.previous.items():  # rebuilt on the way: no second replay
+            self.merger.hold_previous(p, version, values)
         self.optimizers = []
         for p in range(self.plan.num_fragments):
             opt = NesterovOuterOptimizer(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
