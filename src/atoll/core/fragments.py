@@ -24,6 +24,7 @@ __all__ = [
     "fragment_offsets",
     "plan_fragments",
     "embedding_parameter_names",
+    "FragmentGroup",
 ]
 
 
@@ -53,6 +54,46 @@ def pack_fragments(sizes: Mapping[str, int], num_fragments: int) -> list[list[st
         fragments[lightest].append(name)
         loads[lightest] += size
     return fragments
+
+
+@dataclass(frozen=True)
+class FragmentGroup:
+    """Group ``index`` of ``count``: the fragments p with ``p mod count == index``, the share of
+    the rounds one merger of a split synchronizer merges (round r merges fragment (r - 1) mod P).
+    ``FragmentGroup(0, 1)`` is every fragment: one synchronizer for the whole run."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.count, int) and isinstance(self.index, int) and 0 <= self.index < self.count):
+            raise ValueError(f"a fragment group is INDEX/COUNT with 0 <= INDEX < COUNT, got {self.index}/{self.count}")
+
+    @classmethod
+    def parse(cls, text: str) -> FragmentGroup:
+        """``"1/2"``: group 1 of 2 (the second of two mergers)."""
+        index, sep, count = str(text).partition("/")
+        try:
+            if not sep:
+                raise ValueError(text)
+            return cls(int(index), int(count))
+        except ValueError:
+            raise ValueError(f"a fragment group is INDEX/COUNT (e.g. 0/2), got {text!r}") from None
+
+    @property
+    def whole(self) -> bool:
+        """Every fragment (the synchronizer is not split)."""
+        return self.count == 1
+
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.count == self.index
+
+    def owner_of(self, fragment: int) -> FragmentGroup:
+        """The group of the same split that owns ``fragment``."""
+        return FragmentGroup(fragment % self.count, self.count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
 
 
 def fragment_offsets(num_fragments: int, inner_steps: int) -> tuple[int, ...]:

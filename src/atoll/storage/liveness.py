@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +50,7 @@ __all__ = [
     "KIND_HEARTBEAT",
     "KIND_STOP",
     "SYNCHRONIZER_HOLDER",
+    "synchronizer_holder",
     "HEARTBEAT_STATUSES",
     "MAX_LIFECYCLE_RECORD_BYTES",
     "LEASE_ATTEMPTS",
@@ -79,6 +81,23 @@ KIND_STOP = "atoll/stop"
 
 SYNCHRONIZER_HOLDER = "synchronizer"
 """The holder name of the synchronizer's leases."""
+
+_MERGER_HOLDER_RE = re.compile(r"^synchronizer/(\d{1,4})of(\d{1,4})$")
+
+
+def synchronizer_holder(group: tuple[int, int] | None = None) -> str:
+    """The lease holder of the synchronizer (``group`` None or (0, 1)) or of the merger of
+    fragment group (g, G) of a split synchronizer: ``"synchronizer/<g>of<G>"`` (a "/" no learner
+    id holds). Each holder's leases fence only its own older incarnations."""
+    if group is None or tuple(group) == (0, 1):
+        return SYNCHRONIZER_HOLDER
+    paths.sync_leases_prefix((group[0], group[1]))  # validates it
+    return f"{SYNCHRONIZER_HOLDER}/{group[0]}of{group[1]}"
+
+
+def _merger_group(holder: str) -> tuple[int, int] | None:
+    m = _MERGER_HOLDER_RE.match(holder)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 HEARTBEAT_STATUSES = ("alive", "exited")
 
@@ -255,6 +274,10 @@ def _keys(holder: str) -> tuple[str, Callable[[int], str], Callable[[int], str]]
     """(leases prefix, lease key, heartbeat key) of a learner id or the synchronizer."""
     if holder == SYNCHRONIZER_HOLDER:
         return paths.sync_leases_prefix(), paths.sync_lease_key, paths.sync_heartbeat_key
+    group = _merger_group(holder)
+    if group is not None:
+        return (paths.sync_leases_prefix(group), lambda n: paths.sync_lease_key(n, group),
+                lambda n: paths.sync_heartbeat_key(n, group))
     validate_learner_id(holder)
     return (paths.learner_leases_prefix(holder), lambda n: paths.learner_lease_key(holder, n),
             lambda n: paths.learner_heartbeat_key(holder, n))
@@ -352,7 +375,7 @@ def read_liveness(store: ObjectStore, holder: str) -> Liveness:
     body, why = _read(store, heartbeat_key(n), KIND_HEARTBEAT)
     # Listed after the read: the time listed is that of the body read or of a newer one (an age
     # a heartbeat interval short at worst, never one too long).
-    beats = paths.sync_heartbeats_prefix() if holder == SYNCHRONIZER_HOLDER else paths.learner_heartbeats_prefix(holder)
+    beats = heartbeat_key(n).rsplit("/", 1)[0] + "/"
     beat_at = _stored_at(store, beats).get(n) if body is not None else None
     if why:
         problems.append(why)

@@ -83,6 +83,9 @@ PRUNE = "sync/prune.json"
 MAX_INCARNATION = 99_999_999
 """Largest lease incarnation number (8 digits, zero-padded)."""
 
+MAX_FRAGMENT_GROUPS = 1024
+"""Most mergers a split synchronizer has (``sync/groups/<g>of<G>/``)."""
+
 _ROUND_DIGITS = 8
 _COMMIT_RE = re.compile(r"^(\d{8})\.json$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -290,21 +293,33 @@ def learner_heartbeat_key(learner_id: str, incarnation: int) -> str:
     return f"{learner_heartbeats_prefix(learner_id)}{_incarnation(incarnation):08d}.json"
 
 
-def sync_leases_prefix() -> str:
-    return f"{SYNC_PREFIX}leases/"
+def _sync_life_prefix(group: tuple[int, int] | None) -> str:
+    """``sync/`` for the synchronizer, ``sync/groups/<g>of<G>/`` for the merger of fragment group
+    g of G (a split synchronizer: docs/training.md): each group's leases fence only its own."""
+    if group is None:
+        return SYNC_PREFIX
+    index, count = (_nonneg(v, "fragment group") for v in group)
+    if not index < count <= MAX_FRAGMENT_GROUPS:
+        raise InvalidInput("schema", f"fragment group {index}/{count} is not 0 <= index < count <= {MAX_FRAGMENT_GROUPS}")
+    return f"{SYNC_PREFIX}groups/{index}of{count}/"
 
 
-def sync_lease_key(incarnation: int) -> str:
-    """``sync/leases/00000002.json``: the synchronizer's lease (create-once)."""
-    return f"{sync_leases_prefix()}{_incarnation(incarnation):08d}.json"
+def sync_leases_prefix(group: tuple[int, int] | None = None) -> str:
+    return f"{_sync_life_prefix(group)}leases/"
 
 
-def sync_heartbeats_prefix() -> str:
-    return f"{SYNC_PREFIX}heartbeats/"
+def sync_lease_key(incarnation: int, group: tuple[int, int] | None = None) -> str:
+    """``sync/leases/00000002.json``: the synchronizer's lease (create-once); a merger's under
+    ``sync/groups/<g>of<G>/leases/``."""
+    return f"{sync_leases_prefix(group)}{_incarnation(incarnation):08d}.json"
 
 
-def sync_heartbeat_key(incarnation: int) -> str:
-    return f"{sync_heartbeats_prefix()}{_incarnation(incarnation):08d}.json"
+def sync_heartbeats_prefix(group: tuple[int, int] | None = None) -> str:
+    return f"{_sync_life_prefix(group)}heartbeats/"
+
+
+def sync_heartbeat_key(incarnation: int, group: tuple[int, int] | None = None) -> str:
+    return f"{sync_heartbeats_prefix(group)}{_incarnation(incarnation):08d}.json"
 
 
 def parse_incarnation_key(name: str) -> int | None:

@@ -30,7 +30,7 @@ from atoll.storage.handle import (
     MAX_LEARNER_STATE_RECORD_BYTES,
 )
 from atoll.storage.integrity import IntegrityError, check_seal
-from atoll.storage.liveness import KIND_STOP, SYNCHRONIZER_HOLDER, Liveness, StopMarker
+from atoll.storage.liveness import KIND_STOP, Liveness, StopMarker
 from atoll.storage.reading import Skipped, read_parsed
 from atoll.storage.records import (
     KIND_CONTRIBUTION,
@@ -456,16 +456,17 @@ class RunReader(CommitChain):
         ids = list(dict.fromkeys(learner_ids))
         return dict(zip(ids, io_map(self.learner_liveness, ids), strict=True))
 
-    def synchronizer_liveness(self) -> Liveness:
-        return liveness.read_liveness(self.store, SYNCHRONIZER_HOLDER)
+    def synchronizer_liveness(self, group: tuple[int, int] | None = None) -> Liveness:
+        """The synchronizer's, or with ``group`` (g, G) the merger's of that fragment group."""
+        return liveness.read_liveness(self.store, liveness.synchronizer_holder(group))
 
     def current_incarnation(self, learner_id: str) -> int:
         """The learner's newest lease number (one LIST); 0 = never leased."""
         validate_learner_id(learner_id)
         return liveness.newest_incarnation(self.store, learner_id)
 
-    def current_synchronizer_incarnation(self) -> int:
-        return liveness.newest_incarnation(self.store, SYNCHRONIZER_HOLDER)
+    def current_synchronizer_incarnation(self, group: tuple[int, int] | None = None) -> int:
+        return liveness.newest_incarnation(self.store, liveness.synchronizer_holder(group))
 
     def stop_marker(self) -> StopMarker | None:
         """The stop marker; None if there is none or it is unusable (use :meth:`read_stop_marker`

@@ -20,7 +20,7 @@ from atoll.storage.handle import Tensors
 from atoll.storage.integrity import SYNCHRONIZER_KEY_ID, IntegrityError, seal
 from atoll.storage.io_pool import io_map
 from atoll.storage.lease_holder import LeaseHolder
-from atoll.storage.liveness import SYNCHRONIZER_HOLDER, Lease, StopMarker
+from atoll.storage.liveness import Lease, StopMarker
 from atoll.storage.reader import CheckpointInfo
 from atoll.storage.records import (
     KIND_CHECKPOINT,
@@ -292,10 +292,12 @@ class SynchronizerStore(LeaseHolder):
                              depth=depth)
 
     # -- lease, stop marker, checkpoints -------------------------------------------------------
-    def take_synchronizer_lease(self, *, flow_run_id: str | None = None) -> Lease:
-        """Take the next incarnation of the synchronizer (``sync/leases/<n>.json``)."""
+    def take_synchronizer_lease(self, *, flow_run_id: str | None = None,
+                                group: tuple[int, int] | None = None) -> Lease:
+        """Take the next incarnation of the synchronizer (``sync/leases/<n>.json``) or, with
+        ``group`` (g, G), of the merger of that fragment group (``sync/groups/<g>of<G>/leases/``)."""
         self._check_writable()
-        return liveness.take_lease(self.store, SYNCHRONIZER_HOLDER, flow_run_id=flow_run_id)
+        return liveness.take_lease(self.store, liveness.synchronizer_holder(group), flow_run_id=flow_run_id)
 
     def mark_stopped(self, reason: str, by: str) -> StopMarker:
         """Write ``sync/stop.json`` with ``stopped: true``: learners and the synchronizer exit."""

@@ -52,6 +52,7 @@ from atoll.core.rejection import Rejection
 from atoll.core.synchronize import FragmentRoundResult
 from atoll.storage.records import AcceptedContribution
 from atoll.storage.synchronizer_side import CommitResult, RoundPayloads, SynchronizerStore
+from atoll.storage.validation import RoundOrderError
 
 __all__ = ["ClosedRound", "CommitPipeline", "Landed", "PIPELINE_DEPTH"]
 
@@ -136,10 +137,15 @@ class CommitPipeline:
 
     def __init__(self, store: SynchronizerStore, *, depth: int = PIPELINE_DEPTH,
                  clock: Callable[[], float] = time.monotonic,
-                 on_landed: Callable[[Landed], None] | None = None) -> None:
+                 on_landed: Callable[[Landed], None] | None = None,
+                 before_commit: Callable[[int, Callable[[], bool]], bool] | None = None) -> None:
         self.store, self.depth, self.clock = store, max(1, depth), clock
         self.on_landed = on_landed
         """Called on the committer thread as each round lands (before :meth:`take` returns it)."""
+        self.before_commit = before_commit
+        """Called on the committer thread with a round (and whether the pipeline was reset or
+        closed since) before its record is created: a split synchronizer's merger waits there for
+        the other groups' rounds before it (rule 1). False: cancelled, the round is dropped."""
         self._writer = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="atoll-payloads")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -182,6 +188,8 @@ class CommitPipeline:
         closed = job.closed
         try:
             payloads = job.payloads.result()
+            if self.before_commit is not None and not self.before_commit(closed.round, lambda: self._broken):
+                raise RoundOrderError(f"round {closed.round} dropped: the commit pipeline stopped while it waited")
             result = closed.commit(self.store, payloads)
             if result.won and closed.checkpoint:
                 self.store.write_checkpoint(closed.round, params=closed.state_copy)

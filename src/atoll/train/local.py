@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from atoll.core.fragments import FragmentGroup
 from atoll.storage.learner_side import LearnerStore
 from atoll.storage.paths import to_url
 from atoll.storage.reader import RunReader
@@ -135,10 +136,14 @@ def _cmd_synchronizer(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = SynchronizerStore.open(args.url)
-    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu")
+    group = FragmentGroup.parse(args.group)
+    opts = SynchronizerOptions(poll_interval_s=args.poll_interval_s, device=args.device or "cpu",
+                               fragment_group=group, peer_timeout_s=args.peer_timeout_s,
+                               synchronizer_id="synchronizer" if group.whole else f"synchronizer/{group.index}of{group.count}")
     log = lambda s: print(s, flush=True)  # noqa: E731
-    run_synchronizer(store, options=opts, evaluator=_evaluator(store, args.eval_device, log),
-                     should_stop=_terminate_gracefully(), log=log)
+    # One evaluator per run: a split synchronizer's first merger runs it (it reads committed state).
+    evaluator = _evaluator(store, args.eval_device, log) if group.index == 0 else None
+    run_synchronizer(store, options=opts, evaluator=evaluator, should_stop=_terminate_gracefully(), log=log)
     return 0
 
 
@@ -239,6 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "synchronizer":
             s.add_argument("--eval-device", default="auto",
                            help="the evaluator thread's device: auto, cpu, cuda[:N], mps, off")
+            s.add_argument("--group", default="0/1",
+                           help="INDEX/COUNT: merge only fragment group INDEX of COUNT, as one merger of a split "
+                                "synchronizer (start one process per group; default 0/1: every fragment)")
+            s.add_argument("--peer-timeout-s", type=float, default=30.0,
+                           help="a split synchronizer: commit another group's round as empty once its merger "
+                                "showed no sign of life for this long")
         if name == "learner":
             s.add_argument("--learner-id", required=True)
             s.add_argument("--log-every", type=int, default=20)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from atoll.core.fragments import FragmentGroup
 from atoll.storage.liveness import Lease
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.storage.validation import TransientStorageError
@@ -38,6 +39,19 @@ class SynchronizerOptions:
     """Once the synchronizer holds a lease: at most this often, a poll heartbeats and checks the
     stop marker and for a newer synchronizer lease."""
 
+    fragment_group: FragmentGroup = FragmentGroup()
+    """Which fragments this process merges. The default, 0/1, is all of them: one synchronizer
+    for the run. ``FragmentGroup(g, G)`` makes it merger g of a split synchronizer of G
+    processes: it merges and commits only the rounds of fragments p with p mod G = g, and takes
+    its turn on the commit chain (round r's record after round r - 1's, whoever committed that);
+    each merger holds a lease of its own group (docs/training.md, "A split synchronizer")."""
+
+    peer_timeout_s: float = 30.0
+    """A split synchronizer's merger whose next record waits on another group's round commits
+    that round as one that merged nothing once, for this long, neither the chain grew nor that
+    group's merger heartbeated (on this process's clock: its lease is gone or frozen). The
+    round's contributions stay unconsumed: that fragment's next round lists them again."""
+
     pipeline_commits: bool = True
     """:func:`run_synchronizer` overlaps rounds: it polls and merges the next round (another
     fragment) while a committer thread writes the previous one's payloads and record
@@ -66,7 +80,7 @@ class SynchronizerLifecycle:
         after a failed round). Writes a first heartbeat. From now on :meth:`poll` heartbeats and
         raises RunStopped / Fenced."""
         if lease is None:
-            lease = self.store.take_synchronizer_lease(flow_run_id=flow_run_id)
+            lease = self.store.take_synchronizer_lease(flow_run_id=flow_run_id, group=self._lease_group())
         self.lease = lease
         self._life_checked_at = None
         self.check_lifecycle(force=True)
@@ -87,13 +101,18 @@ class SynchronizerLifecycle:
         marker = self.store.stop_marker()
         if marker is not None and marker.stopped:
             raise RunStopped(marker, self.store.url)
-        newest = self.store.current_synchronizer_incarnation()
+        newest = self.store.current_synchronizer_incarnation(self._lease_group())
         if newest > lease.incarnation:
             raise Fenced(lease.holder, lease.incarnation, newest)
         try:
             self.store.write_heartbeat(lease, round=self.round)
         except (TransientStorageError, OSError):  # a missed heartbeat is not a failed round
             self.heartbeat_errors += 1
+
+    def _lease_group(self) -> tuple[int, int] | None:
+        """The fragment group whose leases this synchronizer holds (None: the whole run's)."""
+        group = self.options.fragment_group
+        return None if group.whole else (group.index, group.count)
 
     def exit_heartbeat(self, reason: str) -> None:
         """Final ``status="exited"`` heartbeat (best effort; not after being fenced)."""

@@ -64,6 +64,7 @@ from atoll.storage.wire import WireCounts
 from atoll.train.commit_pipeline import ClosedRound, CommitPipeline, Landed
 from atoll.train.device import resolve_device
 from atoll.train.merge_device import FragmentMerger, fragment_bases
+from atoll.train.peer_rounds import PeerRounds
 from atoll.train.round_stats import (
     RoundPoll,
     RoundSummary,
@@ -106,6 +107,12 @@ class Synchronizer(SynchronizerLifecycle):
             token_bounds=self.token_bounds, started_at_s=clock(), max_step_share=self.config.max_step_share)
         """The trust checks on contribution records, and what this synchronizer observed of learners."""
         self._weighed: dict[str, Counters] = {}  # this round's counters as weighed (clipped)
+        self.group = self.options.fragment_group
+        """The fragments this process merges (all of them unless the synchronizer is split)."""
+        self.peers = None if self.group.whole else PeerRounds(
+            store, self.group, num_fragments=self.plan.num_fragments, timeout_s=self.options.peer_timeout_s,
+            poll_s=min(self.options.poll_interval_s, 0.05), committed_by=self.options.synchronizer_id)
+        """A merger of a split synchronizer: its wait for the other groups' rounds (None: not split)."""
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._rounds_closed = 0
@@ -147,6 +154,8 @@ class Synchronizer(SynchronizerLifecycle):
         timings = dict(state.timings or {})
         self.ema = TimingEma.from_dict(timings) if timings else TimingEma(decay=self.config.ema_decay)
         self._load_views(state)
+        if self.peers is not None:  # a merger of a split synchronizer: the other groups' rounds are theirs
+            self.round = self.peers.past_theirs(self.round, self.schedule)
         # Keys consumed by recent rounds (older contributions are never listed again).
         self.consumed: set[str] = set()
         self._consumed_by_round: deque[tuple[int, set[str]]] = deque()
@@ -210,7 +219,14 @@ class Synchronizer(SynchronizerLifecycle):
     @property
     def finished(self) -> bool:
         """The schedule's last round is committed (and no handed-over round is still in flight)."""
-        return self.schedule.is_last(self.round) and not self.in_flight()
+        return (self.schedule.is_last(self.round) and not self.in_flight()
+                and (self.peers is None or self.store.latest_round() >= self.round))
+
+    def _await_chain(self, round_: int, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Before round ``round_``'s record: every round before it is in the bucket (a split
+        synchronizer's other groups commit theirs; :class:`~atoll.train.peer_rounds.PeerRounds`).
+        False if ``cancelled()`` first."""
+        return self.peers is None or self.peers.await_through(round_ - 1, cancelled)
 
     def fragment_of_round(self, round_: int) -> int:
         return (round_ - 1) % self.plan.num_fragments
@@ -291,6 +307,7 @@ class Synchronizer(SynchronizerLifecycle):
         if self._commits is not None:
             self.drain()
         closed = self._closing(poll)
+        self._await_chain(closed.round)
         commit = closed.commit(self.store)
         if not commit.won:
             return self._adopt(commit.record)
@@ -337,7 +354,7 @@ class Synchronizer(SynchronizerLifecycle):
             downlink_chained=p not in self._unchained, accepted=accepted, rejected=listed, unlisted=unlisted,
             timings=timings, stats=stats, committed_by=self.options.synchronizer_id,
             checkpoint=self.schedule.checkpoints(r), decision=poll.decision, phases=phases,
-            state_copy=self._copy_after(p, result) if self.schedule.checkpoints(r) else None,
+            state_copy=self._copy_after(p, result) if self.schedule.checkpoints(r) and self.peers is None else None,
             replay_masters=self.device.type == "cpu")
 
     def _copy_after(self, p: int, result: FragmentRoundResult | None) -> dict[str, torch.Tensor]:
@@ -374,7 +391,9 @@ class Synchronizer(SynchronizerLifecycle):
         for everything in flight."""
         landed = self.landed()
         if self.schedule.is_last(self.round):
-            return landed + self.drain(), None
+            landed += self.drain()
+            self._await_chain(self.round + 1)  # a split synchronizer's last round may be another group's
+            return landed, None
         landed += self._wait_for_base()
         if self._failed is not None:
             return landed, None
@@ -394,7 +413,8 @@ class Synchronizer(SynchronizerLifecycle):
         closed = self._closing(poll)
         self._advance(closed)
         if self._commits is None:
-            self._commits = CommitPipeline(self.store, clock=self.clock, on_landed=self._tell_landed)
+            self._commits = CommitPipeline(self.store, clock=self.clock, on_landed=self._tell_landed,
+                                           before_commit=self._await_chain if self.peers is not None else None)
         self._commits.submit(closed)
 
     def _tell_landed(self, landed: Landed) -> None:
@@ -499,8 +519,10 @@ class Synchronizer(SynchronizerLifecycle):
         self._consume(closed.round, closed.accepted, {**closed.rejected, **closed.unlisted})
         if result is not None:
             self.merger.remember_norm(p, result.update_norm)
-        if self.on_state is not None:
+        if self.on_state is not None and self.peers is None:  # a merger holds only its own fragments' state
             self.on_state(closed.round, lambda: self._copy_after(p, None))
+        if self.peers is not None:  # a merger of a split synchronizer: the other groups' rounds are theirs
+            self.round = self.peers.past_theirs(self.round, self.schedule)
 
     def _adopt(self, record: CommitRecord) -> RoundSummary:
         """Another synchronizer committed this round first: take its state, not ours.
