@@ -42,6 +42,8 @@ import torch
 
 from atoll.core.fragments import FragmentGroup
 from atoll.storage import RunReader, SynchronizerStore, paths
+from atoll.storage.validation import RoundOrderError
+from atoll.train.lease import RunStopped
 from atoll.train.run import create_run
 from atoll.train.synchronizer import Synchronizer, SynchronizerOptions
 
@@ -68,24 +70,26 @@ from sync_throughput import (  # noqa: E402 - the replay fleet and models of the
 
 def worker(args: argparse.Namespace) -> int:
     """One merger: ready once its state is read, runs from the go file until the bucket holds
-    round ``--through`` or the stop file appears; prints its CPU seconds as JSON."""
+    round ``--through`` or the run is stopped; prints its CPU seconds as JSON."""
     torch.set_num_threads(args.threads)
     group = FragmentGroup.parse(args.group)
     store = SynchronizerStore.open(args.worker)
     sync = Synchronizer(store, options=SynchronizerOptions(
         poll_interval_s=POLL_INTERVAL_S, fragment_group=group, synchronizer_id=f"merger-{group.index}"))
+    sync.hold_lease()  # its group's lease: the run's stop marker (``Mergers.stop``) ends the loop
     print("ready", flush=True)
-    go, stop = Path(args.go), Path(args.stop)
+    go = Path(args.go)
     while not go.exists():
         time.sleep(0.005)
     c0 = time.process_time()
     try:
-        while store.latest_round() < args.through and not stop.exists():
+        while store.latest_round() < args.through:
             _, decision = sync.step()
             if decision is not None:
                 time.sleep(min(max((decision.recheck_at_s or 0) - sync.clock(), 0.005), POLL_INTERVAL_S))
-        if not stop.exists():
-            sync.drain()
+        sync.drain()
+    except (RunStopped, RoundOrderError):  # stopped, or a round dropped because the run stopped while it waited
+        pass
     finally:
         sync.shutdown()
     print(json.dumps({"cpu_s": time.process_time() - c0, "round": sync.round}), flush=True)
@@ -96,11 +100,13 @@ class Mergers:
     """G merger processes on one run, started up to 'ready' (state read), then let go together."""
 
     def __init__(self, url: str, groups: int, through: int, work: Path) -> None:
-        self.go, self.stop_file = work / f"go-{uuid.uuid4().hex[:6]}", work / f"stop-{uuid.uuid4().hex[:6]}"
+        self.store = SynchronizerStore.open(url)
+        self.store.clear_stopped(reason="the next measurement", by="sync_split")
+        self.go = work / f"go-{uuid.uuid4().hex[:6]}"
         threads = max(1, (os.cpu_count() or 1) // groups)
         self.procs = [subprocess.Popen(
             [sys.executable, __file__, "--worker", url, "--group", f"{g}/{groups}", "--through", str(through),
-             "--threads", str(threads), "--go", str(self.go), "--stop", str(self.stop_file)],
+             "--threads", str(threads), "--go", str(self.go)],
             stdout=subprocess.PIPE, text=True) for g in range(groups)]
         for p in self.procs:
             line = p.stdout.readline() if p.stdout else ""
@@ -114,7 +120,8 @@ class Mergers:
         return time.time()
 
     def stop(self) -> None:
-        self.stop_file.touch()
+        """The run's stop marker: each merger's next poll (or wait for another group) ends its loop."""
+        self.store.mark_stopped("the emulated run is over", by="sync_split")
 
     def wait(self, timeout_s: float = 900.0) -> float:
         """The mergers' CPU seconds once they exited."""
@@ -311,7 +318,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--through", type=int, default=0)
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--go", default="")
-    g.add_argument("--stop", default="")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.groups, args.emulate_s = "10M,86M", "1,2", 20.0

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -110,8 +111,8 @@ def run_split(url: str, groups: int, **kw: Any) -> list[Synchronizer]:
     return out
 
 
-def chain_state(url: str, round_: int) -> dict[str, torch.Tensor]:
-    reader = RunReader.open(url)
+def chain_state(url: str, round_: int, options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    reader = RunReader.open(url, options)
     st = reader.read_global_state(round_)
     out = {f"param.{n}": t for n, t in st.params.items()}
     out.update({f"momentum.{p}.{n}": t for p, m in st.momentum.items() for n, t in m.items()})
@@ -119,20 +120,19 @@ def chain_state(url: str, round_: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def records(url: str) -> list[Any]:
-    reader = RunReader.open(url)
+def records(url: str, options: dict[str, Any] | None = None) -> list[Any]:
+    reader = RunReader.open(url, options)
     return [reader.read_commit(r) for r in range(1, reader.latest_round() + 1)]
 
 
-@pytest.mark.parametrize("groups", [2, 3])
-def test_split_commits_the_chain_a_single_synchronizer_commits(tmp_path: Any, groups: int) -> None:
+def same_chain_split_or_not(base_url: str, groups: int, options: dict[str, Any] | None = None) -> None:
     rounds = 3 * FRAGMENTS
-    single, split = new_run(str(tmp_path), rounds), new_run(str(tmp_path), rounds)
+    single, split = new_run(base_url, rounds, options), new_run(base_url, rounds, options)
     for url in (single, split):
-        publish(url, range(1, rounds + 1))
-    run_to_end(single, FragmentGroup())
-    run_split(split, groups)
-    a, b = records(single), records(split)
+        publish(url, range(1, rounds + 1), options=options)
+    run_to_end(single, FragmentGroup(), options=options)
+    run_split(split, groups, options=options)
+    a, b = records(single, options), records(split, options)
     assert len(a) == len(b) == rounds
     for ra, rb in zip(a, b, strict=True):
         assert ra is not None and rb is not None
@@ -140,10 +140,29 @@ def test_split_commits_the_chain_a_single_synchronizer_commits(tmp_path: Any, gr
         assert [x.key for x in ra.accepted] == [x.key for x in rb.accepted]
         assert ra.state == rb.state  # the same payloads (content-addressed) and versions for every fragment
         assert rb.committed_by == f"sync-{FragmentGroup(0, groups).owner_of(rb.fragment)}"
-    sa, sb = chain_state(single, rounds), chain_state(split, rounds)
+    sa, sb = chain_state(single, rounds, options), chain_state(split, rounds, options)
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_split_commits_the_chain_a_single_synchronizer_commits(tmp_path: Any, groups: int) -> None:
+    same_chain_split_or_not(str(tmp_path), groups)
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    import moto_s3
+
+    with moto_s3.serving("atoll-split") as endpoint:
+        yield endpoint
+
+
+def test_split_commits_the_chain_a_single_synchronizer_commits_on_s3(moto_endpoint: str) -> None:
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}
+    same_chain_split_or_not(f"s3://atoll-split/{uuid.uuid4().hex[:8]}", 2, options)
 
 
 class Fleet:

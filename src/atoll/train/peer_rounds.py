@@ -58,8 +58,9 @@ class PeerRounds:
 
     def await_through(self, through: int, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """Wait until round ``through`` is committed in the bucket: True then, False if
-        ``cancelled()`` first (the caller is shutting down: nothing is filled). Only other groups'
-        rounds may be missing: one of this merger's own is a broken order (RoundOrderError)."""
+        ``cancelled()`` first (the caller is shutting down) or the run's stop marker says stopped
+        (the other mergers exit too): nothing is filled then. Only other groups' rounds may be
+        missing: one of this merger's own is a broken order (RoundOrderError)."""
         seen: tuple[object, ...] | None = None
         quiet_since = checked_at = self.clock()
         while (latest := self.store.latest_round()) < through:
@@ -72,6 +73,8 @@ class PeerRounds:
                                       f"cannot chain round {through + 1}")
             now = self.clock()
             if seen is None or seen[0] != latest or now - checked_at >= LIVENESS_CHECK_S:
+                if self._stopped():
+                    return False  # a stopped run's mergers exit; nothing is filled
                 sign = (latest, *self._sign_of_life(owner))
                 checked_at = now
                 if sign != seen:
@@ -82,6 +85,10 @@ class PeerRounds:
                 continue
             self.sleep(self.poll_s)
         return True
+
+    def _stopped(self) -> bool:
+        marker = self.store.stop_marker()
+        return marker is not None and marker.stopped
 
     def _sign_of_life(self, owner: FragmentGroup) -> tuple[object, ...]:
         """What changes while ``owner``'s merger lives: its newest lease and that lease's heartbeat."""
