@@ -81,3 +81,18 @@ def test_plan_rejects_bad_cover() -> None:
         FragmentPlan(fragments=(("a",), ("a",)), sizes={"a": 1}, inner_steps=2)
     with pytest.raises(ValueError, match="cover exactly"):
         FragmentPlan(fragments=(("a",),), sizes={"a": 1, "b": 2}, inner_steps=2)
+
+
+def test_fragment_groups_cover_every_fragment_once() -> None:
+    from atoll.core.fragments import FragmentGroup
+
+    for count in (1, 2, 3, 5):
+        groups = [FragmentGroup(g, count) for g in range(count)]
+        for p in range(24):
+            owners = [g for g in groups if g.owns(p)]
+            assert owners == [groups[0].owner_of(p)]
+    assert FragmentGroup.parse("1/2") == FragmentGroup(1, 2) and str(FragmentGroup(1, 2)) == "1/2"
+    assert FragmentGroup().whole and not FragmentGroup(0, 2).whole
+    for bad in ("2/2", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="INDEX/COUNT"):
+            FragmentGroup.parse(bad)
