@@ -249,30 +249,30 @@ def test_split_processes_sigkilled_and_restarted(tmp_path: Any) -> None:
     config, recipe = smoke_recipe(len(LEARNERS), max_rounds=rounds)
     create_run(url, config.replace(num_fragments=FRAGMENTS, inner_steps=FRAGMENTS, initial_grace_s=0.0,
                                    downlink_compression="int4"), recipe)
-    fleet = Fleet(url).__enter__()
-    cmd = [sys.executable, "-m", "atoll.train.local", "synchronizer", url, "--eval-device", "off",
-           "--poll-interval-s", "0.02", "--peer-timeout-s", "2"]
-    procs = [subprocess.Popen([*cmd, "--group", f"{g}/2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for g in range(2)]
-    try:
-        reader = RunReader.open(url)
-        deadline = time.monotonic() + 120
-        while reader.latest_round() < FRAGMENTS and time.monotonic() < deadline:
-            time.sleep(0.1)
-        procs[1].kill()
-        procs[1].wait()
-        while reader.latest_round() < 2 * FRAGMENTS and time.monotonic() < deadline:
-            time.sleep(0.1)  # merger 0 fills group 1's rounds meanwhile
-        procs[1] = subprocess.Popen([*cmd, "--group", "1/2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for proc in procs:
-            out, _ = proc.communicate(timeout=180)
-            assert proc.returncode == 0, out.decode()[-3000:]
-    finally:
-        fleet.__exit__()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with Fleet(url):
+        cmd = [sys.executable, "-m", "atoll.train.local", "synchronizer", url, "--eval-device", "off",
+               "--poll-interval-s", "0.02", "--peer-timeout-s", "2"]
+        procs = [subprocess.Popen([*cmd, "--group", f"{g}/2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for g in range(2)]
+        try:
+            reader = RunReader.open(url)
+            deadline = time.monotonic() + 120
+            while reader.latest_round() < FRAGMENTS and time.monotonic() < deadline:
+                time.sleep(0.1)
+            procs[1].kill()
+            procs[1].wait()
+            while reader.latest_round() < 2 * FRAGMENTS and time.monotonic() < deadline:
+                time.sleep(0.1)  # merger 0 fills group 1's rounds meanwhile
+            procs[1] = subprocess.Popen([*cmd, "--group", "1/2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for proc in procs:
+                out, _ = proc.communicate(timeout=180)
+                assert proc.returncode == 0, out.decode()[-3000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
     recs = records(url)
     assert len(recs) == rounds and all(rec is not None for rec in recs)
     assert any("filled_for_group" in rec.stats for rec in recs if rec is not None)  # merger 0 went on alone
