@@ -138,6 +138,7 @@ class Mergers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        self.go.unlink(missing_ok=True)
 
 
 # -- measurements -------------------------------------------------------------------------------------
@@ -319,6 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--go", default="")
     args = p.parse_args(argv)
+    if args.passes < 2:  # the timed pass starts at the previous pass's last commit, in the same processes
+        p.error("--passes must be at least 2 (the first pass is not timed)")
     if args.quick:
         args.sizes, args.groups, args.emulate_s = "10M,86M", "1,2", 20.0
     return args

@@ -241,6 +241,22 @@ def test_each_group_s_lease_fences_only_its_own(tmp_path: Any) -> None:
     assert set(store.store.list(P.sync_leases_prefix((1, 2)))) == {"00000001.json", "00000002.json"}
 
 
+def test_a_merger_waiting_for_its_turn_keeps_heartbeating(tmp_path: Any) -> None:
+    """Round 1 is group 0's and no group-0 merger runs: group 1's merger waits for it (cancelled
+    after a while, never filling it) and heartbeats meanwhile, so peers and `atoll status` see it alive."""
+    url = new_run(str(tmp_path), 4)
+    sync = Synchronizer(SynchronizerStore.open(url), options=SynchronizerOptions(
+        fragment_group=FragmentGroup(1, 2), heartbeat_interval_s=0.0, peer_timeout_s=600.0, poll_interval_s=0.01))
+    sync.hold_lease()
+    first = sync.store.synchronizer_liveness((1, 2)).heartbeat
+    assert first is not None
+    until = time.monotonic() + 0.5
+    assert not sync._await_chain(2, cancelled=lambda: time.monotonic() > until)
+    last = sync.store.synchronizer_liveness((1, 2)).heartbeat
+    assert last is not None and last.status == "alive" and last.time > first.time
+    assert sync.peers is not None and sync.peers.filled == [] and sync.store.latest_round() == 0
+
+
 def test_split_processes_sigkilled_and_restarted(tmp_path: Any) -> None:
     """Two merger processes of ``python -m atoll.train.local synchronizer --group``; one is
     SIGKILLed mid-run and started again: the run ends with every round committed and verified."""

@@ -38,8 +38,12 @@ class PeerRounds:
 
     def __init__(self, store: SynchronizerStore, group: FragmentGroup, *, num_fragments: int, timeout_s: float,
                  poll_s: float, committed_by: str, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 keep_alive: Callable[[], None] = lambda: None) -> None:
         self.store, self.group, self.num_fragments = store, group, num_fragments
+        self.keep_alive = keep_alive
+        """Called on every pass of a wait: the waiting merger's own heartbeat (rate-limited by it),
+        so that its peers, waiting on it in turn, do not take it for gone."""
         self.timeout_s, self.poll_s, self.committed_by = timeout_s, poll_s, committed_by
         self.clock, self.sleep = clock, sleep
         self.filled: list[int] = []
@@ -79,6 +83,7 @@ class PeerRounds:
                 checked_at = now
                 if sign != seen:
                     seen, quiet_since = sign, now
+            self.keep_alive()
             if now - quiet_since >= self.timeout_s:
                 self._fill(due, owner, quiet_s=now - quiet_since)
                 seen = None

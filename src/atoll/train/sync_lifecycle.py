@@ -72,6 +72,7 @@ class SynchronizerLifecycle:
         self.lease: Lease | None = None
         """The synchronizer lease this object holds (None: none; nothing lifecycle-related happens)."""
         self._life_checked_at: float | None = None
+        self._kept_alive_at: float | None = None
         self.heartbeat_errors = 0
 
     def hold_lease(self, flow_run_id: str | None = None, *, lease: Lease | None = None) -> Lease:
@@ -107,6 +108,22 @@ class SynchronizerLifecycle:
         try:
             self.store.write_heartbeat(lease, round=self.round)
         except (TransientStorageError, OSError):  # a missed heartbeat is not a failed round
+            self.heartbeat_errors += 1
+
+    def keep_alive(self) -> None:
+        """With a lease, at most every ``heartbeat_interval_s``: heartbeat, nothing else. For a
+        split synchronizer's merger waiting for its turn on the commit chain (maybe on the commit
+        pipeline's thread): its peers must see it alive, or they fill its rounds; the checks that
+        stop it (stop marker, fencing) come at its next poll."""
+        lease = self.lease
+        now = time.monotonic()
+        if lease is None or (self._kept_alive_at is not None
+                             and now - self._kept_alive_at < self.options.heartbeat_interval_s):
+            return
+        self._kept_alive_at = now
+        try:
+            self.store.write_heartbeat(lease, round=self.round)
+        except (TransientStorageError, OSError):
             self.heartbeat_errors += 1
 
     def _lease_group(self) -> tuple[int, int] | None:

@@ -107,16 +107,17 @@ class Synchronizer(SynchronizerLifecycle):
             token_bounds=self.token_bounds, started_at_s=clock(), max_step_share=self.config.max_step_share)
         """The trust checks on contribution records, and what this synchronizer observed of learners."""
         self._weighed: dict[str, Counters] = {}  # this round's counters as weighed (clipped)
+        self._hold_nothing()
         self.group = self.options.fragment_group
         """The fragments this process merges (all of them unless the synchronizer is split)."""
         self.peers = None if self.group.whole else PeerRounds(
             store, self.group, num_fragments=self.plan.num_fragments, timeout_s=self.options.peer_timeout_s,
-            poll_s=min(self.options.poll_interval_s, 0.05), committed_by=self.options.synchronizer_id)
+            poll_s=min(self.options.poll_interval_s, 0.05), committed_by=self.options.synchronizer_id,
+            keep_alive=self.keep_alive)
         """A merger of a split synchronizer: its wait for the other groups' rounds (None: not split)."""
         self._load(store.latest_round())
         self._opened: tuple[int, float] | None = None  # (round, opened_at_s)
         self._rounds_closed = 0
-        self._hold_nothing()
         self._wire_mark = store.store.wire_counts()
         self._commits: CommitPipeline | None = None
         """The committer of :meth:`step` (started by its first hand-over)."""
