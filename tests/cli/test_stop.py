@@ -6,16 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from atoll.cli import main
 from atoll.storage import RunReader
 from atoll.storage.paths import to_url
 from atoll.train.local import LocalRun
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import create_run
-
-pytestmark = pytest.mark.timeout(180)
 
 
 def test_stop_lets_learners_save_and_exit_and_resume_clears_it(tmp_path: Path, capsys, monkeypatch) -> None:

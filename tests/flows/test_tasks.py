@@ -21,8 +21,6 @@ from atoll.train.inner import run_learner
 from atoll.train.learner import LearnerOptions
 from atoll.train.synchronizer import RoundPoll
 
-pytestmark = pytest.mark.timeout(180)
-
 
 def _context(url: str, *, evaluate: bool = True) -> RunContext:
     options = TrainingRunOptions(run_url=url, poll_interval_s=0.05, fleet=FleetOptions(manage=False))

@@ -70,16 +70,23 @@ def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Pat
     # An evaluator that fell behind skips to the newest round, but the run's end waits for the last.
     assert 40 in evals and set(evals) <= {10, 20, 30, 40} and len(losses) >= 2, evals
     assert max(losses) < 5.0 and min(losses) < 3.6 and min(losses[1:]) < losses[0], losses
-    # Every accepted contribution is a record a learner published, with the same counters.
+    # Every accepted contribution is a record a learner published, with the same counters, or
+    # with fewer where the round names it in stats["steps_clipped"]: on a loaded machine a
+    # learner's claim can exceed what the trust screen's observed step times allow.
     seen_learners = set()
     for rec in history:
         assert rec.fragment == (rec.round - 1) % store.plan.num_fragments
         listed = {r.key: r for base in {a.base_version for a in rec.accepted}
                   for r in store.list_contributions(rec.fragment, base).records}
+        clipped = rec.stats.get("steps_clipped", {})
         for a in rec.accepted:
             published = listed[a.key]
-            assert (published.learner_id, published.c_steps, published.c_tokens, published.base_version) == (
-                a.learner_id, a.c_steps, a.c_tokens, a.base_version)
+            assert (published.learner_id, published.base_version) == (a.learner_id, a.base_version)
+            if a.learner_id in clipped:
+                assert clipped[a.learner_id] == {"claimed": published.c_steps, "weighed": a.c_steps}
+                assert a.c_steps < published.c_steps and a.c_tokens <= published.c_tokens
+            else:
+                assert (published.c_steps, published.c_tokens) == (a.c_steps, a.c_tokens)
             seen_learners.add(a.learner_id)
         assert abs(sum(a.weight for a in rec.accepted) - 1.0) < 1e-9 or not rec.accepted
     assert seen_learners == {s.learner_id for s in recipe.learners}
