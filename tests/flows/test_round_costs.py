@@ -346,6 +346,25 @@ def test_recorded_rounds_are_completed_flow_runs_written_after_the_commit(
     with get_client(sync_client=True) as client:
         assert sorted(fr.name for fr in _round_runs(client, run_id)) == [f"round-{r:06d}" for r in range(1, 3 + extra)]
 
+    # A training run that died between a commit and its flow run's state leaves it Running (or
+    # Cancelled, if it closed): the next one completes that same flow run.
+    from prefect.states import Cancelled, Running
+
+    with get_client(sync_client=True) as client:
+        by_name = {fr.name: fr.id for fr in _round_runs(client, run_id)}
+        client.set_flow_run_state(by_name["round-000002"], Running(), force=True)
+        client.set_flow_run_state(by_name["round-000003"], Cancelled(), force=True)
+    ender = RoundRecorder(RunReader.open(out["run_url"]), run_id=run_id, max_rounds=2 + extra, inner_steps=2,
+                          round_run_tags=[run_tag(run_id), ROUND_TAG])
+    assert ender.backfill(2 + extra) == [2, 3]
+    ender.flush()
+    assert ender.recorded == [2, 3] and ender.errors == 0
+    with get_client(sync_client=True) as client:
+        rounds = _round_runs(client, run_id)
+        assert sorted(fr.name for fr in rounds) == [f"round-{r:06d}" for r in range(1, 3 + extra)]
+        assert {fr.name: fr.id for fr in rounds} == by_name
+        assert all(fr.state is not None and fr.state.is_completed() for fr in rounds)
+
     # A write that fails (the bucket or the server unwell) is tried again: the rounds whose flow
     # runs it already created keep them (no second one), and every round gets its artifact.
     from atoll.storage.validation import TransientStorageError

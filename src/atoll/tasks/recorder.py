@@ -134,7 +134,7 @@ class RoundRecorder:
         self._inbox().put(CommittedRound(round_, str(flow_run_id) if flow_run_id else None, seconds, tuple(phases)))
 
     def backfill(self, latest_round: int, *, window: int = BACKFILL_ROUNDS) -> list[int]:
-        """Queue every committed round up to ``latest_round`` that has no round flow run yet, and
+        """Queue every committed round up to ``latest_round`` with no Completed round flow run, and
         return them (oldest first).
 
         A recorded round gets its flow run after its commit, from this thread: a training run

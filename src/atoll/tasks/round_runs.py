@@ -119,7 +119,15 @@ class RoundFlowRuns:
                                parameters={"round_number": round_, "run_id": self.run_id},
                                tags=list(self.tags), state=to_state_create(state),
                                idempotency_key=f"atoll-round:{self.run_id}:{round_}")
-        return UUID(post_once(client, "/flow_runs/", create.model_dump(mode="json")).json()["id"])
+        response = post_once(client, "/flow_runs/", create.model_dump(mode="json"))
+        body = response.json()
+        fr = UUID(body["id"])
+        given = (body.get("state") or {}).get("type")
+        if response.status_code != 201 and state.is_final() and given != state.type.value:
+            # The key gave back a flow run another training run opened (Running, or Cancelled when
+            # it closed): the round is committed now, so it ends in this state.
+            post_once(client, f"/flow_runs/{fr}/set_state", set_state_body(fr, state, force=True))
+        return fr
 
     def complete(self, client: Any, item: CommittedRound, record: Any) -> UUID:
         """The recorded round's flow run, Completed: the one created Running when it opened (one
@@ -154,7 +162,7 @@ class RoundFlowRuns:
         self.running.clear()
 
     def unrecorded(self, latest_round: int, *, window: int) -> list[int]:
-        """The committed rounds up to ``latest_round`` that have no round flow run, oldest first:
+        """The committed rounds up to ``latest_round`` with no Completed round flow run, oldest first:
         the round flow runs of the last ``window`` rounds (one paged query by the run's tag and the
         rounds' names), then a window further back while a whole window is unrecorded (see
         :meth:`~atoll.tasks.recorder.RoundRecorder.backfill`). If the server fails on the way, those
@@ -170,8 +178,11 @@ class RoundFlowRuns:
             with get_client(sync_client=True) as client:
                 while hi >= 1:
                     names = {round_flow_name(r): r for r in range(max(1, hi - window + 1), hi + 1)}
+                    # Only a Completed one records a round: a flow run left Running (its training
+                    # run died between the commit and the state) or Cancelled is completed again.
                     have = {fr.name for fr in read_flow_runs_paged(client, flow_names=[ROUND_FLOW_NAME],
-                                                                    tags=[run_tag(self.run_id)], names=list(names))}
+                                                                    tags=[run_tag(self.run_id)], names=list(names))
+                            if fr.state is not None and fr.state.is_completed()}
                     missing[:0] = [r for name, r in names.items() if name not in have]
                     if have:
                         break
