@@ -38,8 +38,10 @@ FRAGMENTS = 4
 LEARNERS = ("learner-0", "learner-1")
 
 
-def new_run(base_url: str, rounds: int, options: dict[str, Any] | None = None) -> str:
+def new_run(base_url: str, rounds: int, options: dict[str, Any] | None = None, *,
+            checkpoint_every_rounds: int = 0) -> str:
     config, recipe = smoke_recipe(len(LEARNERS), max_rounds=rounds)
+    recipe = recipe.replace(checkpoint_every_rounds=checkpoint_every_rounds)
     config = config.replace(num_fragments=FRAGMENTS, inner_steps=FRAGMENTS, initial_grace_s=0.0,
                             downlink_compression="int4", outer_momentum=0.9)
     url = P.join_url(base_url, f"run-{uuid.uuid4().hex[:8]}")
@@ -127,7 +129,10 @@ def records(url: str, options: dict[str, Any] | None = None) -> list[Any]:
 
 def same_chain_split_or_not(base_url: str, groups: int, options: dict[str, Any] | None = None) -> None:
     rounds = 3 * FRAGMENTS
-    single, split = new_run(base_url, rounds, options), new_run(base_url, rounds, options)
+    # Checkpoints every P + 1 rounds fall on fragments of every group (rounds 5 and 10), and the last.
+    every = FRAGMENTS + 1
+    single, split = (new_run(base_url, rounds, options, checkpoint_every_rounds=every),
+                     new_run(base_url, rounds, options, checkpoint_every_rounds=every))
     for url in (single, split):
         publish(url, range(1, rounds + 1), options=options)
     run_to_end(single, FragmentGroup(), options=options)
@@ -144,6 +149,13 @@ def same_chain_split_or_not(base_url: str, groups: int, options: dict[str, Any] 
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+    # A split synchronizer's checkpoints are built from the bucket by the merger whose round they
+    # follow (it holds only its own group's fragments current): the same models, bit for bit.
+    ra_, rb_ = RunReader.open(single, options), RunReader.open(split, options)
+    assert ra_.list_checkpoints() == rb_.list_checkpoints() == [every, 2 * every, rounds]
+    for r in ra_.list_checkpoints():
+        ca, cb = ra_.load_checkpoint(r), rb_.load_checkpoint(r)
+        assert ca.keys() == cb.keys() and all(torch.equal(ca[n], cb[n]) for n in ca), r
 
 
 @pytest.mark.parametrize("groups", [2, 3])
