@@ -151,10 +151,10 @@ def same_chain_split_or_not(base_url: str, groups: int, options: dict[str, Any] 
         assert torch.equal(sa[k], sb[k]), k
     # A split synchronizer's checkpoints are built from the bucket by the merger whose round they
     # follow (it holds only its own group's fragments current): the same models, bit for bit.
-    ra_, rb_ = RunReader.open(single, options), RunReader.open(split, options)
-    assert ra_.list_checkpoints() == rb_.list_checkpoints() == [every, 2 * every, rounds]
-    for r in ra_.list_checkpoints():
-        ca, cb = ra_.load_checkpoint(r), rb_.load_checkpoint(r)
+    one, many = RunReader.open(single, options), RunReader.open(split, options)
+    assert one.list_checkpoints() == many.list_checkpoints() == [every, 2 * every, rounds]
+    for r in one.list_checkpoints():
+        ca, cb = one.load_checkpoint(r), many.load_checkpoint(r)
         assert ca.keys() == cb.keys() and all(torch.equal(ca[n], cb[n]) for n in ca), r
 
 

@@ -126,12 +126,18 @@ class RoundFlowRuns:
         if response.status_code != 201 and state.is_final() and given != state.type.value:
             # The key gave back a flow run another training run opened (Running, or Cancelled when
             # it closed): the round is committed now, so it ends in this state.
-            post_once(client, f"/flow_runs/{fr}/set_state", set_state_body(fr, state, force=True))
+            self.set_state(client, fr, state)
         return fr
+
+    @staticmethod
+    def set_state(client: Any, flow_run_id: UUID, state: Any) -> None:
+        """Force ``state`` on a round's flow run, with one API call."""
+        post_once(client, f"/flow_runs/{flow_run_id}/set_state", set_state_body(flow_run_id, state, force=True))
 
     def complete(self, client: Any, item: CommittedRound, record: Any) -> UUID:
         """The recorded round's flow run, Completed: the one created Running when it opened (one
-        ``set_state`` call: the server's clock ends it now), or else created Completed. Its state
+        ``set_state`` call: the server's clock ends it now), or else created Completed (or set
+        Completed, where another training run left it open: :meth:`create`). Its state
         message says what the round did and how long it took."""
         from prefect.states import Completed
 
@@ -142,7 +148,7 @@ class RoundFlowRuns:
         running = self.running.get(item.round)
         if running is None:
             return self.create(client, item.round, state)
-        post_once(client, f"/flow_runs/{running}/set_state", set_state_body(running, state, force=True))
+        self.set_state(client, running, state)
         del self.running[item.round]  # only once it is set: a call tried again sets it again
         return running
 
