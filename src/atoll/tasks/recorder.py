@@ -157,7 +157,7 @@ class RoundRecorder:
     def flush(self, timeout_s: float = 60.0) -> GoodputReport | None:
         """Wait until every submitted round is written (at most ``timeout_s``); the goodput so far."""
         if self._thread is None:
-            self._drain_inline()
+            self._drain_inline(timeout_s)
         else:
             done = threading.Event()
             self._inbox().put(done)
@@ -185,8 +185,10 @@ class RoundRecorder:
         self.artifacts.write_plots(client, goodput)
 
     # -- the writer ---------------------------------------------------------------------------
-    def _drain_inline(self) -> None:
-        batch = []
+    def _drain_inline(self, timeout_s: float) -> None:
+        """Write what is queued on the caller's thread, trying a failed batch again every
+        ``retry_s`` until ``timeout_s`` has passed."""
+        batch: list[CommittedRound | OpenedRound] = []
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if isinstance(item, CommittedRound | OpenedRound):
@@ -194,13 +196,18 @@ class RoundRecorder:
         if batch:
             from prefect.client.orchestration import get_client
 
+            deadline = time.monotonic() + timeout_s
             with get_client(sync_client=True) as client:
-                self._write(client, batch, final=True)
+                batch = self._write(client, batch, final=True)
+                while batch and time.monotonic() + self.retry_s < deadline:
+                    time.sleep(self.retry_s)
+                    batch = self._write(client, batch, final=True)
 
     def _work(self) -> None:
         from prefect.client.orchestration import get_client
 
         retry: list[CommittedRound | OpenedRound] = []
+        waiters: list[threading.Event] = []  # flushes waiting for everything queued before them
         with get_client(sync_client=True) as client:  # one client (one connection) for the thread's life
             while True:
                 pending: list[Any] = []
@@ -215,11 +222,14 @@ class RoundRecorder:
                     except queue.Empty:
                         break
                 batch = retry + [i for i in pending if isinstance(i, CommittedRound | OpenedRound)]
-                waiters = [i for i in pending if isinstance(i, threading.Event)]
+                waiters += [i for i in pending if isinstance(i, threading.Event)]
                 retry = self._write(client, batch, final=bool(waiters)) if batch or waiters else []
-                for w in waiters:
-                    w.set()
-                if any(i is STOP for i in pending):
+                stop = any(i is STOP for i in pending)
+                if not retry or stop:  # a flush returns once its rounds are written, not after a failed try
+                    for w in waiters:
+                        w.set()
+                    waiters = []
+                if stop:
                     return
 
     def _yield_to_states(self) -> None:
