@@ -12,8 +12,9 @@ Nesterov 0.7 / 0.9, masters by replay every 16 versions), one run per size, and 
 
 * **Rounds back to back**: the fleet publishes the inputs of ``--passes`` x P rounds first (not
   timed), then G merger processes (each with cores / G torch threads) run them; seconds per round
-  over the last pass, from the commit records' times (one machine, one clock), and the CPU the
-  mergers used, in cores. G = 1 runs the same way (one process), so the ratios hold.
+  over the last pass, from the commit records' times (one machine, one clock), the CPU the
+  mergers used, in cores, and the largest merger's peak memory (each holds its own group's
+  fragments: about 1/G of the state). G = 1 runs the same way (one process), so the ratios hold.
 * **An emulated run**: the fleet of ``sync_throughput.py`` (steps on a ``--step-ms`` clock,
   publishes on the schedule, adopts every version it sees) in this process for ``--emulate-s``
   seconds while the G merger processes run; rounds per second, the rounds per second that keep
@@ -70,7 +71,7 @@ from sync_throughput import (  # noqa: E402 - the replay fleet and models of the
 
 def worker(args: argparse.Namespace) -> int:
     """One merger: ready once its state is read, runs from the go file until the bucket holds
-    round ``--through`` or the run is stopped; prints its CPU seconds as JSON."""
+    round ``--through`` or the run is stopped; prints its CPU seconds and peak memory as JSON."""
     torch.set_num_threads(args.threads)
     group = FragmentGroup.parse(args.group)
     store = SynchronizerStore.open(args.worker)
@@ -92,8 +93,21 @@ def worker(args: argparse.Namespace) -> int:
         pass
     finally:
         sync.shutdown()
-    print(json.dumps({"cpu_s": time.process_time() - c0, "round": sync.round}), flush=True)
+    peak_gb = peak_rss_gb()
+    print(json.dumps({"cpu_s": time.process_time() - c0, "round": sync.round, "peak_gb": peak_gb}), flush=True)
     return 0
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (``VmHWM``: its own, where ``ru_maxrss`` would carry
+    the parent's peak across ``exec``); NaN where /proc cannot tell."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
 
 
 class Mergers:
@@ -123,15 +137,16 @@ class Mergers:
         """The run's stop marker: each merger's next poll (or wait for another group) ends its loop."""
         self.store.mark_stopped("the emulated run is over", by="sync_split")
 
-    def wait(self, timeout_s: float = 900.0) -> float:
-        """The mergers' CPU seconds once they exited."""
-        cpu = 0.0
+    def wait(self, timeout_s: float = 900.0) -> tuple[float, float]:
+        """Once they exited: the mergers' CPU seconds, and the largest one's peak memory (GB)."""
+        cpu, peak = 0.0, 0.0
         for p in self.procs:
             out, _ = p.communicate(timeout=timeout_s)
             if p.returncode != 0:
                 raise RuntimeError(f"a merger failed ({p.returncode}): {out[-2000:]}")
-            cpu += json.loads(out.strip().splitlines()[-1])["cpu_s"]
-        return cpu
+            said = json.loads(out.strip().splitlines()[-1])
+            cpu, peak = cpu + said["cpu_s"], max(peak, said["peak_gb"])
+        return cpu, peak
 
     def kill(self) -> None:
         for p in self.procs:
@@ -165,7 +180,7 @@ def back_to_back(url: str, setup: Setup, groups: int, passes: int, step_s: float
     mergers = Mergers(url, groups, last, work)
     try:
         t0 = mergers.start()
-        cpu = mergers.wait()
+        cpu, peak_gb = mergers.wait()
         wall = time.time() - t0
     finally:
         mergers.kill()
@@ -174,9 +189,9 @@ def back_to_back(url: str, setup: Setup, groups: int, passes: int, step_s: float
     times = [rec.created_at for r in (last - n, last) if (rec := reader.read_commit(r)) is not None]
     per_round = (times[1] - times[0]) / n
     progress.say(f"{setup.name}: {groups} merger(s) x {mergers.threads} threads: {per_round:.3f} s per round "
-                 f"(rounds {first}-{last}, last pass timed), {cpu / wall:.2f} cores")
+                 f"(rounds {first}-{last}, last pass timed), {cpu / wall:.2f} cores, {peak_gb:.2f} GB per merger at most")
     return {"round_s": round(per_round, 4), "cores": round(cpu / wall, 2), "threads": mergers.threads,
-            "rounds": [first, last]}
+            "rounds": [first, last], "peak_gb": round(peak_gb, 2)}
 
 
 def emulate_split(url: str, setup: Setup, groups: int, seconds: float, step_s: float, work: Path,
@@ -203,7 +218,7 @@ def emulate_split(url: str, setup: Setup, groups: int, seconds: float, step_s: f
         mergers.stop()
         watch.stop.set()
         threads[-1].join()
-        merger_cpu = mergers.wait()
+        merger_cpu, _ = mergers.wait()
         wall = time.time() - t0_wall
     finally:
         mergers.kill()
@@ -259,7 +274,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """One line per size and G; speed-up against the same size's G = 1. With H = P a round per
     learner step keeps every fragment synced every H steps, so s/round is also the fastest
     learner step the mergers keep up with."""
-    head = (f"{'config':<24}{'mergers':>8}{'threads':>8}{'s/round':>9}{'speed-up':>9}{'cores':>7}"
+    head = (f"{'config':<24}{'mergers':>8}{'threads':>8}{'s/round':>9}{'speed-up':>9}{'cores':>7}{'GB/merger':>10}"
             f"{'emul. r/s':>10}{'needed':>8}{'eff. H':>8}")
     lines = [head, "-" * len(head)]
     single = {r["config"]: r["back_to_back"]["round_s"] for r in rows if r["groups"] == 1}
@@ -268,6 +283,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ref = single.get(r["config"])
         cells = [f"{r['config']:<24}", f"{r['groups']:>8}", f"{b['threads']:>8}", f"{b['round_s']:>9.3f}",
                  format(f"{ref / b['round_s']:.2f}x" if ref else "-", ">9"), f"{b['cores']:>7.2f}",
+                 format(f"{b['peak_gb']:.2f}" if "peak_gb" in b else "-", ">10"),
                  format(f"{e['rounds_per_s']:.2f}" if e else "-", ">10"),
                  format(f"{e['needed_rounds_per_s']:.1f}" if e else "-", ">8"),
                  format(str(e.get("effective_h")) if e else "-", ">8")]

@@ -129,6 +129,12 @@ def test_replayed_masters_read_back_bit_for_bit_and_resume_exactly(backend: Back
     assert stored_a - stored_b >= sum(st.params.nbytes for st in left_out)
     assert all(b.read_commit(r).state[(r - 1) % 2].momentum is None for r in skipped)
     assert a.verify().ok and b.verify().ok
+    # One fragment's state alone (a split synchronizer's merger): what the whole read holds of it.
+    whole, part = b.read_global_state(ROUNDS), b.read_global_state(ROUNDS, fragments={1})
+    assert part.versions == whole.versions and sorted(part.params) == sorted(b.plan.fragments[1])
+    assert_identical(part.params, b.plan.select(whole.params, 1))
+    assert part.momentum[0] == {} and part.momentum[1].keys() == whole.momentum[1].keys()
+    assert_identical(part.momentum[1], whole.momentum[1])
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)

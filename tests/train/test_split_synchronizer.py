@@ -136,7 +136,12 @@ def same_chain_split_or_not(base_url: str, groups: int, options: dict[str, Any] 
     for url in (single, split):
         publish(url, range(1, rounds + 1), options=options)
     run_to_end(single, FragmentGroup(), options=options)
-    run_split(split, groups, options=options)
+    mergers = run_split(split, groups, options=options)
+    for sync in mergers:  # each merger holds its own group's state, 1/G of the model, nothing else
+        mine = [p for p in range(FRAGMENTS) if sync.group.owns(p)]
+        assert [p for p, f in enumerate(sync.fragments) if f] == mine
+        assert sync.views is not None and [p for p, v in enumerate(sync.views) if v] == mine
+        assert [p for p, opt in enumerate(sync.optimizers) if opt.buffers] == mine  # outer momentum 0.9
     a, b = records(single, options), records(split, options)
     assert len(a) == len(b) == rounds
     for ra, rb in zip(a, b, strict=True):

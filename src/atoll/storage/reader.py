@@ -10,7 +10,7 @@ fragment's *version* is the number of the round that last wrote it (0 = initial)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,8 @@ class GlobalState:
     round: int
     versions: tuple[int, ...]
     params: dict[str, torch.Tensor]
-    """Every parameter, fp32, at its fragment's version."""
+    """Every parameter read, fp32, at its fragment's version (every fragment's, unless
+    :meth:`RunReader.read_global_state` was given ``fragments``)."""
     momentum: dict[int, dict[str, torch.Tensor]]
     """Per fragment, the outer optimizer's ``state_dict()`` (empty before its first update)."""
     timings: dict[str, Any]
@@ -343,8 +344,11 @@ class RunReader(CommitChain):
         return dl.base, values
 
     def read_global_state(self, round_: int | None = None, *, momentum: bool = True,
-                          view: bool = False) -> GlobalState:
+                          view: bool = False, fragments: Collection[int] | None = None) -> GlobalState:
         """All parameters, outer-optimizer state and timings as of ``round_`` (None = latest).
+
+        ``fragments``: read only these fragments' parameters and momentum (a merger of a split
+        synchronizer holds its own group's, 1/G of the model); ``versions`` still names every one.
 
         ``view=True``: each fragment as learners hold it (its downlink view where the run's
         downlink is compressed, rebuilt from its snapshot where need be, :meth:`read_fragment_view`;
@@ -360,6 +364,8 @@ class RunReader(CommitChain):
         previous: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         for p, st in enumerate(table):
             moments[p] = {}
+            if fragments is not None and p not in fragments:
+                continue
             if view and st.downlink is not None:
                 try:
                     params.update(self.read_fragment_view(p, st.version))
