@@ -91,6 +91,9 @@ def test_fragment_groups_cover_every_fragment_once() -> None:
         for p in range(24):
             owners = [g for g in groups if g.owns(p)]
             assert owners == [groups[0].owner_of(p)]
+        held = [g.fragments_of(24) for g in groups]
+        assert sorted(p for h in held for p in h) == list(range(24))  # disjoint and complete
+        assert all(g.owns(p) for g, h in zip(groups, held, strict=True) for p in h)
     assert FragmentGroup.parse("1/2") == FragmentGroup(1, 2) and str(FragmentGroup(1, 2)) == "1/2"
     assert FragmentGroup().whole and not FragmentGroup(0, 2).whole
     for bad in ("2/2", "-1/2", "1", "a/b", "0/0"):

@@ -88,6 +88,10 @@ class FragmentGroup:
     def owns(self, fragment: int) -> bool:
         return fragment % self.count == self.index
 
+    def fragments_of(self, num_fragments: int) -> frozenset[int]:
+        """This group's fragments out of ``num_fragments`` (every one when not split)."""
+        return frozenset(p for p in range(num_fragments) if self.owns(p))
+
     def owner_of(self, fragment: int) -> FragmentGroup:
         """The group of the same split that owns ``fragment``."""
         return FragmentGroup(fragment % self.count, self.count)

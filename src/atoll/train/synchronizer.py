@@ -136,7 +136,7 @@ class Synchronizer(SynchronizerLifecycle):
     # -- state -------------------------------------------------------------------------------
     def _load(self, round_: int) -> None:
         """(Re)load everything from the bucket as of committed round ``round_``."""
-        mine = self._own_fragments()
+        mine = self.group.fragments_of(self.plan.num_fragments)  # the state this process holds
         state = self.store.read_global_state(round_, fragments=mine)
         self.round = state.round
         self.versions = list(state.versions)
@@ -172,10 +172,6 @@ class Synchronizer(SynchronizerLifecycle):
                 self.merger.remember_norm(rec.fragment, rec.stats.get("update_norm") if rec.updated else None)
                 self.screen.observed.recall(rec.stats.get("observed_step_s"))  # what was observed before
 
-    def _own_fragments(self) -> set[int]:
-        """The fragments whose state this process holds: its group's (every one unless split)."""
-        return {p for p in range(self.plan.num_fragments) if self.group.owns(p)}
-
     def _load_views(self, state: GlobalState) -> None:
         """The learners' view of every fragment as of ``state`` (a compressed downlink only: the
         published views; a fragment that never published one is held as its master). A view
@@ -185,7 +181,7 @@ class Synchronizer(SynchronizerLifecycle):
         self._unchained: set[int] = set()
         if self.config.downlink_compression == "fp32":
             return
-        mine = self._own_fragments()
+        mine = self.group.fragments_of(self.plan.num_fragments)  # the state this process holds
         held = self.store.read_global_state(state.round, momentum=False, view=True, fragments=mine)
         self.views = [self.plan.select(held.params, p) if p in mine else {} for p in range(self.plan.num_fragments)]
         self._unchained = set(held.restored)
