@@ -19,9 +19,12 @@ from typing import Any
 import pytest
 import torch
 
+from atoll.core.compress import encoded_nbytes
+from atoll.core.downlink import downlink_step as core_downlink_step
 from atoll.core.weights import Counters
 from atoll.storage import LearnerStore, RunReader, SynchronizerStore
 from atoll.storage import paths as P
+from atoll.train import synchronizer as synchronizer_module
 from atoll.train.recipe import smoke_recipe
 from atoll.train.run import TokenBounds, create_run
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
@@ -275,16 +278,35 @@ def test_masters_by_replay_survive_a_kill_on_s3(moto_endpoint: str) -> None:
     killed_and_resumed(f"s3://atoll-test/{uuid.uuid4().hex[:8]}", options, "next-payloads-written-record-not", masters=4)
 
 
-def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path) -> None:
+def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path, monkeypatch) -> None:
+    encoded_on: list[str] = []  # the thread that encoded each round's downlink update
+    update_bytes: list[int] = []  # and the update's tensor bytes
+
+    def downlink_step(*args: Any, **kwargs: Any) -> Any:
+        encoded_on.append(threading.current_thread().name)
+        step = core_downlink_step(*args, **kwargs)
+        update_bytes.append(sum(encoded_nbytes(e) for e in step.update.values()))
+        return step
+
+    monkeypatch.setattr(synchronizer_module, "downlink_step", downlink_step)
     piped, plain = new_run(str(tmp_path), None), new_run(str(tmp_path), None)
     drive(piped, Synchronizer(piped.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9)), ROUNDS)
+    # Pipelined: off the loop's thread, by the payload writers (beside the next round's merge).
+    assert len(encoded_on) == ROUNDS and all(name.startswith("atoll-payloads") for name in encoded_on), encoded_on
+    encoded_on.clear()
     sync = Synchronizer(plain.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9))
     learners = LearnerStore.open(plain.url)
     while sync.round < ROUNDS:
         r = sync.round + 1
         plain.publish(learners, r, sync.fragment_of_round(r), sync.versions[sync.fragment_of_round(r)])
         assert isinstance(sync.tick(), RoundSummary)
+    assert encoded_on == [threading.main_thread().name] * ROUNDS  # a sequential close encodes in place
     assert_identical(state_of(piped.url, None, ROUNDS), state_of(plain.url, None, ROUNDS))
+    # A record counts its update's bytes from the shapes, before the encoding: their true size.
+    for i, run in enumerate((piped, plain)):
+        records = [RunReader.open(run.url).read_commit(r) for r in range(1, ROUNDS + 1)]
+        counted = [rec.stats["bytes_out_per_learner"] if rec else None for rec in records]
+        assert counted == update_bytes[i * ROUNDS:(i + 1) * ROUNDS]
 
 
 def test_a_round_lost_to_another_synchronizer_in_flight_is_adopted_and_later_rounds_dropped(tmp_path) -> None:

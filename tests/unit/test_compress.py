@@ -43,6 +43,18 @@ def test_int4_wire_size() -> None:
     assert encoded_nbytes(encode(x, "bf16")) == 2000 and encoded_nbytes(encode(x, "fp32")) == 4000
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), codec=st.sampled_from(["fp32", "bf16", "int4"]),
+       block_size=st.sampled_from([2, 8, 32, 64]))
+def test_encoded_size_is_known_from_the_shape(shape: list[int], codec: str, block_size: int) -> None:
+    from atoll.core.compress import encoded_size
+
+    x = torch.randn(shape)
+    assert encoded_size(x.numel(), codec, block_size=block_size) == encoded_nbytes(encode(x, codec, block_size=block_size))
+    with pytest.raises(CompressionError, match="unknown codec"):
+        encoded_size(10, "int8")
+
+
 def test_zero_block_and_exact_values() -> None:
     x = torch.tensor([0.0] * 32 + [7.0, -7.0, 1.0, 0.0] + [0.0] * 28)
     torch.testing.assert_close(decode(encode(x, "int4")), x)

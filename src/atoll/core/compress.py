@@ -27,7 +27,8 @@ import torch
 from atoll.core.rejection import RejectionKind
 
 __all__ = ["all_finite", "CODECS", "CompressionError", "EncodedTensor", "INT4_SAFE_SCALE", "check_parts", "decode",
-           "decode_fragment", "encode", "encode_residual", "encoded_nbytes", "int4_scales_bounded", "parts_to_device"]
+           "decode_fragment", "encode", "encode_residual", "encoded_nbytes", "encoded_size", "int4_scales_bounded",
+           "parts_to_device"]
 
 CODECS = ("fp32", "bf16", "int4")
 _INT4_MAX = 7
@@ -316,3 +317,14 @@ def decode_fragment(encoded: Mapping[str, EncodedTensor], *,
 def encoded_nbytes(enc: EncodedTensor) -> int:
     """Bytes of tensor data on the wire (excluding container headers)."""
     return sum(t.numel() * t.element_size() for t in enc.parts.values())
+
+
+def encoded_size(numel: int, codec: str, *, block_size: int = 32) -> int:
+    """:func:`encoded_nbytes` of any tensor of ``numel`` elements in ``codec``, known before it
+    is encoded: fp32 4 bytes an element, bf16 2, int4 half a byte an element of the zero-padded
+    blocks plus one fp32 scale per block."""
+    _check_codec(codec, block_size)
+    if codec == "int4":
+        nblocks = -(-numel // block_size)
+        return nblocks * block_size // 2 + 4 * nblocks
+    return numel * (2 if codec == "bf16" else 4)

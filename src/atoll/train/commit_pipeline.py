@@ -1,8 +1,8 @@
 """Pipelined commits: round r + 1 polls, decodes and merges while round r is still being written.
 
-A round's commit is mostly writing: finite checks, safetensors serialization, sha256 and the
-blob writes of the new fp32 master, its momentum and its compressed downlink, then the commit
-record. Rounds of different fragments are independent, so the synchronizer's loop hands each
+A round's commit is mostly encoding and writing: the compressed downlink update against the
+learners' view (:class:`PendingDownlink`), finite checks, safetensors serialization, sha256 and
+the blob writes of the new fp32 master, its momentum and the update, then the commit record. Rounds of different fragments are independent, so the synchronizer's loop hands each
 merged round (a :class:`ClosedRound`) to a :class:`CommitPipeline` and goes on to the next one.
 The ordering rules that keep a pipelined run's bucket exactly what a sequential run writes:
 
@@ -11,7 +11,8 @@ The ordering rules that keep a pipelined run's bucket exactly what a sequential 
    carries its state table forward, so it is created only once r - 1's has landed. Records stay
    create-once (:meth:`~atoll.storage.synchronizer_side.SynchronizerStore.commit_round`).
 2. **Payloads before the record that names them.** A round's payloads
-   (:meth:`~atoll.storage.synchronizer_side.SynchronizerStore.write_round_payloads`: checks,
+   (its downlink step, then
+   :meth:`~atoll.storage.synchronizer_side.SynchronizerStore.write_round_payloads`: checks,
    serialization, sha256 and the blob writes, all blobs at once) start on a writer thread as soon
    as the round is handed over, and may be written while the previous round's record is still
    being created; the committer creates a round's record only after every payload it names is
@@ -54,10 +55,36 @@ from atoll.storage.records import AcceptedContribution
 from atoll.storage.synchronizer_side import CommitResult, RoundPayloads, SynchronizerStore
 from atoll.storage.validation import RoundOrderError
 
-__all__ = ["ClosedRound", "CommitPipeline", "Landed", "PIPELINE_DEPTH"]
+__all__ = ["ClosedRound", "CommitPipeline", "Landed", "PendingDownlink", "PIPELINE_DEPTH"]
 
 PIPELINE_DEPTH = 2
 """Rounds in flight at most: one creating its record while the next one writes its payloads."""
+
+
+class PendingDownlink:
+    """A round's downlink step (the compressed update against the learners' view, and the view it
+    leads to), computed once, by the first thread that asks: a pipelined commit's payload writer,
+    so the encoding runs beside the next round's merge. Nothing on the loop's path needs it
+    sooner: the next round of the same fragment, the first to read its view, opens only once this
+    round has landed (rule 3), and this round's record counts its bytes from the shapes."""
+
+    def __init__(self, compute: Callable[[], DownlinkStep]) -> None:
+        self._compute: Callable[[], DownlinkStep] | None = compute
+        self._step: DownlinkStep | None = None
+        self._lock = threading.Lock()
+
+    def result(self) -> DownlinkStep:
+        """The step, computed here if no thread has yet."""
+        with self._lock:
+            if self._step is None:
+                assert self._compute is not None
+                self._step, self._compute = self._compute(), None
+            return self._step
+
+    def done(self) -> bool:
+        """Whether the step was computed (then :meth:`result` returns at once)."""
+        with self._lock:
+            return self._step is not None
 
 
 @dataclass
@@ -71,7 +98,8 @@ class ClosedRound:
     result: FragmentRoundResult | None
     """The merge (None: nothing merged, the record carries no new version)."""
     optimizer: NesterovOuterOptimizer
-    downlink: DownlinkStep | None
+    downlink: PendingDownlink | None
+    """The new version's downlink step (None: an fp32 downlink, or nothing merged)."""
     downlink_chained: bool
     accepted: list[AcceptedContribution]
     rejected: dict[str, Rejection]
@@ -101,7 +129,7 @@ class ClosedRound:
         if payloads is not None or self.result is None:
             return store.commit_round(self.round, self.fragment, params=None, payloads=payloads, **fields)
         return store.commit_round(self.round, self.fragment, params=self.result.new_params,
-                                  momentum=self.optimizer.state_dict(), downlink=self.downlink,
+                                  momentum=self.optimizer.state_dict(), downlink=self._downlink_step(),
                                   downlink_chained=self.downlink_chained, replay_masters=self.replay_masters,
                                   **fields)
 
@@ -110,9 +138,12 @@ class ClosedRound:
         if self.result is None:
             return None
         return store.write_round_payloads(self.round, self.fragment, params=self.result.new_params,
-                                          momentum=self.optimizer.state_dict(), downlink=self.downlink,
+                                          momentum=self.optimizer.state_dict(), downlink=self._downlink_step(),
                                           downlink_chained=self.downlink_chained, after=self.after,
                                           replay_masters=self.replay_masters)
+
+    def _downlink_step(self) -> DownlinkStep | None:
+        return None if self.downlink is None else self.downlink.result()
 
 
 @dataclass(frozen=True)

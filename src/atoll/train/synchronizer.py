@@ -27,7 +27,8 @@ within one quantization error of the master). The views are read back from the b
 Pipelined commits (``SynchronizerOptions.pipeline_commits``, on by default): the loop of
 :func:`run_synchronizer` calls :meth:`Synchronizer.step`, which hands each merged round to a
 :class:`~atoll.train.commit_pipeline.CommitPipeline` (:meth:`Synchronizer.hand_over`) and goes on
-to the next round (another fragment) while the round's payloads and record are written; records
+to the next round (another fragment) while the round's downlink update is encoded and its
+payloads and record are written; records
 stay strictly ordered and create-once, and a crash at any point resumes as an uninterrupted run
 would (the rules are in that module). The training run's recorded rounds hand over the same way
 (``TrainingRunOptions.pipeline_commits``) and report rounds as they land (:meth:`Synchronizer.landed`).
@@ -49,8 +50,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from atoll.core.compress import encoded_nbytes
-from atoll.core.downlink import DownlinkStep, downlink_step
+from atoll.core.compress import encoded_size
+from atoll.core.downlink import downlink_step
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.quorum import Arrival, QuorumDecision, TimingEma, decide_round
 from atoll.core.rejection import Rejection, RejectionKind
@@ -61,7 +62,7 @@ from atoll.storage.reader import GlobalState
 from atoll.storage.records import AcceptedContribution, CommitRecord, ContributionRecord
 from atoll.storage.synchronizer_side import SynchronizerStore
 from atoll.storage.wire import WireCounts
-from atoll.train.commit_pipeline import ClosedRound, CommitPipeline, Landed
+from atoll.train.commit_pipeline import ClosedRound, CommitPipeline, Landed, PendingDownlink
 from atoll.train.device import resolve_device
 from atoll.train.merge_device import FragmentMerger, fragment_bases
 from atoll.train.peer_rounds import PeerRounds
@@ -178,6 +179,8 @@ class Synchronizer(SynchronizerLifecycle):
         that does not read is replaced by the master, and that fragment's next version is
         published without an update (learners read its view in full): nobody holds our stand-in."""
         self.views: list[dict[str, torch.Tensor]] | None = None
+        self._pending_views: dict[int, PendingDownlink] = {}
+        """Fragments whose newest view is a handed-over round's downlink step, not yet read back."""
         self._unchained: set[int] = set()
         if self.config.downlink_compression == "fp32":
             return
@@ -186,12 +189,16 @@ class Synchronizer(SynchronizerLifecycle):
         self.views = [self.plan.select(held.params, p) if p in mine else {} for p in range(self.plan.num_fragments)]
         self._unchained = set(held.restored)
 
-    def _downlink(self, p: int, result: FragmentRoundResult | None) -> DownlinkStep | None:
-        """The new version's compressed update against the learners' view, and the view it leads to."""
+    def _downlink(self, p: int, result: FragmentRoundResult | None) -> PendingDownlink | None:
+        """The new version's compressed update against the learners' view, and the view it leads
+        to: computed off the loop's path, by the commit's payload writer (PendingDownlink)."""
         if self.views is None or result is None:
             return None
-        return downlink_step(result.new_params, self.views[p], self.config.downlink_compression,
-                             block_size=self.config.compression_block_size)
+        if p in self._pending_views:  # the previous version's step: its round has landed (rule 3)
+            self.views[p] = self._pending_views.pop(p).result().view
+        view, new, codec = self.views[p], result.new_params, self.config.downlink_compression
+        block_size = self.config.compression_block_size
+        return PendingDownlink(lambda: downlink_step(new, view, codec, block_size=block_size))
 
     def _consume(self, round_: int, accepted: Iterable[AcceptedContribution], rejected: Mapping[str, Rejection]) -> None:
         """Mark round ``round_``'s merged and finally rejected keys used up (``rejected``: those
@@ -342,8 +349,10 @@ class Synchronizer(SynchronizerLifecycle):
         sent = self.store.store.wire_counts()  # this round's traffic ends here: its commit counts in the next
         stats = round_stats(poll, accepted, result,
                             fragment_numel=self.plan.fragment_numel(p), wire=sent - self._wire_mark,
-                            downlink_bytes=None if downlink is None else
-                            sum(encoded_nbytes(e) for e in downlink.update.values()))
+                            downlink_bytes=None if downlink is None or result is None else
+                            sum(encoded_size(t.numel(), self.config.downlink_compression,
+                                             block_size=self.config.compression_block_size)
+                                for t in result.new_params.values()))
         self._wire_mark = sent
         stats["merge_s"] = round(merged_at - poll.polled_at_s, 4)
         stats["observed_step_s"] = self.screen.observed.observed_stats()  # read back by a restart
@@ -517,7 +526,11 @@ class Synchronizer(SynchronizerLifecycle):
             self.fragments[p] = {n: t.float() for n, t in result.new_params.items()}
             self.optimizers[p] = closed.optimizer
             if self.views is not None and closed.downlink is not None:
-                self.views[p] = closed.downlink.view  # new tensors: never one of the recycled master buffers
+                self._pending_views.pop(p, None)
+                if closed.downlink.done():  # a sequential close: its commit computed the step
+                    self.views[p] = closed.downlink.result().view  # new tensors, never recycled buffers
+                else:  # a hand-over: the payload writer computes it; p's next round reads it
+                    self._pending_views[p] = closed.downlink
                 self._unchained.discard(p)
         self.ema = closed.timings
         self._consume(closed.round, closed.accepted, {**closed.rejected, **closed.unlisted})
