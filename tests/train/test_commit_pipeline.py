@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from atoll.core.compress import encoded_nbytes
+from atoll.core.compress import DecodeBuffers, encoded_nbytes
 from atoll.core.downlink import downlink_step as core_downlink_step
 from atoll.core.weights import Counters
 from atoll.storage import LearnerStore, RunReader, SynchronizerStore
@@ -288,12 +288,27 @@ def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path, monkeypat
         update_bytes.append(sum(encoded_nbytes(e) for e in step.update.values()))
         return step
 
+    decoded_into: list[int] = []  # where each contribution's tensors were decoded (recycled buffers)
+    real_take = DecodeBuffers.take
+
+    def take(self: DecodeBuffers, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        out = real_take(self, *args, **kwargs)
+        decoded_into.extend(t.data_ptr() for t in out.values())
+        return out
+
     monkeypatch.setattr(synchronizer_module, "downlink_step", downlink_step)
+    monkeypatch.setattr(DecodeBuffers, "take", take)
     piped, plain = new_run(str(tmp_path), None), new_run(str(tmp_path), None)
     drive(piped, Synchronizer(piped.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9)), ROUNDS)
     # Pipelined: off the loop's thread, by the payload writers (beside the next round's merge).
     assert len(encoded_on) == ROUNDS and all(name.startswith("atoll-payloads") for name in encoded_on), encoded_on
     encoded_on.clear()
+    # Contributions are decoded into buffers given back after each merge: a round's decodes reuse
+    # the ones before (at most the tensors of the round that took the most at once stay).
+    assert len(set(decoded_into)) <= len(decoded_into) // ROUNDS * 2 < len(decoded_into), decoded_into
+    # The sequential run below gets fresh buffers for every decode: the same state, bit for bit,
+    # says no recycled buffer was written while a round still read it.
+    monkeypatch.setattr(DecodeBuffers, "give_back", lambda self, tensors: None)
     sync = Synchronizer(plain.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9))
     learners = LearnerStore.open(plain.url)
     while sync.round < ROUNDS:

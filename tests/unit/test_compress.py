@@ -43,6 +43,28 @@ def test_int4_wire_size() -> None:
     assert encoded_nbytes(encode(x, "bf16")) == 2000 and encoded_nbytes(encode(x, "fp32")) == 4000
 
 
+def test_decode_buffers_hand_back_what_was_given_back_and_decode_into_it_bit_for_bit() -> None:
+    from atoll.core.compress import DecodeBuffers, decode_fragment
+
+    torch.manual_seed(0)
+    shapes = {"a": (3, 70), "b": (33,)}
+    encoded = {n: encode(torch.randn(s), "int4", block_size=8) for n, s in shapes.items()}
+    pool = DecodeBuffers()
+    cpu = torch.device("cpu")
+    first = decode_fragment(encoded, out=pool.take(shapes, cpu))
+    fresh = decode_fragment(encoded)
+    assert all(torch.equal(first[n], fresh[n]) for n in shapes)
+    ptrs = {n: t.data_ptr() for n, t in first.items()}
+    pool.give_back(first.values())
+    again = pool.take(shapes, cpu)
+    assert {n: t.data_ptr() for n, t in again.items()} == ptrs  # the same memory, handed out once
+    assert all(t.data_ptr() not in ptrs.values() for t in pool.take(shapes, cpu).values())  # none left: new ones
+    odd = [torch.zeros(4, 4).t(), torch.zeros(4, 4, dtype=torch.float64), torch.zeros(20)[4:].view(4, 4)]
+    pool.give_back(odd)  # transposed, fp64, an offset view: not kept (decode needs a whole fp32 tensor)
+    taken = pool.take({"c": (4, 4), "d": (4, 4), "e": (4, 4)}, cpu)
+    assert not {t.data_ptr() for t in taken.values()} & {t.data_ptr() for t in odd}
+
+
 @settings(max_examples=40, deadline=None)
 @given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), codec=st.sampled_from(["fp32", "bf16", "int4"]),
        block_size=st.sampled_from([2, 8, 32, 64]))

@@ -146,7 +146,8 @@ def encoded_to_bytes(encoded: Mapping[str, EncodedTensor]) -> tuple[bytes, dict[
 
 
 def bytes_to_encoded(
-    data: bytes, meta: Mapping[str, Mapping[str, Any]], *, url: str | None = None, device: torch.device | None = None
+    data: bytes, meta: Mapping[str, Mapping[str, Any]], *, url: str | None = None, device: torch.device | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode a delta payload to fp32 tensors (on ``device``; None: the host), checking parts,
     dtypes, shapes and finiteness.
@@ -156,15 +157,16 @@ def bytes_to_encoded(
     again: each is a code in [-8, 7] times such a scale, finite by construction. Only a tensor
     with a larger scale (no encoder writes one for values under 7/8 of fp32's largest) has its
     decoded values checked. Off the host, the encoded bytes travel to ``device`` in one copy
-    and are decoded there (:func:`~atoll.core.compress.decode_fragment`)."""
+    and are decoded there (:func:`~atoll.core.compress.decode_fragment`; ``out``: tensors to
+    decode into, by name)."""
     encoded = _encoded_parts(bytes_to_tensors(data, url=url), meta, url=url)
     unbounded = [name for name, enc in encoded.items()
                  if enc.codec == "int4" and not int4_scales_bounded(enc.parts["scales"])]
-    out = decode_fragment(encoded, device=device)
+    decoded = decode_fragment(encoded, device=device, out=out)
     for name in unbounded:
-        if not all_finite(out[name]):
+        if not all_finite(decoded[name]):
             raise InvalidInput("non_finite", f"{name!r} decodes to NaN or Inf values", url=url)
-    return out
+    return decoded
 
 
 def _encoded_parts(flat: Mapping[str, torch.Tensor], meta: Mapping[str, Mapping[str, Any]], *,

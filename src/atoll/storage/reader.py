@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from atoll.core.compress import DecodeBuffers
 from atoll.core.downlink import apply_update
 from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.synchronize import FragmentContribution
@@ -228,9 +229,11 @@ class RunReader(CommitChain):
         listing.records.sort(key=lambda r: (r.base_version, r.c_steps, r.key))
         return listing
 
-    def load_contribution(self, record: ContributionRecord, *, device: torch.device | None = None) -> FragmentContribution:
+    def load_contribution(self, record: ContributionRecord, *, device: torch.device | None = None,
+                          out: Mapping[str, torch.Tensor] | None = None) -> FragmentContribution:
         """Read, verify (size cap, sha256, names/shapes/dtypes, finiteness) and decode to fp32, on
-        ``device`` (None: the host; elsewhere the encoded bytes are copied there and decoded there).
+        ``device`` (None: the host; elsewhere the encoded bytes are copied there and decoded there),
+        into ``out`` where given (tensors of the fragment's shapes, by name).
 
         Raises InvalidInput with a specific ``kind`` for every bad-input class.
         """
@@ -245,7 +248,7 @@ class RunReader(CommitChain):
         check_shapes(declared, expected, what=f"contribution {record.key}")
         data = self._read_blob_bytes(record.payload, learner_id=record.learner_id,
                                      max_bytes=self.payload_cap(record.fragment))
-        delta = bytes_to_encoded(data, record.tensors, url=url, device=device)
+        delta = bytes_to_encoded(data, record.tensors, url=url, device=device, out=out)
         check_tensor_layout(delta, expected, what=f"contribution {record.key}", dtype=torch.float32)
         return FragmentContribution(
             key=record.key,
@@ -256,19 +259,26 @@ class RunReader(CommitChain):
         )
 
     def load_contributions(
-        self, records: Iterable[ContributionRecord], *, device: torch.device | None = None
+        self, records: Iterable[ContributionRecord], *, device: torch.device | None = None,
+        into: DecodeBuffers | None = None,
     ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
         """Load many (concurrently, results in the order given; decoded on ``device``, see
-        :meth:`load_contribution`); bad ones land in the second value as ``key -> Rejection``
-        instead of raising. A transient storage error is raised (the store is unwell, not a payload)."""
+        :meth:`load_contribution`; into tensors taken from ``into`` where given, a bad payload's
+        given back); bad ones land in the second value as ``key -> Rejection`` instead of
+        raising. A transient storage error is raised (the store is unwell, not a payload)."""
         def one(r: ContributionRecord) -> FragmentContribution | Rejection:
+            out = None
+            if into is not None and 0 <= r.fragment < self.plan.num_fragments:
+                out = into.take(self.manifest.fragment_shapes(r.fragment), device or torch.device("cpu"))
             try:
-                return self.load_contribution(r, device=device)
-            except InvalidInput as e:
-                return e.rejection
+                return self.load_contribution(r, device=device, out=out)
             except TransientStorageError:
                 raise
             except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
+                if into is not None and out is not None:
+                    into.give_back(out.values())
+                if isinstance(e, InvalidInput):
+                    return e.rejection
                 return Rejection(RejectionKind.CORRUPT, f"payload cannot be read: {type(e).__name__}: {e}")
 
         todo = list(records)

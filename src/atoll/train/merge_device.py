@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from atoll.core.compress import DecodeBuffers
 from atoll.core.outer import NesterovOuterOptimizer
 from atoll.core.rejection import Rejection
 from atoll.core.synchronize import (
@@ -103,8 +104,9 @@ class FragmentMerger:
     """One synchronizer's merges: by its run's policy, on its device, reusing buffers.
 
     Buffers reused from round to round (no fresh fragment-sized, page-faulting buffers): the
-    merge's scratch, and per fragment the version and momentum a won round retired. Only tensors
-    this process allocated are recycled (not ones decoded from the bucket).
+    merge's scratch, the decoded contributions (:attr:`decoded`: the synchronizer gives them back
+    once merged), and per fragment the version and momentum a won round retired. Only tensors
+    this process allocated are recycled.
     """
 
     def __init__(self, device: torch.device, policy: MergePolicy, *, fragment_numel: Sequence[int],
@@ -118,6 +120,8 @@ class FragmentMerger:
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.workspace = MergeWorkspace()
+        self.decoded = DecodeBuffers()
+        """What the round's contributions are decoded into (``RunReader.load_contributions(into=...)``)."""
         self._spare_params: dict[int, dict[str, torch.Tensor]] = {}
         self._spare_momentum: dict[int, dict[str, torch.Tensor]] = {}
         self._merged_here: set[int] = set()

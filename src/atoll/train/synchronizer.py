@@ -496,7 +496,8 @@ class Synchronizer(SynchronizerLifecycle):
         ``p`` with one outer step, on a copy of the optimizer: if another synchronizer wins the
         commit, ours is discarded."""
         # Decoded on the merge device: the encoded bytes travel there, not the fp32 deltas.
-        contributions, bad = self.store.load_contributions(accepted.values(), device=self.device)
+        contributions, bad = self.store.load_contributions(accepted.values(), device=self.device,
+                                                           into=self.merger.decoded)
         rejected.update(bad)
         contributions = [dataclasses.replace(c, counters=self._weighed[c.key]) if c.key in self._weighed else c
                          for c in contributions]
@@ -509,6 +510,8 @@ class Synchronizer(SynchronizerLifecycle):
                                contributions=contributions, previous=self.merger.previous(p))
         result = self.merger.merge(p, current=self.fragments[p], bases=bases, contributions=contributions,
                                    optimizer=opt, reasons=rejected)
+        # Merged: nothing reads the decoded deltas again (the result holds tensors of its own).
+        self.merger.decoded.give_back(t for c in contributions for t in c.delta.values())
         if result is not None:
             rejected.update(result.rejected)
         return result, opt
