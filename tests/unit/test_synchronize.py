@@ -48,3 +48,29 @@ def test_nothing_valid_returns_none_and_keeps_optimizer_state() -> None:
     res = synchronize_fragment(current={"w": torch.zeros(2)}, bases={0: {"w": torch.zeros(2)}},
                                contributions=[contrib("a", torch.ones(2), steps=0)], optimizer=opt)
     assert res is None and opt.buffers == {}
+
+
+def test_norms_measured_at_decoding_stand_in_for_the_merge_pass_only_where_the_delta_is_the_gradient() -> None:
+    import dataclasses
+
+    from atoll.core.synchronize import tensor_norms
+
+    gen = torch.Generator().manual_seed(0)
+    cur = {"w": torch.randn(300, generator=gen)}
+    older = {"w": cur["w"] - 0.01 * torch.randn(300, generator=gen)}
+    plain = [contrib(f"c{i}", 1e-2 * torch.randn(300, generator=gen), base=i % 2) for i in range(4)]
+    measured = [dataclasses.replace(c, delta_norms=tensor_norms(c.delta)) for c in plain]
+
+    def merge(contributions: list[FragmentContribution]) -> object:
+        return synchronize_fragment(current=cur, bases={1: cur, 0: older}, contributions=contributions,
+                                    optimizer=NesterovOuterOptimizer(lr=0.7, momentum=0.0))
+
+    a, b = merge(plain), merge(measured)
+    assert a is not None and b is not None and a.norms == b.norms and a.weights == b.weights
+    assert torch.equal(a.new_params["w"], b.new_params["w"])  # the same norms, so the same bits
+    # The norms are taken as given for a contribution against the current version (base 1 here),
+    # and measured again for one re-anchored from an older base (its gradient is not its delta).
+    told = [dataclasses.replace(c, delta_norms={"w": 123.0}) for c in plain]
+    c = merge(told)
+    assert c is not None
+    assert {k: c.norms[k] == 123.0 for k in c.norms} == {"c0": False, "c1": True, "c2": False, "c3": True}

@@ -22,7 +22,7 @@ from atoll.core.rejection import Rejection, RejectionKind
 from atoll.core.weights import Counters, cap_weight_share, contribution_weights, unweighable
 
 __all__ = ["FragmentContribution", "FragmentRoundResult", "MergePolicy", "MergeWorkspace", "synchronize_fragment",
-           "MIN_NORM_HISTORY"]
+           "tensor_norms", "MIN_NORM_HISTORY"]
 
 MIN_NORM_HISTORY = 3
 """Accepted update norms of a fragment the outlier guard needs before it compares against them."""
@@ -87,6 +87,11 @@ class FragmentContribution:
 
     delta: Tensors
     """Theta_p(b) - theta_{m,p}, decoded to fp32."""
+
+    delta_norms: Mapping[str, float] | None = None
+    """:func:`tensor_norms` of ``delta``, measured where it was decoded (while in cache; None: not
+    measured). A contribution against the current version has the delta as its outer gradient,
+    and the merge then takes these norms instead of another pass over it."""
 
 
 @dataclass
@@ -229,8 +234,18 @@ class _Weighed:
     """Contributions that got weight 0 here, with the reason."""
 
 
-def _tensor_norms(t: Tensors) -> dict[str, float]:
+def tensor_norms(t: Tensors) -> dict[str, float]:
+    """Each tensor's L2 norm (fp32), as the merge measures an outer gradient's."""
     return {n: float(torch.linalg.vector_norm(v.float())) for n, v in t.items()}
+
+
+def _grad_norms(c: FragmentContribution, v: Tensors) -> dict[str, float]:
+    """The outer gradient ``v``'s norms: the delta's as measured at decoding when ``v`` is the
+    delta itself (same tensors, so the same values), else measured here."""
+    known = c.delta_norms
+    if known is not None and known.keys() == v.keys() and all(v[n] is c.delta.get(n) for n in v):
+        return dict(known)
+    return tensor_norms(v)
 
 
 def _total(norms: Mapping[str, float]) -> float:
@@ -347,7 +362,7 @@ def _weigh(valid: Sequence[FragmentContribution], grads: Sequence[dict[str, torc
     measured: list[_Measured] = []
     rejected: dict[str, Rejection] = {}
     for c, v in zip(valid, grads, strict=True):
-        per_tensor = _tensor_norms(v)
+        per_tensor = _grad_norms(c, v)
         n = _total(per_tensor)
         if not math.isfinite(n):
             rejected[c.key] = Rejection(RejectionKind.NON_FINITE, "outer gradient has NaN/Inf values")

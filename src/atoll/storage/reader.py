@@ -19,7 +19,7 @@ import torch
 from atoll.core.compress import DecodeBuffers
 from atoll.core.downlink import apply_update
 from atoll.core.rejection import Rejection, RejectionKind
-from atoll.core.synchronize import FragmentContribution
+from atoll.core.synchronize import FragmentContribution, tensor_norms
 from atoll.core.weights import Counters
 from atoll.storage import checkpoints, liveness, paths
 from atoll.storage.chain import CommitChain
@@ -230,10 +230,11 @@ class RunReader(CommitChain):
         return listing
 
     def load_contribution(self, record: ContributionRecord, *, device: torch.device | None = None,
-                          out: Mapping[str, torch.Tensor] | None = None) -> FragmentContribution:
+                          out: Mapping[str, torch.Tensor] | None = None, norms: bool = False) -> FragmentContribution:
         """Read, verify (size cap, sha256, names/shapes/dtypes, finiteness) and decode to fp32, on
         ``device`` (None: the host; elsewhere the encoded bytes are copied there and decoded there),
-        into ``out`` where given (tensors of the fragment's shapes, by name).
+        into ``out`` where given (tensors of the fragment's shapes, by name). ``norms``: also
+        measure the delta's norms right after decoding (``FragmentContribution.delta_norms``).
 
         Raises InvalidInput with a specific ``kind`` for every bad-input class.
         """
@@ -256,22 +257,24 @@ class RunReader(CommitChain):
             base_version=record.base_version,
             counters=Counters(c_steps=record.c_steps, c_tokens=record.c_tokens),
             delta=delta,
+            delta_norms=tensor_norms(delta) if norms else None,
         )
 
     def load_contributions(
         self, records: Iterable[ContributionRecord], *, device: torch.device | None = None,
-        into: DecodeBuffers | None = None,
+        into: DecodeBuffers | None = None, norms: bool = True,
     ) -> tuple[list[FragmentContribution], dict[str, Rejection]]:
         """Load many (concurrently, results in the order given; decoded on ``device``, see
         :meth:`load_contribution`; into tensors taken from ``into`` where given, a bad payload's
-        given back); bad ones land in the second value as ``key -> Rejection`` instead of
-        raising. A transient storage error is raised (the store is unwell, not a payload)."""
+        given back; each delta's norms measured on its I/O thread while it is in cache, the
+        merge's pass over it); bad ones land in the second value as ``key -> Rejection`` instead
+        of raising. A transient storage error is raised (the store is unwell, not a payload)."""
         def one(r: ContributionRecord) -> FragmentContribution | Rejection:
             out = None
             if into is not None and 0 <= r.fragment < self.plan.num_fragments:
                 out = into.take(self.manifest.fragment_shapes(r.fragment), device or torch.device("cpu"))
             try:
-                return self.load_contribution(r, device=device, out=out)
+                return self.load_contribution(r, device=device, out=out, norms=norms)
             except TransientStorageError:
                 raise
             except Exception as e:  # noqa: BLE001 - no single object may stop the synchronizer
