@@ -59,6 +59,8 @@ def test_decode_buffers_hand_back_what_was_given_back_and_decode_into_it_bit_for
     again = pool.take(shapes, cpu)
     assert {n: t.data_ptr() for n, t in again.items()} == ptrs  # the same memory, handed out once
     assert all(t.data_ptr() not in ptrs.values() for t in pool.take(shapes, cpu).values())  # none left: new ones
+    pool.give_back(again.values())  # a device named without its index is the same device
+    assert {t.data_ptr() for t in pool.take(shapes, torch.device(cpu.type)).values()} == set(ptrs.values())
     odd = [torch.zeros(4, 4).t(), torch.zeros(4, 4, dtype=torch.float64), torch.zeros(20)[4:].view(4, 4)]
     pool.give_back(odd)  # transposed, fp64, an offset view: not kept (decode needs a whole fp32 tensor)
     taken = pool.take({"c": (4, 4), "d": (4, 4), "e": (4, 4)}, cpu)
@@ -370,3 +372,9 @@ def test_codecs_on_cuda_are_bit_identical_to_the_cpu() -> None:
             assert all(same_bits(gpu_enc.parts[k].cpu(), cpu_enc.parts[k]) for k in cpu_enc.parts)
     with pytest.raises(CompressionError, match="NaN or Inf"):
         encode(torch.tensor([1.0, float("nan")], device=cuda), "int4")
+    from atoll.core.compress import DecodeBuffers
+
+    pool = DecodeBuffers()  # asked for "cuda", its tensors say "cuda:0": given back, they are reused
+    first = pool.take({"t": (64,)}, cuda)["t"]
+    pool.give_back([first])
+    assert pool.take({"t": (64,)}, cuda)["t"].data_ptr() == first.data_ptr()

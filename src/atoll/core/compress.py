@@ -322,12 +322,16 @@ class DecodeBuffers:
 
     def __init__(self) -> None:
         self._free: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
+        self._devices: dict[torch.device, torch.device] = {}
+        """A requested device as its tensors name it (``cuda`` -> ``cuda:0``): the free lists' key."""
         self._lock = threading.Lock()
 
     def take(self, shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> dict[str, torch.Tensor]:
         """One tensor per name, of its shape, on ``device``: a given-back one where there is one."""
         with self._lock:
-            return {name: self._pop(tuple(shape), device) for name, shape in shapes.items()}
+            if device not in self._devices:
+                self._devices[device] = torch.empty(0, device=device).device
+            return {name: self._pop(tuple(shape), self._devices[device]) for name, shape in shapes.items()}
 
     def _pop(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         free = self._free.get((shape, device))
