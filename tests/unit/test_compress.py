@@ -229,6 +229,9 @@ def test_int4_encode_and_decode_are_bit_identical_to_the_reference(int4_passes: 
         assert same_bits(decode(enc), want), (x.shape, block)
         out = torch.full(tuple(x.shape), float("nan"))
         assert decode(enc, out=out) is out and same_bits(out, want)
+        # Into memory at an odd fp32 offset (not 8-byte aligned: the byte lookup runs 2 x fp32).
+        shifted = torch.full((x.numel() + 1,), float("nan"))[1:].view(tuple(x.shape))
+        assert decode(enc, out=shifted) is shifted and same_bits(shifted, want)
         assert same_bits(decode_fragment({"t": enc})["t"], want)
 
 

@@ -241,7 +241,8 @@ def decode(enc: EncodedTensor, *, out: torch.Tensor | None = None) -> torch.Tens
     (returned), instead of a new one.
 
     int4, chunk by chunk (:func:`_blocks_per_pass`): the packed bytes widened to indices, one
-    lookup in a 256-row table that writes both nibbles' values of every byte into the output,
+    lookup in a 256-row table that writes both nibbles' values of every byte into the output
+    (as one 8-byte row),
     one multiply by each block's scale in place (the last, partial block on its own)."""
     check_parts(enc)
     if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != enc.shape or not out.is_contiguous()):
@@ -253,6 +254,10 @@ def decode(enc: EncodedTensor, *, out: torch.Tensor | None = None) -> torch.Tens
     n, bs, device = math.prod(enc.shape), enc.block_size, codes.device
     flat = torch.empty(n, dtype=torch.float32, device=device) if out is None else out.view(-1)
     table = _nibble_table(device)
+    # Each byte's two fp32 values looked up as one 8-byte row: a 1-D gather of int64 is ~3x faster
+    # on the CPU than the same gather of (256, 2) fp32 rows, and it moves the same bytes. It needs
+    # the output 8-byte aligned (an fp32 view at an odd element offset is not).
+    pairs = table.view(torch.int64).view(-1) if flat.storage_offset() % 2 == 0 else None
     full = n // bs
     per = _blocks_per_pass(full, bs, device)
     index = torch.empty(min(per, full) * bs // 2, dtype=torch.int32, device=device)
@@ -260,7 +265,10 @@ def decode(enc: EncodedTensor, *, out: torch.Tensor | None = None) -> torch.Tens
         b1 = min(full, b0 + per)
         body = flat[b0 * bs:b1 * bs]
         i = index[:body.numel() // 2].copy_(codes[b0 * bs // 2:b1 * bs // 2])
-        torch.index_select(table, 0, i, out=body.view(-1, 2))
+        if pairs is not None:
+            torch.index_select(pairs, 0, i, out=body.view(torch.int64))
+        else:
+            torch.index_select(table, 0, i, out=body.view(-1, 2))
         body.view(-1, bs).mul_(scales[b0:b1, None])
     if n > full * bs:
         last = table.index_select(0, codes[full * bs // 2:].to(torch.int32)).view(-1)
