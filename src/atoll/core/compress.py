@@ -126,7 +126,7 @@ def _int4_encode_flat(x: torch.Tensor, block_size: int, base: torch.Tensor | Non
     given, and then also ``applied = base + decode(codes, scales)``; the tail zero-padded to a
     whole block. Chunk by chunk (:func:`_blocks_per_pass`), each chunk's steps into reused scratch:
     the block scales (``max|block| / 7``; a NaN or Inf anywhere makes its block's scale
-    non-finite, ``aminmax`` propagates NaN, so checking the scales checks the input), the codes
+    non-finite, ``amin``/``amax`` propagate NaN, so checking the scales checks the input), the codes
     ``round(x / scale)`` clamped to [-7, 7], packed two per byte as ``q + 8``; with ``base`` the
     decoded values ``q x scale`` taken from these same codes and added to ``base``."""
     n, device = x.numel(), x.device
@@ -147,7 +147,9 @@ def _int4_encode_flat(x: torch.Tensor, block_size: int, base: torch.Tensor | Non
             w[e1 - e0:].zero_()
             src = w
         blocks = src.view(-1, block_size)
-        lo, hi = torch.aminmax(blocks, dim=1)
+        # amin and amax apart: on the CPU torch's fused aminmax over 32-element rows is ~3.5x
+        # slower than the two reductions together (both propagate NaN the same way).
+        lo, hi = torch.amin(blocks, dim=1), torch.amax(blocks, dim=1)
         s = torch.maximum(lo.abs_(), hi.abs_(), out=scales[b0:b1]).div_(_INT4_MAX)  # abs: +0 for zero blocks
         if not all_finite(s):
             raise _non_finite()
