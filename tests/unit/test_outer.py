@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from atoll.core import NesterovOuterOptimizer, learner_delta, outer_gradient
+from atoll.core.merge import BLOCK
 
 
 def test_nesterov_two_steps_by_hand() -> None:
@@ -78,3 +79,41 @@ def test_pseudo_gradient_is_reanchored_at_current() -> None:
         learner_delta(base, {"x": torch.ones(4)})
     with pytest.raises(ValueError, match="shape"):
         outer_gradient(current, base, {"w": torch.ones(5)})
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_fork_steps_like_a_copy_and_leaves_the_original_intact(momentum: float) -> None:
+    """A fork writes mu * b + Delta straight into its reused buffers: the same values bit for bit
+    as a load_state_dict copy stepped in place, on the block-by-block path (a tensor larger than
+    a block, with ``out``) and the whole-tensor one; the original's buffers keep their values, and
+    a buffer the fork never stepped is copied when read."""
+    g = torch.Generator().manual_seed(3)
+    big, small = BLOCK * 2 + 5, 7
+    theta = {"big": torch.randn(big, generator=g), "small": torch.randn(small, generator=g),
+             "idle": torch.randn(small, generator=g)}
+    opt = NesterovOuterOptimizer(lr=0.7, momentum=momentum)
+    opt.step(theta, {n: torch.randn(t.shape, generator=g) for n, t in theta.items()})
+    original = {n: b.clone() for n, b in opt.buffers.items()}
+    reference = NesterovOuterOptimizer(lr=0.7, momentum=momentum)
+    reference.load_state_dict(opt.state_dict())
+    spare = {n: torch.full_like(b, 5.0) for n, b in opt.buffers.items()}
+    fork = opt.fork(reuse=spare)
+    update = {"big": torch.randn(big, generator=g), "small": torch.randn(small, generator=g)}
+    out = {"big": torch.empty(big), "small": torch.empty(small)}
+    got = fork.step(theta, {n: u.clone() for n, u in update.items()}, out=out)
+    want = reference.step(theta, {n: u.clone() for n, u in update.items()}, out={n: torch.empty_like(t) for n, t in out.items()})
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert all(torch.equal(fork.buffers[n], reference.buffers[n]) for n in theta)
+    assert all(torch.equal(opt.buffers[n], original[n]) for n in original)  # the original: untouched
+    if momentum:  # the stepped buffers went into the reused tensors
+        assert fork.buffers["big"] is spare["big"] and fork.buffers["small"] is spare["small"]
+    assert fork.buffers["idle"] is spare["idle"] and torch.equal(spare["idle"], original["idle"])
+
+
+def test_fork_without_reuse_or_of_a_fresh_optimizer() -> None:
+    fresh = NesterovOuterOptimizer(lr=0.5, momentum=0.9).fork()
+    assert fresh.buffers == {} and (fresh.lr, fresh.momentum) == (0.5, 0.9)
+    opt = NesterovOuterOptimizer(lr=0.5, momentum=0.9)
+    opt.step({"a": torch.ones(3)}, {"a": torch.full((3,), 0.1)})
+    fork = opt.fork(reuse={"a": torch.zeros(4)})  # the wrong shape: a fresh copy instead
+    assert fork.buffers["a"] is not opt.buffers["a"] and torch.equal(fork.buffers["a"], opt.buffers["a"])

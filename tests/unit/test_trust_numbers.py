@@ -148,7 +148,7 @@ def test_a_fragment_without_history_is_compared_with_the_runs_norms_scaled_to_it
     twice. Fragment 1's reference is the run's last norms, each times sqrt(400 / its fragment's
     size); a fragment with its own 3 norms keeps them; nothing before the run's third merge."""
     merger = FragmentMerger(torch.device("cpu"), MergePolicy(outlier_norm_ratio=100.0),
-                            fragment_numel=[100, 400, 1600], outer_lr=0.7, outer_momentum=0.0)
+                            fragment_numel=[100, 400, 1600])
     merger.remember_norm(0, 1.0)
     merger.remember_norm(1, 3.0)
     assert merger.norm_reference(2) == ()  # two merged rounds in the whole run: no reference yet

@@ -29,7 +29,39 @@ class NesterovOuterOptimizer:
             raise ValueError(f"outer_momentum must be in [0, 1), got {momentum!r}")
         self.lr = lr
         self.momentum = momentum
-        self.buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """A :meth:`fork`'s buffers not copied yet: name -> (the original's buffer, where its copy goes)."""
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The momentum buffers by parameter name (this optimizer's own: a fork's copies are made first)."""
+        for name, (source, target) in self._copies.items():
+            self._buffers[name] = target.copy_(source)
+        self._copies.clear()
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, value: dict[str, torch.Tensor]) -> None:
+        self._copies.clear()
+        self._buffers = value
+
+    def fork(self, *, reuse: Mapping[str, torch.Tensor] | None = None) -> NesterovOuterOptimizer:
+        """A copy with the same settings and momentum values, whose steps leave this one intact
+        (a synchronizer's round steps a fork: if another synchronizer wins the commit, it is
+        dropped). ``reuse`` as in :meth:`load_state_dict`. Each buffer is copied into its reused
+        tensor when first needed: a :meth:`step` writes ``mu * b + Delta`` there straight from this
+        optimizer's buffer (the same operations, one pass instead of a copy and an update; none at
+        mu = 0, where the buffer is replaced), and reading :attr:`buffers` copies the rest."""
+        fork = NesterovOuterOptimizer(lr=self.lr, momentum=self.momentum)
+        for name, value in self.buffers.items():
+            target = reuse.get(name) if reuse is not None else None
+            if _reusable(target, value):
+                assert target is not None
+                fork._copies[name] = (value, target)
+            else:
+                fork._buffers[name] = value.float().clone()
+        return fork
 
     def step(self, params: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor], *,
              out: Mapping[str, torch.Tensor] | None = None,
@@ -56,29 +88,30 @@ class NesterovOuterOptimizer:
                 raise ValueError(f"update for {name!r} has shape {tuple(delta32.shape)}, param {tuple(theta.shape)}")
             scaled = scale is not None and name in scale
             factor = scale[name] if scale is not None and name in scale else None
-            buf = self.buffers.get(name)
+            # A fork's buffer not copied yet: the update reads the original and writes the copy.
+            copy = self._copies.pop(name, None)
+            buf, buf_out = copy if copy is not None else (self._buffers.get(name),) * 2
             target = out.get(name) if out is not None else None
-            if (target is not None and buf is not None and buf.shape == theta.shape
-                    and blocked(theta, delta32, target, buf)):
+            if (target is not None and buf is not None and buf_out is not None and buf.shape == theta.shape
+                    and blocked(theta, delta32, target, buf, buf_out)):
                 if block is None:
                     block = torch.empty(BLOCK, dtype=torch.float32)
-                new[name] = self._blocked_step(theta, delta32, buf, target, block, scaled, factor)
-                if not self.momentum:
-                    self.buffers[name] = delta32
+                new[name] = self._blocked_step(theta, delta32, (buf, buf_out), target, block, scaled, factor)
+                self._buffers[name] = buf_out if self.momentum else delta32
                 continue
             if scaled:
                 scale_(delta32, factor)
             # The same operations, in the same order, as torch.optim.SGD(nesterov=True) (tests
             # compare bit for bit), with as few fresh buffers as that allows (a merge is bound by
-            # memory traffic). The momentum buffers are this optimizer's own (load_state_dict
-            # copies) and are updated in place.
+            # memory traffic). The momentum buffers are this optimizer's own (load_state_dict and
+            # fork copy them) and are updated in place, or into a fork's copy.
             if buf is None:
                 buf = delta32.clone()
             elif self.momentum:
-                buf = buf.mul_(self.momentum).add_(delta32)
+                buf = torch.mul(buf, self.momentum, out=buf_out).add_(delta32)
             else:
                 buf = delta32  # mu = 0: b = 0 * b + Delta = Delta, without two passes over memory
-            self.buffers[name] = buf
+            self._buffers[name] = buf
             tmp = scratch.get(name) if scratch is not None else None
             if self.momentum:
                 step = (delta32.add(buf, alpha=self.momentum) if tmp is None else
@@ -91,17 +124,18 @@ class NesterovOuterOptimizer:
                 new[name] = (theta.float() - step).to(theta.dtype)
         return new
 
-    def _blocked_step(self, theta: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor, target: torch.Tensor,
-                      block: torch.Tensor, scaled: bool, factor: float | None) -> torch.Tensor:
-        """:meth:`step` for one tensor, block by block (CPU; everything fp32 and contiguous)."""
-        th, d, b, t = theta.view(-1), delta.view(-1), buf.view(-1), target.view(-1)
+    def _blocked_step(self, theta: torch.Tensor, delta: torch.Tensor, buf: tuple[torch.Tensor, torch.Tensor],
+                      target: torch.Tensor, block: torch.Tensor, scaled: bool, factor: float | None) -> torch.Tensor:
+        """:meth:`step` for one tensor, block by block (CPU; everything fp32 and contiguous); ``buf``:
+        the momentum buffer and where its update goes (itself, or a fork's copy)."""
+        th, d, b, b_out, t = theta.view(-1), delta.view(-1), buf[0].view(-1), buf[1].view(-1), target.view(-1)
         for s in blocks(th.numel()):
             e = min(th.numel(), s + BLOCK)
             db, tmp = d[s:e], block[:e - s]
             if scaled:
                 scale_(db, factor)
             if self.momentum:
-                bb = b[s:e].mul_(self.momentum).add_(db)
+                bb = torch.mul(b[s:e], self.momentum, out=b_out[s:e]).add_(db)
                 torch.add(db, bb, alpha=self.momentum, out=tmp).mul_(self.lr)
             else:
                 torch.mul(db, self.lr, out=tmp)
@@ -126,9 +160,15 @@ class NesterovOuterOptimizer:
                 raise KeyError(f"unexpected outer optimizer state key {key!r}")
             name = key[len("momentum."):]
             target = reuse.get(name) if reuse is not None else None
-            if (target is not None and target.shape == value.shape and target.dtype == torch.float32
-                    and target.device == value.device and target.data_ptr() != value.data_ptr()):
+            if _reusable(target, value):
+                assert target is not None
                 buffers[name] = target.copy_(value)
             else:
                 buffers[name] = value.float().clone()
         self.buffers = buffers
+
+
+def _reusable(target: torch.Tensor | None, value: torch.Tensor) -> bool:
+    """Whether ``value`` can be copied into ``target``: fp32, its shape and device, not itself."""
+    return (target is not None and target.shape == value.shape and target.dtype == torch.float32
+            and target.device == value.device and target.data_ptr() != value.data_ptr())

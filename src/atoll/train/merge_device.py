@@ -110,15 +110,13 @@ class FragmentMerger:
     """
 
     def __init__(self, device: torch.device, policy: MergePolicy, *, fragment_numel: Sequence[int],
-                 outer_lr: float, outer_momentum: float, keep_previous: bool = False) -> None:
+                 keep_previous: bool = False) -> None:
         self.device = device
         self.keep_previous = keep_previous
         """Hold each fragment's previous version in memory (:meth:`previous`): with masters rebuilt
         by replay, reading it from the bucket would replay."""
         self._previous: dict[int, tuple[int, dict[str, torch.Tensor], bool]] = {}
         self.policy = policy
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
         self.workspace = MergeWorkspace()
         self.decoded = DecodeBuffers()
         """What the round's contributions are decoded into (``RunReader.load_contributions(into=...)``)."""
@@ -152,9 +150,7 @@ class FragmentMerger:
     def optimizer_copy(self, p: int, optimizer: NesterovOuterOptimizer) -> NesterovOuterOptimizer:
         """A copy of fragment ``p``'s outer optimizer for one round (if another synchronizer wins the
         commit, the copy is discarded), its momentum in the buffers ``p``'s last won round retired."""
-        opt = NesterovOuterOptimizer(lr=self.outer_lr, momentum=self.outer_momentum)
-        opt.load_state_dict(optimizer.state_dict(), reuse=self._spare_momentum.pop(p, None))
-        return opt
+        return optimizer.fork(reuse=self._spare_momentum.pop(p, None))
 
     def merge(self, p: int, *, current: dict[str, torch.Tensor], bases: Mapping[int, Tensors],
               contributions: list[FragmentContribution], optimizer: NesterovOuterOptimizer,

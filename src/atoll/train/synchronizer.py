@@ -145,7 +145,6 @@ class Synchronizer(SynchronizerLifecycle):
         """Each fragment's master: this process's own (all unless split); another group's is empty."""
         sizes = [self.plan.fragment_numel(p) for p in range(self.plan.num_fragments)]
         self.merger = FragmentMerger(self.device, self.merge_policy, fragment_numel=sizes,
-                                     outer_lr=self.config.outer_lr, outer_momentum=self.config.outer_momentum,
                                      keep_previous=self.config.master_snapshot_every > 2)
         """Merges on this synchronizer's device, with the buffers they recycle and the norm history."""
         for p, (version, values) in state.previous.items():  # rebuilt on the way: no second replay
