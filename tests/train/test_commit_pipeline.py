@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -318,10 +319,13 @@ def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path, monkeypat
     assert encoded_on == [threading.main_thread().name] * ROUNDS  # a sequential close encodes in place
     assert_identical(state_of(piped.url, None, ROUNDS), state_of(plain.url, None, ROUNDS))
     # A record counts its update's bytes from the shapes, before the encoding: their true size.
+    # The payload writers may finish two rounds' encodes in either order, so the pipelined run's
+    # bytes are compared as a multiset (each fragment's update has its own size).
     for i, run in enumerate((piped, plain)):
         records = [RunReader.open(run.url).read_commit(r) for r in range(1, ROUNDS + 1)]
         counted = [rec.stats["bytes_out_per_learner"] if rec else None for rec in records]
-        assert counted == update_bytes[i * ROUNDS:(i + 1) * ROUNDS]
+        assert Counter(counted) == Counter(update_bytes[i * ROUNDS:(i + 1) * ROUNDS])
+    assert counted == update_bytes[ROUNDS:]  # sequential: round by round
 
 
 def test_a_round_lost_to_another_synchronizer_in_flight_is_adopted_and_later_rounds_dropped(tmp_path) -> None:
