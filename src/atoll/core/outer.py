@@ -49,15 +49,16 @@ class NesterovOuterOptimizer:
     def fork(self, *, reuse: Mapping[str, torch.Tensor] | None = None) -> NesterovOuterOptimizer:
         """A copy with the same settings and momentum values, whose steps leave this one intact
         (a synchronizer's round steps a fork: if another synchronizer wins the commit, it is
-        dropped). ``reuse`` as in :meth:`load_state_dict`. Each buffer is copied into its reused
+        dropped). ``reuse``: tensors nobody else uses any more (e.g. the buffers of a retired fork)
+        to copy into where name, shape, device and dtype (fp32) match, instead of fresh buffers;
+        the values are the same. Each buffer is copied into its reused
         tensor when first needed: a :meth:`step` writes ``mu * b + Delta`` there straight from this
         optimizer's buffer (the same operations, one pass instead of a copy and an update; none at
         mu = 0, where the buffer is replaced), and reading :attr:`buffers` copies the rest."""
         fork = NesterovOuterOptimizer(lr=self.lr, momentum=self.momentum)
         for name, value in self.buffers.items():
             target = reuse.get(name) if reuse is not None else None
-            if _reusable(target, value):
-                assert target is not None
+            if target is not None and _reusable(target, value):
                 fork._copies[name] = (value, target)
             else:
                 fork._buffers[name] = value.float().clone()
@@ -149,26 +150,17 @@ class NesterovOuterOptimizer:
         :meth:`load_state_dict` (which copies) them before stepping again."""
         return {f"momentum.{n}": b.contiguous() for n, b in self.buffers.items()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], *,
-                        reuse: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Copy ``state`` in. ``reuse``: tensors nobody else uses any more (e.g. the buffers of a
-        retired copy of this optimizer) to copy into where name, shape, device and dtype (fp32)
-        match, instead of fresh buffers; the values are the same."""
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` in, into fresh buffers (:meth:`fork` reuses tensors instead)."""
         buffers: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             if not key.startswith("momentum."):
                 raise KeyError(f"unexpected outer optimizer state key {key!r}")
-            name = key[len("momentum."):]
-            target = reuse.get(name) if reuse is not None else None
-            if _reusable(target, value):
-                assert target is not None
-                buffers[name] = target.copy_(value)
-            else:
-                buffers[name] = value.float().clone()
+            buffers[key[len("momentum."):]] = value.float().clone()
         self.buffers = buffers
 
 
-def _reusable(target: torch.Tensor | None, value: torch.Tensor) -> bool:
+def _reusable(target: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``value`` can be copied into ``target``: fp32, its shape and device, not itself."""
-    return (target is not None and target.shape == value.shape and target.dtype == torch.float32
+    return (target.shape == value.shape and target.dtype == torch.float32
             and target.device == value.device and target.data_ptr() != value.data_ptr())
