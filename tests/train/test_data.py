@@ -84,6 +84,35 @@ def test_stdlib_corpus_is_split_by_file_deterministically(corpus, cache: Path, t
     assert "site-packages" not in "".join(train_files + val_files)
 
 
+def test_stdlib_corpus_walks_the_stdlib_once_per_process_and_cache_folder(tmp_path: Path, monkeypatch) -> None:
+    from atoll.train import corpus as corpus_module
+
+    walks: list[Path] = []
+    real = corpus_module._text_files
+    monkeypatch.setattr(corpus_module, "_text_files", lambda root, *a: walks.append(root) or real(root, *a))
+    first = stdlib_corpus(max_corpus_mb=0.2, val_fraction=0.1, cache_dir=tmp_path / "a")
+    second = stdlib_corpus(max_corpus_mb=0.2, val_fraction=0.1, cache_dir=tmp_path / "a")
+    assert walks == [stdlib_path()]
+    assert second.meta == first.meta and second.meta is not first.meta  # a caller's edit stays its own
+    assert np.array_equal(tokens_of(second.train), tokens_of(first.train))
+    # Another cache folder, or the cached token files gone: built again, the same bytes.
+    stdlib_corpus(max_corpus_mb=0.2, val_fraction=0.1, cache_dir=tmp_path / "b")
+    assert len(walks) == 2
+    for f in (tmp_path / "a").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    third = stdlib_corpus(max_corpus_mb=0.2, val_fraction=0.1, cache_dir=tmp_path / "a")
+    assert len(walks) == 3 and np.array_equal(tokens_of(third.train), tokens_of(first.train))
+    # Another source folder is walked every time (its files may change between calls).
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(30):
+        (src / f"m{i}.py").write_text(f"x = {i}\n")
+    stdlib_corpus(source_dir=src, val_fraction=0.3, cache_dir=tmp_path / "c")
+    stdlib_corpus(source_dir=src, val_fraction=0.3, cache_dir=tmp_path / "c")
+    assert walks[3:] == [src, src]
+
+
 def test_text_corpus_split_is_stable_when_files_are_added(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)

@@ -8,6 +8,7 @@ standard library's own source, as raw bytes (vocabulary 256), split into train a
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import hashlib
 import json
@@ -15,7 +16,7 @@ import os
 import sysconfig
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -236,8 +237,26 @@ def stdlib_corpus(
     default ``max_corpus_mb=8`` keeps the first 8 MB in sorted path order. Installed packages
     (``site-packages``) are not stdlib and are skipped. ``source_dir`` overrides the folder.
     """
+    if source_dir is not None:
+        return _python_sources(source_dir, max_corpus_mb, val_fraction, cache_dir)
+    # The running interpreter's standard library does not change under it: walk and stat its
+    # sources (~0.2 s) once per process and cache folder, not once per learner built. A hit still
+    # checks that the cached token files are there (a temporary cache folder may be gone).
+    key = (max_corpus_mb, val_fraction, None if cache_dir is None else os.fspath(cache_dir))
+    corpus = _STDLIB_CORPORA.get(key)
+    if corpus is None or not all(os.path.exists(f.path) for f in corpus.train.files + corpus.val.files):
+        corpus = _STDLIB_CORPORA[key] = _python_sources(stdlib_path(), max_corpus_mb, val_fraction, cache_dir)
+    return replace(corpus, meta=copy.deepcopy(corpus.meta))  # the token files shared, read-only
+
+
+_STDLIB_CORPORA: dict[tuple[float | None, float, str | None], Corpus] = {}
+"""This process's standard-library corpora, by (max_corpus_mb, val_fraction, cache_dir)."""
+
+
+def _python_sources(source_dir: str | os.PathLike[str], max_corpus_mb: float | None, val_fraction: float,
+                    cache_dir: str | os.PathLike[str] | None) -> Corpus:
     return text_corpus(
-        source_dir if source_dir is not None else stdlib_path(),
+        source_dir,
         pattern="*.py",
         exclude_dirs=("site-packages", "dist-packages", "__pycache__"),
         max_corpus_mb=max_corpus_mb,
