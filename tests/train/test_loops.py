@@ -26,7 +26,7 @@ from atoll.storage.records import KIND_CONTRIBUTION
 from atoll.train.data import BatchStream
 from atoll.train.local import LocalRun
 from atoll.train.model import loss_fn
-from atoll.train.recipe import Recipe, lr_at_step, smoke_recipe
+from atoll.train.recipe import Recipe, demo_recipe, lr_at_step, smoke_recipe
 from atoll.train.run import create_run
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,12 +43,11 @@ def wait_for(cond, timeout_s: float, what: str, procs=()) -> None:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def new_run(tmp_path: Path, *, rounds: int, learners: int = 3, outer: tuple[float, float] | None = None,
+def new_run(tmp_path: Path, *, rounds: int, learners: int = 3, config_changes: dict | None = None,
             **recipe_changes) -> tuple[str, Recipe]:
-    """A smoke run in ``tmp_path``; ``outer``: its (outer_lr, outer_momentum) instead of the paper's."""
     config, recipe = smoke_recipe(learners, max_rounds=rounds)
-    if outer is not None:
-        config = config.replace(outer_lr=outer[0], outer_momentum=outer[1])
+    if config_changes:
+        config = config.replace(**config_changes)
     if recipe_changes:
         recipe = recipe.replace(**recipe_changes)
     url = to_url(str(tmp_path / "run"))
@@ -57,12 +56,14 @@ def new_run(tmp_path: Path, *, rounds: int, learners: int = 3, outer: tuple[floa
 
 
 def test_three_learner_processes_train_and_every_round_is_recorded(tmp_path: Path) -> None:
-    # The outer step of the demo, measured for sub-million-parameter models: with the paper's
-    # Nesterov (0.7, 0.9) momentum over-amplifies the merged update at this size, and the global
-    # model, one fragment newer than the other, can evaluate far above ln(256) for a round or two
-    # (11.1 nats at round 20, 3.13 at round 30, has been seen). Nesterov runs in processes are
-    # covered by the kill and rejoin tests below.
-    url, recipe = new_run(tmp_path, rounds=40, eval_every_rounds=10, outer=(0.8, 0.0))
+    # The demo's outer step, measured for sub-million-parameter models: with the paper's Nesterov
+    # (0.7, 0.9) momentum over-amplifies the merged update at this size, and the global model, one
+    # fragment newer than the other, can evaluate far above ln(256) for a round or two (11.1 nats
+    # at round 20, 3.13 at round 30, has been seen). Nesterov runs in processes are covered by the
+    # kill and rejoin tests below.
+    demo, _ = demo_recipe()
+    url, recipe = new_run(tmp_path, rounds=40, eval_every_rounds=10, config_changes={
+        "outer_lr": demo.outer_lr, "outer_momentum": demo.outer_momentum})
     with LocalRun(url, log_dir=tmp_path / "logs") as run:
         run.start_learners(recipe)
         sync = run.start_synchronizer()
