@@ -21,8 +21,11 @@ Per configuration, three measurements on one run:
   store sent, counted by the store itself: ``atoll.storage.wire``). Right after, the **I/O lower
   bound** of that round on the same store, with plain fsspec calls: read the M payloads the round
   merged and write what the round must write (one fp32 fragment, plus the compressed downlink
-  update when the downlink is compressed). The first round warms up (allocations, page faults) and
-  is left out of the medians; sustained rounds/s = measured rounds / their summed wall time.
+  update when the downlink is compressed), and its **arithmetic floor** (``round_floor.py``: the
+  hashing, decoding, merging, outer step and downlink encode any round must do, timed with bare
+  torch on memory already mapped; on a CPU machine it, not the I/O, bounds a round). The first
+  round warms up (allocations, page faults) and is left out of the medians; sustained rounds/s =
+  measured rounds / their summed wall time.
 * **Rounds back to back**: the fleet publishes the inputs of P rounds (one per fragment) first,
   then the synchronizer runs them one after another (``Synchronizer.tick``: each commit before the
   next round opens) and then P more pipelined (``Synchronizer.step``, what ``run_synchronizer``
@@ -38,7 +41,8 @@ Per configuration, three measurements on one run:
   keeps up needs P / (H x step) rounds per second.
 
 Prints progress while it works, a table at the end, and writes ``sync_throughput.png`` (round time
-against parameters, one line per configuration, dashed: its I/O bound) and ``sync_throughput.json``
+against parameters, one line per configuration, dashed: its I/O bound, dash-dot: that bound plus
+the arithmetic floor) and ``sync_throughput.json``
 under ``--out``. A size whose estimated memory does not fit the machine is skipped, with a message.
 """
 
@@ -79,6 +83,9 @@ from atoll.train.recipe import DataSpec, LearnerSpec, Recipe
 from atoll.train.run import create_run
 from atoll.train.sync_loop import run_synchronizer
 from atoll.train.synchronizer import RoundSummary, Synchronizer, SynchronizerOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_floor import ArithmeticFloor  # noqa: E402 - beside this script
 
 SIZES: dict[str, GPTConfig] = {
     "0.1M": micro(),  # the unit test's size
@@ -158,11 +165,13 @@ class Setup:
     codec: str
     masters: int = 1
     """``DilocoConfig.master_snapshot_every``: above 2, masters written on 2 versions out of this many."""
+    pacing: float = 0.0
+    """``DilocoConfig.round_pacing``: above 0, a round waits for that share of H steps of new work per learner."""
 
     @property
     def name(self) -> str:
         return f"{self.size} P={self.fragments} M={self.learners} {self.codec}" + (
-            f" m{self.masters}" if self.masters > 2 else "")
+            f" m{self.masters}" if self.masters > 2 else "") + (f" paced{self.pacing:g}" if self.pacing else "")
 
 
 def random_model(cfg: GPTConfig, seed: int = 0) -> torch.nn.Module:
@@ -187,7 +196,8 @@ def run_config(setup: Setup) -> tuple[DilocoConfig, Recipe]:
     codec = setup.codec
     config = DilocoConfig(num_learners=setup.learners, num_fragments=setup.fragments, inner_steps=setup.fragments,
                           overlap_steps=2, min_quorum=1, compression=codec,  # type: ignore[arg-type]
-                          downlink_compression=codec, master_snapshot_every=setup.masters)  # type: ignore[arg-type]
+                          downlink_compression=codec, master_snapshot_every=setup.masters,  # type: ignore[arg-type]
+                          round_pacing=setup.pacing)
     recipe = Recipe(
         model=SIZES[setup.size].to_dict(), data=DataSpec(max_corpus_mb=1.0),
         learners=tuple(LearnerSpec(learner_id=f"learner-{i}", batch_size=BATCH) for i in range(setup.learners)),
@@ -294,6 +304,8 @@ class RoundRow:
     cpu_s: float
     wire: WireCounts
     io_bound_s: float
+    arith_s: float
+    """The round's arithmetic floor (``round_floor.ArithmeticFloor``) at its fragment's size."""
     polls: int
     merged: int
     merge_s: float
@@ -308,7 +320,9 @@ class RoundRow:
                 "merge_s": round(self.merge_s, 4), "commit_s": round(self.commit_s, 4),
                 "requests_read": w.gets + w.heads + w.lists, "requests_written": w.puts + w.deletes,
                 "bytes_read": w.bytes_down, "bytes_written": w.bytes_up, "wire": w.to_dict(),
-                "io_bound_s": round(self.io_bound_s, 6), "ratio": round(self.wall_s / self.io_bound_s, 2)}
+                "io_bound_s": round(self.io_bound_s, 6), "ratio": round(self.wall_s / self.io_bound_s, 2),
+                "arith_s": round(self.arith_s, 6),
+                "floor_ratio": round(self.wall_s / (self.io_bound_s + self.arith_s), 2)}
 
 
 def one_round(sync: Synchronizer) -> tuple[RoundSummary, int]:
@@ -333,6 +347,9 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
     plan = store.plan
     most = max(plan.fragment_numel(p) for p in range(plan.num_fragments))
     junk = memoryview(numpy.random.default_rng(0).bytes(4 * most))  # the I/O bound's writes: prefixes of it
+    config = store.config
+    floor = ArithmeticFloor(most, setup.learners, config.compression, config.downlink_compression,
+                            config.outer_momentum, config.compression_block_size)
     rows, peak = [], rss_gb()
     for _ in range(rounds):
         r = sync.round + 1
@@ -353,7 +370,7 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
             sizes.append(int(record.stats["bytes_out_per_learner"]))
         bound = io_bound_s(store, inputs, [junk[:n] if store.store.is_local else bytes(junk[:n]) for n in sizes])
         phases = summary.info["phases"]
-        row = RoundRow(r, p, wall, cpu, wire, bound, polls, len(record.accepted),
+        row = RoundRow(r, p, wall, cpu, wire, bound, floor.seconds(plan.fragment_numel(p)), polls, len(record.accepted),
                        merge_s=phases["merged_at_s"] - phases["closed_at_s"],
                        commit_s=phases["committed_at_s"] - phases["merged_at_s"])
         rows.append(row)
@@ -361,7 +378,8 @@ def measure_rounds(url: str, options: Mapping[str, Any] | None, setup: Setup, ro
         progress.doing("")
         progress.say(f"{setup.name}: round {r} (fragment {p}, {plan.fragment_numel(p) / 1e6:.1f} M params, "
                      f"{len(inputs)} merged): {wall:.3f} s (merge {row.merge_s:.3f}, commit {row.commit_s:.3f}), "
-                     f"CPU {cpu:.2f} s, {wire.line()}; I/O bound {bound:.3f} s ({wall / bound:.1f}x)")
+                     f"CPU {cpu:.2f} s, {wire.line()}; I/O bound {bound:.3f} s ({wall / bound:.1f}x), "
+                     f"arithmetic floor {row.arith_s:.3f} s ({wall / (bound + row.arith_s):.1f}x both)")
     return rows, peak
 
 
@@ -569,7 +587,8 @@ def estimated_gb(setup: Setup, params: int, s3: bool) -> float:
     master = 4 * params * (1 if setup.codec == "fp32" else 2)
     fleet = 4 * params * (0.16 if setup.codec == "int4" else 0.0) + fragment
     moto = 4 * params * 2 if s3 else 0.0
-    return (master + fragment * (2 * setup.learners + 10) + fleet + moto) / 2**30
+    floor = fragment * (setup.learners + 5)  # round_floor.ArithmeticFloor's buffers
+    return (master + fragment * (2 * setup.learners + 10) + fleet + moto + floor) / 2**30
 
 
 def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[str, Any] | None,
@@ -625,6 +644,7 @@ def summarize(rounds: list[RoundRow]) -> dict[str, Any]:
             "requests_read": med("requests_read"), "requests_written": med("requests_written"),
             "mb_read": round(med("bytes_read") / 1e6, 2), "mb_written": round(med("bytes_written") / 1e6, 2),
             "io_bound_s": round(med("io_bound_s"), 4), "ratio": round(med("ratio"), 2),
+            "arith_s": round(med("arith_s"), 4), "floor_ratio": round(med("floor_ratio"), 2),
             "rounds_per_s": round(len(steady) / sum(r.wall_s for r in steady), 3),
             "first_round_s": round(rounds[0].wall_s, 4), "rounds": [r.to_dict() for r in rounds]}
 
@@ -644,7 +664,7 @@ def remove(url: str, options: Mapping[str, Any] | None) -> None:
 # -- report -----------------------------------------------------------------------------------------
 
 COLUMNS = (("config", "<24"), ("params", ">8"), ("round s", ">8"), ("CPU s", ">7"), ("req r/w", ">9"),
-           ("MB r/w", ">13"), ("I/O s", ">7"), ("ratio", ">7"), ("rounds/s", ">9"), ("seq s/r", ">8"),
+           ("MB r/w", ">13"), ("I/O s", ">7"), ("ratio", ">7"), ("arith s", ">8"), ("floor x", ">8"), ("rounds/s", ">9"), ("seq s/r", ">8"),
            ("piped s/r", ">10"), ("eff. H", ">7"),
            ("emul. r/s", ">10"), ("needed", ">7"), ("sync cores", ">11"), ("fleet cores", ">12"), ("late", ">6"),
            ("RSS GB", ">7"))
@@ -662,7 +682,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         eff = e.get("effective_h")
         cells = [r["config"], f"{r['params'] / 1e6:.1f}M", f"{r['round_s']:.3f}", f"{r['cpu_s']:.2f}",
                  f"{r['requests_read']:.0f}/{r['requests_written']:.0f}", f"{r['mb_read']:.1f}/{r['mb_written']:.1f}",
-                 f"{r['io_bound_s']:.3f}", f"{r['ratio']:.1f}x", f"{r['rounds_per_s']:.2f}",
+                 f"{r['io_bound_s']:.3f}", f"{r['ratio']:.1f}x", f"{r['arith_s']:.3f}", f"{r['floor_ratio']:.1f}x",
+                 f"{r['rounds_per_s']:.2f}",
                  f"{b['sequential_round_s']:.3f}" if b else "-", f"{b['pipelined_round_s']:.3f}" if b else "-",
                  "-" if eff is None else f"{eff:.1f}" + ("" if e.get("effective_h_after_first_pass") else "*"),
                  f"{e['rounds_per_s']:.2f}" if e else "-", f"{e['needed_rounds_per_s']:.1f}" if e else "-",
@@ -690,12 +711,14 @@ def plot(rows: list[dict[str, Any]], out: Path, step_s: float) -> Path:
         ax.plot(x, [r["round_s"] for r in rs], "o-", color=color, label=name)
         ax.plot(x, [r["io_bound_s"] for r in rs], "x--", color=color, alpha=0.7,
                 label="its I/O bound (dashed, same colour)" if i == 0 else None)
+        ax.plot(x, [r["io_bound_s"] + r["arith_s"] for r in rs], "+-.", color=color, alpha=0.7,
+                label="I/O bound + arithmetic floor (dash-dot)" if i == 0 else None)
     ax.axhline(step_s, color="k", ls=":", lw=1, label=f"a round per {step_s * 1e3:g} ms step (keeps up at H = P)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("seconds per round (median)")
-    ax.set_title("synchronizer round time (solid) and the I/O bound (dashed)")
+    ax.set_title("synchronizer round time (solid) against its bounds")
     ax.legend(fontsize=8)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
@@ -753,6 +776,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learners", default="4,8", help="M values")
     p.add_argument("--codecs", default="int4,fp32", help="uplink = downlink codec: int4, bf16, fp32")
     p.add_argument("--master-every", default="1,16", help="master_snapshot_every values (fp32 runs: 1 only)")
+    p.add_argument("--pacing", default="0", help="round_pacing values (0: off, the default preset; 1: H steps a round)")
     p.add_argument("--rounds", type=int, default=5, help="rounds per configuration, the first one a warm-up")
     p.add_argument("--emulate-s", type=float, default=60.0, help="seconds of the emulated run (0: none)")
     p.add_argument("--step-ms", type=float, default=60.0, help="the replay learners' step time")
@@ -774,9 +798,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    setups = [Setup(s, int(pf), int(m), c, int(k)) for s in args.sizes.split(",") for pf in args.fragments.split(",")
-              for m in args.learners.split(",") for c in args.codecs.split(",")
-              for k in args.master_every.split(",") if c != "fp32" or int(k) <= 2]
+    setups = [Setup(s, int(pf), int(m), c, int(k), float(pace)) for s in args.sizes.split(",")
+              for pf in args.fragments.split(",") for m in args.learners.split(",") for c in args.codecs.split(",")
+              for k in args.master_every.split(",") if c != "fp32" or int(k) <= 2 for pace in args.pacing.split(",")]
     progress = Progress()
     moto = MotoProcess() if args.s3 else None
     tmp = None if args.s3 or args.work_dir else tempfile.mkdtemp(prefix="atoll-sync-throughput-")
@@ -812,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     at86 = [r for r in rows if r["size"] == "86M" and "skipped" not in r]
     if at86:  # the run's masters by replay where it measured them
         print(f"round time / I/O bound at 86M: {at86[-1]['ratio']:.1f}")
+        print(f"round time / (I/O bound + arithmetic floor) at 86M: {at86[-1]['floor_ratio']:.1f}")
     return 0
 
 

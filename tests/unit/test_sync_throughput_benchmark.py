@@ -36,7 +36,8 @@ def test_the_smallest_configuration_fills_every_field(bench, tmp_path: Path, cap
     (row,) = json.loads((out / "sync_throughput.json").read_text())["rows"]
     assert row["config"] == name and row["store"] == "local"
     assert 100_000 < row["params"] < 200_000
-    for key in ("round_s", "cpu_s", "merge_s", "commit_s", "io_bound_s", "ratio", "rounds_per_s", "mb_read",
+    for key in ("round_s", "cpu_s", "merge_s", "commit_s", "io_bound_s", "ratio", "arith_s", "floor_ratio",
+                "rounds_per_s", "mb_read",
                 "mb_written", "requests_read", "requests_written", "rss_gb"):
         assert row[key] > 0, key
     assert row["rounds_per_s"] == pytest.approx(1 / row["round_s"], rel=0.02)  # one measured round
@@ -49,6 +50,7 @@ def test_the_smallest_configuration_fills_every_field(bench, tmp_path: Path, cap
         # a snapshot only every downlink_snapshot_every versions: none in these)
         assert r["wire"]["puts"] == r["requests_written"] == writes
         assert r["ratio"] == pytest.approx(r["wall_s"] / r["io_bound_s"], rel=0.02)
+        assert r["floor_ratio"] == pytest.approx(r["wall_s"] / (r["io_bound_s"] + r["arith_s"]), rel=0.02)
     assert row["back_to_back"]["sequential_round_s"] > 0 and row["back_to_back"]["pipelined_round_s"] > 0
     e = row["emulated"]
     assert e["seconds"] == 1.5 and e["needed_rounds_per_s"] == pytest.approx(1 / 0.06)
@@ -80,3 +82,16 @@ def test_quick_is_the_small_grid(bench) -> None:
     args = bench.parse_args(["--quick"])
     assert isinstance(args, argparse.Namespace)
     assert (args.sizes, args.fragments, args.learners, args.codecs) == ("10M,86M", "8", "4", "int4")
+
+
+@pytest.mark.parametrize(("uplink", "downlink", "momentum"), [("int4", "int4", 0.9), ("bf16", "fp32", 0.0),
+                                                              ("fp32", "fp32", 0.9)])
+def test_the_arithmetic_floor_is_measured_once_per_fragment_size(monkeypatch: pytest.MonkeyPatch, uplink: str,
+                                                                  downlink: str, momentum: float) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from round_floor import ArithmeticFloor
+
+    floor = ArithmeticFloor(4096, 3, uplink, downlink, momentum, repeats=2)
+    first = floor.seconds(4000)
+    assert 0 < first < 10 and floor.seconds(4000) == first  # cached by size
+    assert floor.seconds(1000) > 0 and len(floor._seconds) == 2
