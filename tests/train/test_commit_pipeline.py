@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,24 +289,31 @@ def test_pipelined_and_sequential_runs_commit_the_same_state(tmp_path, monkeypat
         update_bytes.append(sum(encoded_nbytes(e) for e in step.update.values()))
         return step
 
-    decoded_into: list[int] = []  # where each contribution's tensors were decoded (recycled buffers)
+    taken: dict[int, list[list[int]]] = defaultdict(list)  # by pool, each take: where its tensors lie
     real_take = DecodeBuffers.take
 
     def take(self: DecodeBuffers, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         out = real_take(self, *args, **kwargs)
-        decoded_into.extend(t.data_ptr() for t in out.values())
+        taken[id(self)].append([t.data_ptr() for t in out.values()])
         return out
 
     monkeypatch.setattr(synchronizer_module, "downlink_step", downlink_step)
     monkeypatch.setattr(DecodeBuffers, "take", take)
     piped, plain = new_run(str(tmp_path), None), new_run(str(tmp_path), None)
-    drive(piped, Synchronizer(piped.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9)), ROUNDS)
+    pipelined = Synchronizer(piped.sync_store(), options=SynchronizerOptions(live_timeout_s=1e9))
+    drive(piped, pipelined, ROUNDS)
     # Pipelined: off the loop's thread, by the payload writers (beside the next round's merge).
     assert len(encoded_on) == ROUNDS and all(name.startswith("atoll-payloads") for name in encoded_on), encoded_on
     encoded_on.clear()
     # Contributions are decoded into buffers given back after each merge: a round's decodes reuse
     # the ones before (at most the tensors of the round that took the most at once stay).
+    decoded_into = [ptr for take in taken[id(pipelined.merger.decoded)] for ptr in take]
     assert len(set(decoded_into)) <= len(decoded_into) // ROUNDS * 2 < len(decoded_into), decoded_into
+    # New versions and momentum copies go into what earlier rounds retired: once the first rounds
+    # have retired theirs, a round takes no fresh tensor (the last two rounds' takes: 4 of them).
+    spares = taken[id(pipelined.merger.spares)]
+    recycled = {ptr for take in spares[:-4] for ptr in take}
+    assert all(take and set(take) <= recycled for take in spares[-4:]), spares
     # The sequential run below gets fresh buffers for every decode: the same state, bit for bit,
     # says no recycled buffer was written while a round still read it.
     monkeypatch.setattr(DecodeBuffers, "give_back", lambda self, tensors: None)

@@ -35,6 +35,8 @@ from atoll.train.device import fragment_to_device, fragment_to_host
 
 __all__ = ["FragmentMerger", "NORM_HISTORY", "fragment_bases", "merge_on_device"]
 
+_HOST = torch.device("cpu")
+
 NORM_HISTORY = 8
 """Merged update norms kept per fragment, and across the run: the outlier guard compares each
 contribution with their median (:func:`~atoll.core.synchronize.synchronize_fragment`'s
@@ -105,7 +107,7 @@ class FragmentMerger:
 
     Buffers reused from round to round (no fresh fragment-sized, page-faulting buffers): the
     merge's scratch, the decoded contributions (:attr:`decoded`: the synchronizer gives them back
-    once merged), and per fragment the version and momentum a won round retired. Only tensors
+    once merged), and the versions and momentum won rounds retired (:attr:`spares`). Only tensors
     this process allocated are recycled.
     """
 
@@ -120,8 +122,11 @@ class FragmentMerger:
         self.workspace = MergeWorkspace()
         self.decoded = DecodeBuffers()
         """What the round's contributions are decoded into (``RunReader.load_contributions(into=...)``)."""
-        self._spare_params: dict[int, dict[str, torch.Tensor]] = {}
-        self._spare_momentum: dict[int, dict[str, torch.Tensor]] = {}
+        self.spares = DecodeBuffers()
+        """Host tensors of retired versions and momentum, for any fragment's next new version or
+        momentum copy of the same shapes (a fragment's layers share their shapes with the other
+        fragments'). Shared, about one fragment's worth waits here; one spare set per fragment
+        would hold another copy of the model and of its momentum."""
         self._merged_here: set[int] = set()
         self._numel = list(fragment_numel)
         self._norms: dict[int, deque[float]] = {p: deque(maxlen=NORM_HISTORY) for p in range(len(self._numel))}
@@ -149,33 +154,41 @@ class FragmentMerger:
 
     def optimizer_copy(self, p: int, optimizer: NesterovOuterOptimizer) -> NesterovOuterOptimizer:
         """A copy of fragment ``p``'s outer optimizer for one round (if another synchronizer wins the
-        commit, the copy is discarded), its momentum in the buffers ``p``'s last won round retired."""
-        return optimizer.fork(reuse=self._spare_momentum.pop(p, None))
+        commit, the copy is discarded), its momentum in spare buffers (:attr:`spares`). At outer
+        momentum 0 there is none to copy: the step replaces the buffers."""
+        if not optimizer.momentum:
+            return optimizer.fork()
+        shapes = {n: tuple(b.shape) for n, b in optimizer.buffers.items() if b.device.type == "cpu"}
+        return optimizer.fork(reuse=self.spares.take(shapes, _HOST))
 
     def merge(self, p: int, *, current: dict[str, torch.Tensor], bases: Mapping[int, Tensors],
               contributions: list[FragmentContribution], optimizer: NesterovOuterOptimizer,
               reasons: dict[str, Rejection]) -> FragmentRoundResult | None:
         """Merge ``contributions`` into fragment ``p`` (``current``) with one step of ``optimizer``,
-        the new version written into ``p``'s retired one where this process has one."""
+        the new version written into spare buffers (on the CPU; elsewhere it comes back from the device)."""
+        out = self.spares.take({n: tuple(t.shape) for n, t in current.items()}, _HOST) if self.device.type == "cpu" else None
         return merge_on_device(
             self.device, current=current, bases=bases, contributions=contributions, optimizer=optimizer,
-            policy=self.policy, workspace=self.workspace, out=self._spare_params.pop(p, None),
+            policy=self.policy, workspace=self.workspace, out=out,
             norm_history=self.norm_reference(p), reasons=reasons,
         )
 
     def retire(self, p: int, params: dict[str, torch.Tensor], optimizer: NesterovOuterOptimizer, *,
                version: int) -> None:
         """Fragment ``p`` has a new version: its old one (``version``) and its old optimizer's
-        momentum are free.
+        momentum are free. Call it once the new version's optimizer has taken its momentum (its
+        fork's copies made: :attr:`~atoll.core.outer.NesterovOuterOptimizer.buffers`), since
+        another fragment's round may write into the old buffers next.
 
         Without ``keep_previous`` the retired version is nobody's base in memory (older bases are
-        read from the bucket): the next round of this fragment writes into it, if this process
-        allocated it. With it, the retired version stays as the base of the next round's
-        re-anchored contributions (:meth:`previous`; its master may be written nowhere), and the
-        version it replaces there is the one written into."""
+        read from the bucket): it becomes spare, if this process allocated it. With it, the
+        retired version stays as the base of the next round's re-anchored contributions
+        (:meth:`previous`; its master may be written nowhere), and the version it replaces there
+        becomes spare."""
         recyclable = p in self._merged_here
         self._merged_here.add(p)
-        self._spare_momentum[p] = optimizer.buffers
+        if optimizer.momentum:  # at 0 its buffers are the merge's updates, not its own
+            self.spares.give_back(optimizer.buffers.values())
         if self.keep_previous:
             held = self._previous.get(p)
             self._previous[p] = (version, params, recyclable)
@@ -183,7 +196,7 @@ class FragmentMerger:
                 return
             _, params, recyclable = held
         if recyclable:
-            self._spare_params[p] = params
+            self.spares.give_back(params.values())
 
     def hold_previous(self, p: int, version: int, params: dict[str, torch.Tensor]) -> None:
         """Fragment ``p``'s version before its current one, known already (a replay rebuilt it)."""

@@ -522,7 +522,9 @@ class Synchronizer(SynchronizerLifecycle):
         self._rounds_closed += 1
         result, p = closed.result, closed.fragment
         if result is not None:
-            # The retired version is p's previous one, whose round has landed (the pipeline's rule 3).
+            # The retired version is p's previous one, whose round has landed (the pipeline's rule 3);
+            # the new optimizer's momentum is its own before the old buffers are given back.
+            closed.optimizer.buffers  # noqa: B018 - makes a fork's copies
             self.merger.retire(p, self.fragments[p], self.optimizers[p], version=self.versions[p])
             self.versions[p] = closed.round
             self.fragments[p] = {n: t.float() for n, t in result.new_params.items()}
