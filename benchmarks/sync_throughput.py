@@ -49,6 +49,7 @@ under ``--out``. A size whose estimated memory does not fit the machine is skipp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -261,6 +262,17 @@ def publish_round(handles: list[LearnerStore], bank: DeltaBank, p: int, base: in
 
 
 # -- rounds with their inputs ready ---------------------------------------------------------------
+
+def release_memory() -> None:
+    """Collect garbage and hand the freed heap back to the system (glibc's ``malloc_trim``): each
+    phase builds its own synchronizer, and glibc keeps the freed memory of the last one in its
+    per-thread arenas, which at 1 B parameters is enough to run the next phase out of memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
 
 def rss_gb() -> float:
     try:
@@ -579,16 +591,18 @@ def available_gb() -> float:
 
 
 def estimated_gb(setup: Setup, params: int, s3: bool) -> float:
-    """Peak memory of a configuration: the synchronizer's fp32 master (and, with a compressed
-    downlink, the learners' view), a round's working set (decoded deltas, payloads, merge buffers,
-    the new version, momentum and spares: about 2M + 10 fragments), the fleet's encoded deltas;
-    moto keeps every object in memory too (the version-0 weights, then each round's objects)."""
+    """Peak memory of a configuration: the synchronizer's state (the fp32 master, its momentum at
+    the paper's outer momentum, with a compressed downlink the learners' view, with masters by
+    replay each fragment's previous version: 4 bytes a parameter each), a round's working set
+    (decoded deltas, payloads, merge buffers, the new version, momentum and spares: about 2M + 10
+    fragments), the arithmetic floor's buffers (M + 5 fragments), the fleet's encoded deltas; moto
+    keeps every object in memory too (the version-0 weights, then each round's objects)."""
     fragment = 4 * params / setup.fragments
-    master = 4 * params * (1 if setup.codec == "fp32" else 2)
+    copies = 2 + (setup.codec != "fp32") + (setup.masters > 2)
     fleet = 4 * params * (0.16 if setup.codec == "int4" else 0.0) + fragment
     moto = 4 * params * 2 if s3 else 0.0
-    floor = fragment * (setup.learners + 5)  # round_floor.ArithmeticFloor's buffers
-    return (master + fragment * (2 * setup.learners + 10) + fleet + moto + floor) / 2**30
+    floor = fragment * (setup.learners + 5)
+    return (4 * params * copies + fragment * (2 * setup.learners + 10) + fleet + moto + floor) / 2**30
 
 
 def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[str, Any] | None,
@@ -610,15 +624,16 @@ def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[
             model = random_model(SIZES[setup.size])
             create_run(url, config, recipe, model=model, storage_options=options)
             del model
-            gc.collect()
+            release_memory()
         if setup.masters > 2:  # measure past the first pass, whose versions all write their master (depth 1)
             measure_rounds(url, options, setup, setup.fragments, step_s, progress)
+            release_memory()
         rounds, peak = measure_rounds(url, options, setup, args.rounds, step_s, progress)
         row.update(summarize(rounds))
         row["rss_gb"] = round(peak, 2)
-        gc.collect()
+        release_memory()
         row["back_to_back"] = measure_back_to_back(url, options, setup, step_s, progress)
-        gc.collect()
+        release_memory()
         if args.emulate_s > 0:
             with progress.phase(f"{setup.name}: emulated fleet, {args.emulate_s:g} s at {args.step_ms:g} ms per step"):
                 row["emulated"] = emulate(url, options, setup, args.emulate_s, step_s, progress)
@@ -627,7 +642,7 @@ def measure(setup: Setup, args: argparse.Namespace, root: str, options: Mapping[
                          f"{e['needed_rounds_per_s']:.1f}/s needed), effective H {e['effective_h']} (H = {setup.fragments})")
     finally:
         remove(url, options)
-        gc.collect()
+        release_memory()
     return row
 
 
