@@ -718,7 +718,7 @@ def plot(rows: list[dict[str, Any]], out: Path, step_s: float) -> Path:
     measured = [r for r in rows if "skipped" not in r]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in measured:
-        groups.setdefault(f"P={r['fragments']} M={r['learners']} {r['codec']}", []).append(r)
+        groups.setdefault(r["config"].split(" ", 1)[1], []).append(r)  # the config but its size
     for i, (name, rs) in enumerate(sorted(groups.items())):
         rs.sort(key=lambda r: r["params"])
         color = f"C{i % 10}"
