@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from atoll.core.config import synchronous_diloco
+from atoll.core.config import ConfigError, DilocoConfig, synchronous_diloco
 from atoll.runs.goodput import MergedWork
 from atoll.storage import LearnerStore, RunReader
 from atoll.storage.paths import to_url
@@ -88,6 +89,17 @@ def _published_then_stepped(tmp_path: Path, **changes: Any) -> tuple[Any, Recipe
     return store, learner, names, fill, version
 
 
+def _published_against(store: Any, learner: RecipeLearner, base: int, *, step: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The learner publishes fragment 0 at ``step``: its one contribution against ``base`` as the
+    bucket holds it (record, decoded delta)."""
+    learner.step_count = step
+    learner.publish(0)
+    learner.flush()
+    reader = RunReader.open(store.url, read_only=True)
+    (rec,) = reader.list_contributions(0, base, ["learner-0"]).records
+    return rec, reader.load_contribution(rec).delta
+
+
 def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_hand(tmp_path: Path) -> None:
     """The real Learner on a real bucket, fragment 0 set to numbers exact in fp32: aligned to 1
     everywhere, three steps (30 tokens) to 1.75 and a publish, two more (14 tokens) to 2.75;
@@ -104,13 +116,8 @@ def test_the_learner_adopts_the_new_version_plus_its_steps_since_the_publish_by_
 
     learner.counters.record_step(9)
     fill(5.25)
-    learner.step_count = 6
-    learner.publish(0)
-    learner.flush()
-    reader = RunReader.open(store.url, read_only=True)
-    (rec,) = reader.list_contributions(0, 5, ["learner-0"]).records
+    rec, delta = _published_against(store, learner, 5, step=6)
     assert (rec.c_steps, rec.c_tokens, rec.info["kept_steps"], rec.info["step"]) == (3, 23, 2, 6)
-    delta = reader.load_contribution(rec).delta
     for n in names:
         assert torch.equal(delta[n], torch.full_like(delta[n], -1.25)), n
 
@@ -128,3 +135,44 @@ def test_a_kept_share_of_one_half_moves_the_fragment_half_way_and_counts_half_th
     fc = learner.counters.fragments[0]
     assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 1, 7, 1)
     learner.flush()
+
+
+def test_progress_kept_into_the_delta_leaves_the_fragment_at_the_version_and_reaches_the_next_contribution(
+        tmp_path: Path) -> None:
+    """kept_progress_into='delta' on the real Learner: aligned to 1, three steps to 1.75 and a
+    publish, two more (7 tokens each) to 2.75; adopting 4 leaves the fragment at 4 exactly and
+    holds the 1.0 gained since the publish. One step (9 tokens) to 4.5 and adopting 6 leaves 6 and
+    holds 1.0 + 0.5. One more step (5 tokens) to 6.25: the contribution against version 6 is
+    6 - 6.25 - 1.5 = -1.75 (base - local, with everything kept since the publish), 4 steps and
+    28 tokens, 3 of them kept through adoptions; the next one carries nothing more."""
+    store, learner, names, fill, version = _published_then_stepped(tmp_path, keep_local_progress=True,
+                                                                kept_progress_into="delta")
+    assert RunReader.open(store.url, read_only=True).manifest.config.kept_progress_into == "delta"
+    assert learner.adopt(5, 0, version(4.0))
+    for n in names:
+        assert torch.equal(learner.params[n].detach(), torch.full_like(learner.params[n], 4.0)), n
+    fc = learner.counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (5, 2, 14, 2)
+    learner.counters.record_step(9)
+    fill(4.5)
+    assert learner.adopt(6, 0, version(6.0))
+    fc = learner.counters.fragments[0]
+    assert (fc.base_version, fc.c_steps, fc.c_tokens, fc.kept_steps) == (6, 3, 23, 3)
+    learner.counters.record_step(5)
+    fill(6.25)
+    rec, delta = _published_against(store, learner, 6, step=7)
+    assert (rec.c_steps, rec.c_tokens, rec.info["kept_steps"]) == (4, 28, 3)
+    for n in names:
+        assert torch.equal(delta[n], torch.full_like(delta[n], -1.75)), n
+    assert not learner.carried  # delivered: the next contribution starts afresh
+
+
+def test_kept_progress_into_is_validated_and_reads_as_params_in_older_manifests() -> None:
+    assert DilocoConfig().kept_progress_into == "params"
+    for bad in ("both", "", None, 1):
+        with pytest.raises(ConfigError, match="kept_progress_into"):
+            DilocoConfig(kept_progress_into=bad)  # type: ignore[arg-type]
+    old = DilocoConfig(kept_progress_into="delta").to_dict()
+    assert DilocoConfig.from_dict(old).kept_progress_into == "delta"
+    del old["kept_progress_into"]  # a run created before the field existed
+    assert DilocoConfig.from_dict(old).kept_progress_into == "params"

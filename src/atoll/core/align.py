@@ -10,7 +10,9 @@ With ``DilocoConfig.keep_local_progress`` the learner keeps what no contribution
 progress on the fragment since it last published it (or, with no publish since it last aligned,
 since its base). The fragment becomes the new version plus that progress, and the counters carry
 its steps and tokens, so the next contribution (against the new version) delivers that work
-instead of dropping it (:class:`PublishMarks`, :func:`carry`).
+instead of dropping it (:class:`PublishMarks`, :func:`carry`). With ``kept_progress_into='delta'``
+the learner leaves the fragment at the new version and holds that progress instead, taking it off
+its next contribution's delta (``atoll.train.learner``).
 """
 
 from __future__ import annotations

@@ -302,6 +302,9 @@ class Learner:
         self.marks = PublishMarks(self.plan.num_fragments)
         self.keeps_progress = self.config.keep_local_progress and isinstance(self.weights, Replica)
         """Carry unpublished progress through an adoption (FSDP2 shards overwrite)."""
+        self.carried: dict[int, dict[str, torch.Tensor]] = {}
+        """With ``kept_progress_into='delta'``: per fragment, progress kept through adoptions that
+        its next contribution adds to its delta."""
         for frag, v in enumerate(self.versions):
             self.counters.fragments[frag].base_version = v
 
@@ -381,8 +384,11 @@ class Learner:
                             self.plan.fragment_numel(p))
         if self.keeps_progress:  # every rank of an island, so that all of them carry the same
             self.marks.mark(p, self.plan.select(self.params, p), fc)
-        if not self.outbox.publish(outgoing, functools.partial(self.weights.delta_to_host, self, p),
-                                   guard=self.publish_guard):
+        delta = functools.partial(self.weights.delta_to_host, self, p)
+        carried = self.carried.pop(p, None)
+        if carried is not None:
+            delta = functools.partial(_with_carried, delta, carried)
+        if not self.outbox.publish(outgoing, delta, guard=self.publish_guard):
             return  # fenced, or another rank of the island publishes
         self.summary.published += 1
         if self.lockstep:
@@ -421,7 +427,13 @@ class Learner:
                                       self.counters.fragments[fragment]) if self.keeps_progress else None
         self.weights.adopt(self, fragment, round_, tensors)
         self.marks.clear(fragment)
-        if kept is not None:
+        if kept is not None and self.config.kept_progress_into == "delta":
+            held = self.carried.setdefault(fragment, {})
+            for n, d in kept.progress.items():
+                held[n] = d.clone() if n not in held else held[n].add_(d)
+            fc = self.counters.fragments[fragment]
+            fc.c_steps, fc.c_tokens, fc.kept_steps = kept.c_steps, kept.c_tokens, kept.c_steps
+        elif kept is not None:
             carry(self.params, self.counters.fragments[fragment], kept, share=self.config.kept_progress_share)
         self.versions[fragment] = round_
         self.summary.aligned += 1
@@ -491,3 +503,13 @@ class Learner:
         return (f"{self.learner_id}: step {self.step_count} loss {self.summary.last_loss:.4f} "
                 f"published {self.summary.published} aligned {self.summary.aligned} ({ms:.0f} ms/step"
                 f"{self.progress_extra() if self.progress_extra is not None else ''})")
+
+
+def _with_carried(delta: Any, carried: dict[str, torch.Tensor], out: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+    """A contribution's delta (base - local) with the progress its fragment carried through
+    adoptions (local values gained) taken off: as if the fragment had kept it."""
+    got = delta(out)
+    if got is not None:
+        for n, d in carried.items():
+            got[n].sub_(d.to(device=got[n].device, dtype=got[n].dtype))
+    return got
