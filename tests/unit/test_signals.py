@@ -10,11 +10,17 @@ import pytest
 
 from atoll.ops.signals import Interrupted, deferred_stop, exit_status, stop_on_signals
 
+QUIET_S = 1.0
+"""How long to wait for a handler that is not expected to raise (nothing says when it has run)."""
 
-def _deliver(sig: int) -> None:
-    """Send ``sig`` to this process and give the interpreter a moment to run its handler."""
+
+def _deliver(sig: int, *, wait_s: float = 10.0) -> None:
+    """Send ``sig`` to this process and give the interpreter up to ``wait_s`` to run its handler
+    (a handler that raises ends the wait at once). Generous: on a loaded machine the thread the
+    kernel hands the signal to may not run for a while, and the handler runs only after it has."""
     os.kill(os.getpid(), sig)
-    for _ in range(100):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
         time.sleep(0.001)
 
 
@@ -34,8 +40,8 @@ def test_a_second_signal_does_not_interrupt_the_cleanup(capsys: pytest.CaptureFi
         try:
             _deliver(signal.SIGTERM)
         finally:
-            _deliver(signal.SIGINT)  # Ctrl-C while the children are being stopped
-            _deliver(signal.SIGTERM)
+            _deliver(signal.SIGINT, wait_s=QUIET_S)  # Ctrl-C while the children are being stopped
+            _deliver(signal.SIGTERM, wait_s=QUIET_S)
             cleaned.append(True)
     assert info.value.signum == signal.SIGTERM and cleaned == [True]
     assert capsys.readouterr().err.count("already stopping") == 1
@@ -45,7 +51,7 @@ def test_a_signal_inside_deferred_stop_is_raised_at_its_end() -> None:
     steps = []
     with pytest.raises(Interrupted), stop_on_signals():
         with deferred_stop():
-            _deliver(signal.SIGTERM)
+            _deliver(signal.SIGTERM, wait_s=QUIET_S)
             steps.append("started")
             steps.append("recorded")
         steps.append("after")  # not reached
@@ -58,7 +64,7 @@ def test_sigint_ignored_at_start_stays_ignored_sigterm_does_not() -> None:
         with stop_on_signals():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-            _deliver(signal.SIGINT)  # nohup-style: ignored
+            _deliver(signal.SIGINT, wait_s=QUIET_S)  # nohup-style: ignored
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)

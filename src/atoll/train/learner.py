@@ -505,7 +505,8 @@ class Learner:
                 f"{self.progress_extra() if self.progress_extra is not None else ''})")
 
 
-def _with_carried(delta: Any, carried: dict[str, torch.Tensor], out: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+def _with_carried(delta: Callable[[torch.Tensor | None], dict[str, torch.Tensor] | None],
+                  carried: dict[str, torch.Tensor], out: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
     """A contribution's delta (base - local) with the progress its fragment carried through
     adoptions (local values gained) taken off: as if the fragment had kept it."""
     got = delta(out)
