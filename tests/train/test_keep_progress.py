@@ -172,6 +172,8 @@ def test_kept_progress_into_is_validated_and_reads_as_params_in_older_manifests(
     for bad in ("both", "", None, 1):
         with pytest.raises(ConfigError, match="kept_progress_into"):
             DilocoConfig(kept_progress_into=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kept_progress_share"):
+        DilocoConfig(kept_progress_into="delta", kept_progress_share=0.5)
     old = DilocoConfig(kept_progress_into="delta").to_dict()
     assert DilocoConfig.from_dict(old).kept_progress_into == "delta"
     del old["kept_progress_into"]  # a run created before the field existed

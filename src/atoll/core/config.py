@@ -160,8 +160,8 @@ class DilocoConfig:
     """With keep_local_progress, where the kept progress goes: 'params' adds it to the adopted
     fragment (the learner's values carry it on); 'delta' leaves the fragment at the adopted
     version and adds the progress to the learner's next contribution of it instead, so the work
-    is merged without the learners drifting apart. A run whose manifest has no such field reads
-    as 'params'."""
+    is merged without the learners drifting apart; it keeps all of it (kept_progress_share 1). A
+    run whose manifest has no such field reads as 'params'."""
 
     max_weight_share: float | None = None
     """Largest normalised weight one contribution may get in a round with two or more (at least
@@ -283,6 +283,8 @@ class DilocoConfig:
         need(isinstance(self.kept_progress_share, int | float) and not isinstance(self.kept_progress_share, bool)
              and 0.0 < self.kept_progress_share <= 1.0, "kept_progress_share", "must be a share in (0, 1]")
         need(self.kept_progress_into in ("params", "delta"), "kept_progress_into", "must be 'params' or 'delta'")
+        need(self.kept_progress_into == "params" or self.kept_progress_share == 1.0, "kept_progress_share",
+             "must be 1 with kept_progress_into='delta' (the delta keeps all of the progress)")
         need(self.max_weight_share is None or (isinstance(self.max_weight_share, int | float)
                                                and 0.0 < self.max_weight_share <= 1.0),
              "max_weight_share", "must be None or a share in (0, 1]")
