@@ -24,7 +24,8 @@ import torch
 
 from atoll.core.weights import Counters
 
-__all__ = ["FragmentCounters", "LearnerCounters", "PublishMarks", "Unpublished", "align_fragment", "carry"]
+__all__ = ["FragmentCounters", "LearnerCounters", "PublishMarks", "Unpublished", "align_fragment", "carry",
+           "carry_counters"]
 
 
 @dataclass
@@ -162,6 +163,14 @@ def carry(params: Mapping[str, torch.Tensor], counters: FragmentCounters, unpubl
             params[name].add_(d)
         else:
             params[name].add_(d, alpha=share)
+    carry_counters(counters, unpublished, share=share)
+
+
+def carry_counters(counters: FragmentCounters, unpublished: Unpublished, *, share: float = 1.0) -> None:
+    """Right after an alignment: the counters carry ``share`` of the progress's steps (rounded
+    down) and of its tokens (tokens per step kept), all of them counted as kept. :func:`carry`
+    does this; a learner that keeps the progress in its next delta rather than its values
+    (``kept_progress_into='delta'``) does only this."""
     steps = unpublished.c_steps if share == 1.0 else int(unpublished.c_steps * share)
     counters.c_steps, counters.c_tokens = steps, unpublished.c_tokens * steps // unpublished.c_steps
     counters.kept_steps = steps

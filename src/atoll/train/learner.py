@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from atoll.core.align import LearnerCounters, PublishMarks, align_fragment, carry
+from atoll.core.align import LearnerCounters, PublishMarks, align_fragment, carry, carry_counters
 from atoll.core.retry import FETCH_RETRY, RetryPolicy
 from atoll.storage.learner_side import LearnerStore
 from atoll.storage.validation import InvalidInput
@@ -429,10 +429,9 @@ class Learner:
         self.marks.clear(fragment)
         if kept is not None and self.config.kept_progress_into == "delta":
             held = self.carried.setdefault(fragment, {})
-            for n, d in kept.progress.items():
-                held[n] = d.clone() if n not in held else held[n].add_(d)
-            fc = self.counters.fragments[fragment]
-            fc.c_steps, fc.c_tokens, fc.kept_steps = kept.c_steps, kept.c_tokens, kept.c_steps
+            for n, d in kept.progress.items():  # the progress is a new tensor: held as it is
+                held[n] = held[n].add_(d) if n in held else d
+            carry_counters(self.counters.fragments[fragment], kept)
         elif kept is not None:
             carry(self.params, self.counters.fragments[fragment], kept, share=self.config.kept_progress_share)
         self.versions[fragment] = round_
